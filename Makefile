@@ -1,0 +1,62 @@
+# gpu-tpu-pedia: every target creates the environment it needs on a fresh machine.
+#   make serve      build the site and serve it at http://127.0.0.1:8000
+#   make test       unit + parity tests, notebook hygiene, nbval (strict) over every notebook, strict docs build
+#   make lab        JupyterLab with jupytext pairing (edit lessons/*.py or notebooks/*.ipynb)
+#   make notebooks  re-execute every lesson with the tiny preset and write notebooks/*.ipynb
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# Deterministic, quiet runs: tiny preset, CPU only, no banners, no telemetry.
+export TPUPEDIA_PRESET ?= tiny
+export JAX_PLATFORMS ?= cpu
+export NO_MKDOCS_2_WARNING := 1
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+export PYDEVD_DISABLE_FILE_VALIDATION := 1
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+LESSONS := $(sort $(wildcard lessons/[0-9][0-9]_*.py))
+NOTEBOOKS := $(patsubst lessons/%.py,notebooks/%.ipynb,$(LESSONS))
+
+.PHONY: env test unit nbval docs serve lab notebooks clean
+
+env: $(STAMP)
+
+$(STAMP): requirements/ci.txt requirements/lock.txt pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet -r requirements/ci.txt -c requirements/lock.txt -e .
+	$(BIN)/pip check
+	@touch $@
+
+# tests/ holds the unit and parity tests, the notebook hygiene checks and the strict docs build
+# (tests/test_docs.py runs `mkdocs build --strict`); nbval then re-runs every notebook.
+test: env
+	$(BIN)/python -m pytest tests
+	$(BIN)/python -m tpupedia.notebooks nbval notebooks
+
+unit: env
+	$(BIN)/python -m pytest tests
+
+nbval: env
+	$(BIN)/python -m tpupedia.notebooks nbval notebooks
+
+docs: env
+	$(BIN)/mkdocs build --strict
+
+serve: env
+	$(BIN)/mkdocs serve --dev-addr 127.0.0.1:8000
+
+lab: env
+	$(BIN)/pip install --quiet "jupyterlab==4.6.6"
+	$(BIN)/jupyter lab --ServerApp.ip=127.0.0.1 --no-browser
+
+notebooks: env $(NOTEBOOKS)
+
+notebooks/%.ipynb: lessons/%.py
+	$(BIN)/python -m tpupedia.notebooks execute $<
+
+clean:
+	rm -rf site .pytest_cache

@@ -1,0 +1,268 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: notebooks///ipynb,lessons///py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 00 · Start here: what runs where
+#
+# This course takes a PyTorch model that runs on a GPU and ends with CogVideoX and
+# HunyuanVideo-1.5 generating video on a TPU v6e-8. Most readers will not have a TPU while they
+# read, and CI certainly does not, so every notebook is written to run in three places without
+# changing a line:
+#
+# | where | preset | weights | devices | Pallas kernels |
+# |---|---|---|---|---|
+# | laptop or CI (CPU) | `tiny` | random, from configs in code | 8 *simulated* CPU devices | interpret mode |
+# | TPU VM (v6e-8) | `full` | real checkpoints (`from_pretrained`) | 8 TPU v6e chips | compiled for the TPU |
+# | GPU machine | `full` | real checkpoints | the GPU(s) | XLA / cuDNN instead |
+#
+# The switch is one environment variable, `TPUPEDIA_PRESET`. This notebook shows the three
+# ideas everything else stands on:
+#
+# 1. **presets**: one code path, two sizes;
+# 2. **simulated devices and meshes**: sharded programs on a laptop;
+# 3. **ahead-of-time (AOT) compilation**: compiling for a TPU v6e-8 you do not have, and reading
+#    how much memory each chip would need.
+#
+# *Budget: about 15 s on a 2-core CPU (tiny); the same on a TPU VM (full).*
+
+# %% [markdown]
+# ## 1. One switch: the preset
+#
+# The preset is read once, at the top of every notebook, because it decides how JAX must be set
+# up, and JAX fixes its device set-up the first time anything touches a device. An unset
+# variable means `tiny`.
+
+# %%
+# %xmode Minimal
+import warnings
+
+warnings.filterwarnings("ignore", message="Explicitly requested dtype")  # int64 -> int32 under x32
+
+from tpupedia import presets
+
+preset = presets.current()
+preset
+
+# %% [markdown]
+# A typo should fail at once, naming what is allowed, before any model is loaded:
+
+# %% tags=["raises-exception"]
+presets.get("huge")
+
+# %% [markdown]
+# ## 2. Eight devices on a laptop
+#
+# A TPU v6e-8 has eight chips. To write and test sharded code without one, we ask XLA to split
+# the host CPU into eight devices. They are slow and share one memory, but the *program* JAX
+# builds for them (the partitioning, the collectives) is the same kind of program it builds for
+# eight chips. This has to happen before JAX initialises a backend, which is why
+# `simulate_cpu_devices` refuses, loudly, if it is called too late.
+
+# %%
+import jax
+
+from tpupedia import devices
+
+if preset.simulated_devices:
+    devs = devices.simulate_cpu_devices(preset.simulated_devices)
+else:
+    devs = jax.devices()
+print(f"{len(devs)} devices, platform {devs[0].platform!r}, kind {devs[0].device_kind!r}")
+
+# %%
+if preset.name == "tiny":
+    assert len(devs) == 8 and devices.platform() == "cpu"
+
+# %% [markdown]
+# ## 3. The chip we are targeting: TPU v6e (Trillium)
+#
+# Four numbers per chip decide almost everything later in the course: how much fits (HBM
+# capacity), how fast math can go (peak bf16 FLOP/s), how fast bytes can move (HBM bandwidth) and
+# how fast chips can talk (ICI). `tpupedia.hardware` keeps them, each with its source. These are
+# vendor peaks, not measurements.
+
+# %%
+from IPython.display import Markdown
+
+from tpupedia import hardware
+
+columns = ["chip", "HBM (GB)", "bf16 peak (TFLOP/s)", "HBM bandwidth (GB/s)", "ridge (FLOP/byte)", "link (GB/s)"]
+rows = hardware.table_rows()
+table = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+table += ["| " + " | ".join(str(r[c]) for c in columns) + " |" for r in rows]
+Markdown("\n".join(table))
+
+# %% [markdown]
+# The *ridge point* is peak FLOP/s divided by HBM bandwidth: the arithmetic intensity (FLOPs per
+# byte moved) a kernel needs before the chip's math units, rather than its memory, become the
+# limit. For a bf16 matmul of a `(B, D)` activation with a `(D, F)` weight, intensity is roughly
+# `B` FLOPs per byte when `D` and `F` are large. So on a v6e a layer needs on the order of
+# several hundred tokens *per chip* in flight before it is compute-bound. Video diffusion
+# transformers, with tens of thousands of tokens per frame batch, are far past that; a one-token
+# decode step of a language model is far below it.
+
+# %%
+v6e = hardware.chip("v6e")
+slice_ = hardware.parse_topology("v6e:2x4")
+print(f"v6e ridge point: {v6e.ridge_flops_per_byte:.0f} FLOP/byte")
+print(f"{slice_.name} is a {slice_.accelerator_type}: {slice_.num_chips} chips, "
+      f"{slice_.num_chips * v6e.hbm_bytes / 1e9:.0f} GB of HBM in total, "
+      f"{slice_.num_chips * v6e.bf16_flops / 1e15:.2f} PFLOP/s bf16 peak")
+
+# %%
+assert round(v6e.ridge_flops_per_byte) == 574  # 918e12 / 1.6e12
+assert slice_.accelerator_type == "v6e-8" and slice_.num_chips == 8
+
+# %% [markdown]
+# ## 4. A mesh, and a sharded matmul
+#
+# A *mesh* names the devices along axes. With `("data", "model")` of shape `(2, 4)`, the batch
+# is split in two and each weight matrix in four. We always build meshes with
+# `AxisType.Auto` axes, because torchax (lesson 01) relies on the compiler propagating
+# shardings; `devices.make_mesh` does that, and checks the shape against the devices.
+
+# %%
+mesh = devices.make_mesh((2, 4), ("data", "model"))
+mesh
+
+# %% tags=["raises-exception"]
+devices.make_mesh((3, 4), ("data", "model"))
+
+# %% [markdown]
+# Now one MLP up-projection, `gelu(x @ w)`, with the tokens of `x` split over `data` and the
+# output features of `w` split over `model`. Each device multiplies its block of rows by its
+# block of columns; nothing has to be communicated.
+
+# %%
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+def up_proj(x, w):
+    return jax.nn.gelu(x @ w)
+
+
+x = jax.random.normal(jax.random.key(0), (16, 32), jnp.float32)
+w = jax.random.normal(jax.random.key(1), (32, 16), jnp.float32) / np.sqrt(32)
+x_sharded = jax.device_put(x, NamedSharding(mesh, P("data", None)))
+w_sharded = jax.device_put(w, NamedSharding(mesh, P(None, "model")))
+y = jax.jit(up_proj)(x_sharded, w_sharded)
+print("output sharding:", y.sharding.spec)
+jax.debug.visualize_array_sharding(y)
+
+# %% [markdown]
+# The compiler chose the output sharding by itself: rows by `data`, columns by `model`. Had we
+# split the *contracting* dimension instead (`x` by columns, `w` by rows), every device would hold
+# a partial sum, and XLA would have to insert an `all-reduce` to add them up. Counting
+# collectives in the compiled program is how later lessons compare sharding strategies.
+
+# %%
+from tpupedia import aot
+
+column_split = jax.jit(up_proj).lower(x_sharded, w_sharded).compile()
+row_split = jax.jit(up_proj).lower(
+    jax.device_put(x, NamedSharding(mesh, P(None, "model"))),
+    jax.device_put(w, NamedSharding(mesh, P("model", None))),
+).compile()
+print("split output features:", aot.collective_counts(column_split.as_text()) or "no collectives")
+print("split contracting dim:", aot.collective_counts(row_split.as_text()))
+
+# %%
+reference = np.asarray(jax.nn.gelu(np.asarray(x) @ np.asarray(w)))
+assert y.sharding.spec == P("data", "model")
+np.testing.assert_allclose(np.asarray(y), reference, atol=1e-5)
+assert aot.collective_counts(column_split.as_text()) == {}
+assert aot.collective_counts(row_split.as_text()).get("all-reduce", 0) >= 1
+
+# %% [markdown]
+# ## 5. Compile for a TPU you do not have
+#
+# `jax.jit(f).lower(...)` needs only the *shapes, dtypes and shardings* of the arguments, not
+# their values. With `libtpu` installed (`pip install "jax[tpu]"`), JAX can describe a TPU slice
+# on any host, and the real TPU compiler will compile for it. We get back what each chip would
+# hold. Here is the same up-projection at the size of a CogVideoX-5B MLP (hidden 3072, MLP
+# 12288) over 32,768 tokens, in bf16, on a `v6e:2x4` slice.
+
+# %%
+tpu_mesh = devices.topology_mesh("v6e:2x4", (2, 4), ("data", "model"))
+tokens, hidden, mlp = 32_768, 3_072, 12_288
+x_abstract = aot.abstract((tokens, hidden), jnp.bfloat16, NamedSharding(tpu_mesh, P("data", None)))
+w_abstract = aot.abstract((hidden, mlp), jnp.bfloat16, NamedSharding(tpu_mesh, P(None, "model")))
+print(tpu_mesh.devices[0, 0].device_kind, "x", tpu_mesh.devices.size)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+import time
+
+start = time.perf_counter()
+result = aot.compile_aot(up_proj, x_abstract, w_abstract)
+print(f"AOT compile for v6e:2x4 on this host: {time.perf_counter() - start:.2f} s")
+
+# %%
+print(result.summary())
+print("collectives:", result.collectives or "none")
+
+# %% [markdown]
+# The argument bytes are exactly what the shardings predict: half the tokens and a quarter of
+# the weight columns per chip, two bytes per bf16 element.
+
+# %%
+expected_args = (tokens // 2 * hidden + hidden * mlp // 4) * 2
+expected_out = (tokens // 2) * (mlp // 4) * 2
+assert result.fits
+assert result.memory.arguments == expected_args, (result.memory.arguments, expected_args)
+assert result.memory.outputs == expected_out
+assert result.memory.peak < v6e.hbm_bytes
+
+# %% [markdown]
+# A program that does not fit is also an answer. Materialising one full attention score matrix
+# for a 131,072-token sequence in float32 needs 64 GiB for the scores alone, twice a v6e's HBM.
+# The TPU compiler refuses, with its own figures; `compile_aot` returns them rather than
+# crashing. (Lesson 04 is about never materialising that matrix.) Note the budget it quotes:
+# 31.25 GiB, in the binary units XLA prints, is what a v6e chip's 32 GiB of HBM leaves a program.
+
+# %%
+seq = 131_072
+replicated = NamedSharding(tpu_mesh, P())
+q_abstract = aot.abstract((seq, 128), jnp.bfloat16, replicated)
+
+
+def attention_scores(q, k):
+    return jax.nn.softmax((q @ k.T).astype(jnp.float32), axis=-1)
+
+
+too_big = aot.compile_aot(attention_scores, q_abstract, q_abstract)
+print(too_big.oom_message)
+print(too_big.summary())
+
+# %%
+assert not too_big.fits
+assert too_big.oom_required_bytes > too_big.oom_available_bytes
+assert too_big.oom_available_bytes <= v6e.hbm_bytes * 1.1  # the compiler's budget is one chip's HBM
+
+# %% [markdown]
+# ## Takeaways
+#
+# * `TPUPEDIA_PRESET` picks the size; the code path is the same for `tiny` and `full`.
+# * Simulated CPU devices run real sharded programs; make the mesh with `Auto` axes, and choose
+#   the device count before JAX starts.
+# * Where you split a matmul decides whether chips must talk: splitting output features needs no
+#   collective, splitting the contracting dimension needs an all-reduce.
+# * With `libtpu` installed, any host can compile for a `v6e:2x4` slice and read per-chip memory.
+#   "Will it fit, and how is it sharded?" becomes a question CI can answer.
+#
+# Next: lesson 01, a Hugging Face model in JAX with torchax (see the learning path).

@@ -1,0 +1,137 @@
+"""Ahead-of-time compilation: compile for a TPU you do not have, and read what it would cost.
+
+``jax.jit(f).lower(*abstract_args).compile()`` needs only shapes, dtypes and shardings, never
+data. Pointed at the devices of a TPU slice (:func:`tpupedia.devices.tpu_topology`) it runs the
+real TPU compiler on a CPU host and reports per-chip memory; a program too big for the chip
+comes back as the compiler's own out-of-memory figures instead of an exception.
+
+Introduced in notebook 00 (start here); the dry-run planner of notebook 09 builds on it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable
+
+__all__ = [
+    "MemoryPerChip",
+    "AOTResult",
+    "abstract",
+    "compile_aot",
+    "collective_counts",
+    "format_bytes",
+]
+
+_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_OOM = re.compile(r"required for ([\w ]+?) \(([\d.]+)G\) exceeds available HBM \(([\d.]+)G\)")
+_GIB = 1024**3
+
+
+def format_bytes(n: float) -> str:
+    """Human-readable binary size: ``format_bytes(3 * 2**30) == '3.00 GiB'``."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+@dataclass(frozen=True)
+class MemoryPerChip:
+    """What one chip holds while the compiled program runs (bytes)."""
+
+    arguments: int
+    outputs: int
+    temporaries: int
+    aliased: int = 0
+    code: int = 0
+
+    @property
+    def peak(self) -> int:
+        """Arguments + outputs + temporaries - buffers donated to outputs (an upper estimate)."""
+        return self.arguments + self.outputs + self.temporaries - self.aliased
+
+    @classmethod
+    def from_compiled(cls, compiled: Any) -> MemoryPerChip:
+        m = compiled.memory_analysis()
+        return cls(
+            arguments=int(m.argument_size_in_bytes),
+            outputs=int(m.output_size_in_bytes),
+            temporaries=int(m.temp_size_in_bytes),
+            aliased=int(m.alias_size_in_bytes),
+            code=int(m.generated_code_size_in_bytes),
+        )
+
+
+@dataclass(frozen=True)
+class AOTResult:
+    """The outcome of one ahead-of-time compile: memory and collectives, or the OOM figures."""
+
+    fits: bool
+    memory: MemoryPerChip | None
+    collectives: dict[str, int]
+    oom_required_bytes: float | None = None
+    oom_available_bytes: float | None = None
+    oom_message: str = ""
+    compiled: Any = None
+
+    def summary(self) -> str:
+        if self.fits and self.memory is not None:
+            m = self.memory
+            return (
+                f"fits: arguments {format_bytes(m.arguments)}, outputs {format_bytes(m.outputs)}, "
+                f"temporaries {format_bytes(m.temporaries)} per chip"
+            )
+        return (
+            f"does not fit: needs {format_bytes(self.oom_required_bytes or 0)} of temporaries, "
+            f"{format_bytes(self.oom_available_bytes or 0)} of HBM available per chip"
+        )
+
+
+def abstract(shape: tuple[int, ...], dtype: Any, sharding: Any = None) -> Any:
+    """A ``jax.ShapeDtypeStruct``: an argument with a shape, a dtype and a sharding, and no data."""
+    import jax
+
+    return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
+
+
+def collective_counts(hlo_text: str) -> dict[str, int]:
+    """Count collective operations (all-reduce, all-gather, ...) in compiled HLO text."""
+    counts: Counter[str] = Counter()
+    for name in _COLLECTIVES:
+        # an instruction looks like `%x = bf16[..] all-reduce(...)` or `all-reduce-start(`
+        counts[name] = len(re.findall(rf"\s{name}(?:-start)?\(", hlo_text))
+    return {k: v for k, v in counts.items() if v}
+
+
+def compile_aot(fn: Callable[..., Any], *args: Any, **jit_kwargs: Any) -> AOTResult:
+    """Lower and compile ``fn`` for the devices its abstract ``args`` are sharded over.
+
+    Out-of-memory is a result (``fits=False`` with the compiler's figures), not an exception;
+    any other compile error propagates.
+    """
+    import jax
+
+    lowered = jax.jit(fn, **jit_kwargs).lower(*args)
+    try:
+        compiled = lowered.compile()
+    except Exception as err:  # jax raises JaxRuntimeError; match on the status text
+        text = str(err)
+        if "RESOURCE_EXHAUSTED" not in text:
+            raise
+        m = _OOM.search(text)
+        return AOTResult(
+            fits=False,
+            memory=None,
+            collectives={},
+            oom_required_bytes=float(m.group(2)) * _GIB if m else None,
+            oom_available_bytes=float(m.group(3)) * _GIB if m else None,
+            oom_message=text.strip().splitlines()[0],
+        )
+    return AOTResult(
+        fits=True,
+        memory=MemoryPerChip.from_compiled(compiled),
+        collectives=collective_counts(compiled.as_text()),
+        compiled=compiled,
+    )

@@ -1,0 +1,202 @@
+"""Where code runs: platform detection, simulated CPU devices, meshes, and TPU topologies for AOT.
+
+Three facts shape this module:
+
+* JAX reads its device set-up once, when the first backend initialises. Simulating 8 CPU
+  devices therefore has to happen *before* anything touches ``jax.devices()``;
+  :func:`simulate_cpu_devices` checks this and fails loudly instead of silently giving 1 device.
+* ``jax.make_mesh`` defaults to explicit axis types in jax 0.10, which torchax's op lowerings do
+  not handle; :func:`make_mesh` always builds ``AxisType.Auto`` meshes (GSPMD propagation).
+* With ``libtpu`` installed (``pip install 'jax[tpu]'``) a CPU-only host can describe a TPU slice
+  and compile programs for it ahead of time. :func:`tpu_topology` returns such a slice's devices,
+  keeping libtpu's start-up warnings off stderr on hosts that have no TPU.
+
+Introduced in notebook 00 (start here).
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import math
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from tpupedia.hardware import parse_topology
+
+if TYPE_CHECKING:  # pragma: no cover
+    import jax
+
+__all__ = [
+    "DeviceSetupError",
+    "MeshShapeError",
+    "AOTUnavailableError",
+    "has_libtpu",
+    "tpu_present",
+    "quiet_libtpu",
+    "simulate_cpu_devices",
+    "platform",
+    "make_mesh",
+    "tpu_topology",
+    "topology_mesh",
+]
+
+
+class DeviceSetupError(RuntimeError):
+    """Devices were requested after JAX had already fixed its device set."""
+
+
+class MeshShapeError(ValueError):
+    """A mesh shape whose product does not match the number of devices."""
+
+
+class AOTUnavailableError(RuntimeError):
+    """TPU ahead-of-time compilation needs libtpu, which is not installed."""
+
+
+def has_libtpu() -> bool:
+    """Whether the ``libtpu`` package (shipped by ``jax[tpu]``) is importable."""
+    return importlib.util.find_spec("libtpu") is not None
+
+
+def tpu_present() -> bool:
+    """Whether this host has TPU chips attached (device nodes of a TPU VM)."""
+    return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
+
+
+def _backends_initialized() -> bool:
+    try:
+        from jax._src import xla_bridge
+    except ImportError:  # pragma: no cover
+        return False
+    return bool(xla_bridge.backends_are_initialized())
+
+
+def quiet_libtpu() -> None:
+    """On a host with libtpu but no TPU, stop libtpu from probing for one.
+
+    Without this, the first use of libtpu prints warnings with timestamps and process ids to
+    stderr ("could not determine TPU accelerator type" and friends), which is noise for a reader
+    and poison for notebook output comparison. On a TPU VM this does nothing.
+    """
+    if tpu_present() or not has_libtpu():
+        return
+    # libtpu takes /tmp/libtpu_lockfile so two processes cannot share a chip; with no chip
+    # attached there is nothing to protect, and AOT compiles in parallel processes must coexist.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v6e-8")
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    if "JAX_PLATFORMS" not in os.environ and not _backends_initialized():
+        # Let JAX pick a GPU if one is installed; never the (absent) TPU.
+        gpu = importlib.util.find_spec("jax_cuda12_plugin") or importlib.util.find_spec(
+            "jax_cuda13_plugin"
+        )
+        os.environ["JAX_PLATFORMS"] = "cuda,cpu" if gpu else "cpu"
+
+
+def simulate_cpu_devices(n: int = 8) -> list[jax.Device]:
+    """Make JAX see ``n`` CPU devices, so sharded programs run on a laptop or in CI.
+
+    Must run before JAX initialises a backend (before the first ``jax.devices()``, array or jit).
+    Returns the devices. Raises :class:`DeviceSetupError` if JAX has already chosen its devices
+    and they are not ``n`` CPU devices.
+    """
+    if n < 1:
+        raise ValueError(f"simulate_cpu_devices needs n >= 1, got {n}")
+    import jax
+
+    if _backends_initialized():
+        devices = jax.devices()
+        if len(devices) == n and devices[0].platform == "cpu":
+            return devices
+        raise DeviceSetupError(
+            f"JAX already initialised with {len(devices)} {devices[0].platform} device(s); "
+            f"call simulate_cpu_devices({n}) before any JAX computation (restart the kernel)"
+        )
+    quiet_libtpu()
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", n)
+    devices = jax.devices()
+    if len(devices) != n:  # pragma: no cover - defensive
+        raise DeviceSetupError(f"asked for {n} simulated CPU devices, JAX made {len(devices)}")
+    return devices
+
+
+def platform() -> str:
+    """``"tpu"``, ``"gpu"`` or ``"cpu"``: the platform JAX computes on by default."""
+    import jax
+
+    return jax.default_backend()
+
+
+def make_mesh(
+    shape: Sequence[int],
+    axis_names: Sequence[str],
+    devices: Sequence[jax.Device] | None = None,
+) -> jax.sharding.Mesh:
+    """A device mesh with ``AxisType.Auto`` axes (what torchax needs), over ``devices``.
+
+    ``devices`` defaults to all of ``jax.devices()``. A shape whose product differs from the
+    number of devices raises :class:`MeshShapeError` naming both.
+    """
+    import jax
+    import numpy as np
+    from jax.sharding import AxisType, Mesh
+
+    shape = tuple(int(s) for s in shape)
+    axis_names = tuple(axis_names)
+    if len(shape) != len(axis_names):
+        raise MeshShapeError(
+            f"mesh shape {shape} has {len(shape)} axes but {len(axis_names)} names {axis_names}"
+        )
+    devices = list(jax.devices() if devices is None else devices)
+    if math.prod(shape) != len(devices):
+        raise MeshShapeError(
+            f"mesh shape {shape} needs {math.prod(shape)} devices, but {len(devices)} are "
+            f"available ({devices[0].platform} x{len(devices)}); choose a shape whose product "
+            f"is {len(devices)}"
+        )
+    auto = (AxisType.Auto,) * len(shape)
+    if devices == list(jax.devices()):
+        return jax.make_mesh(shape, axis_names, axis_types=auto)
+    try:  # topology-aware order (neighbouring chips along each mesh axis) where JAX knows one
+        from jax.experimental import mesh_utils
+
+        grid = mesh_utils.create_device_mesh(shape, devices=devices)
+    except (ValueError, NotImplementedError, AssertionError):
+        grid = np.asarray(devices, dtype=object).reshape(shape)
+    return Mesh(grid, axis_names, axis_types=auto)
+
+
+def tpu_topology(name: str = "v6e:2x4") -> list[jax.Device]:
+    """The devices of a TPU slice such as ``"v6e:2x4"``, for ahead-of-time compilation.
+
+    Works on any host with libtpu installed, TPU or not: the devices are descriptions that
+    ``jax.jit(f).lower(...).compile()`` can target, not chips you can run on. Raises
+    :class:`AOTUnavailableError` (with the install command) when libtpu is missing, and
+    :class:`tpupedia.hardware.HardwareError` for a malformed name.
+    """
+    parse_topology(name)  # validate before touching libtpu
+    if not has_libtpu():
+        raise AOTUnavailableError(
+            "TPU ahead-of-time compilation needs libtpu: pip install 'jax[tpu]==0.10.2' "
+            "(it also runs on CPU-only hosts)"
+        )
+    quiet_libtpu()
+    from jax.experimental import topologies
+
+    return list(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
+
+
+def topology_mesh(
+    name: str, shape: Sequence[int] | None, axis_names: Sequence[str]
+) -> jax.sharding.Mesh:
+    """An Auto-axis mesh over the devices of TPU slice ``name`` (default shape: the slice's)."""
+    devices = tpu_topology(name)
+    topo_shape = parse_topology(name).shape
+    if shape is None:
+        shape = topo_shape
+    return make_mesh(shape, axis_names, devices=devices)

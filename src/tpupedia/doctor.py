@@ -1,0 +1,144 @@
+"""``tpupedia doctor``: what this machine is, what is installed, and what it can do.
+
+Every probe is isolated: a missing or broken optional piece becomes a line that says what is
+missing and how to install it, never a crash. Introduced in notebook 00 (start here).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import json
+import os
+import platform as _platform
+from dataclasses import dataclass, field
+
+from tpupedia import devices, presets
+
+__all__ = ["PACKAGES", "Check", "Report", "run", "format_report"]
+
+# distribution name -> install hint shown when it is missing
+PACKAGES: dict[str, str] = {
+    "torch": "pip install 'torch==2.13.0'  (CPU wheel; do not let pip pick a CUDA build by accident)",
+    "jax": "pip install 'jax==0.10.2'",
+    "jaxlib": "pip install 'jaxlib==0.10.2'",
+    "libtpu": "pip install 'jax[tpu]==0.10.2'  (also enables AOT compiles for TPUs on CPU hosts)",
+    "torchax": "pip install 'torchax==0.0.13'",
+    "flax": "pip install 'flax==0.12.8'",
+    "transformers": "pip install 'transformers==5.23.0'",
+    "diffusers": "pip install 'diffusers==0.42.1'",
+}
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    value: str
+    hint: str = ""
+
+
+@dataclass
+class Report:
+    checks: list[Check] = field(default_factory=list)
+
+    def add(self, name: str, ok: bool, value: str, hint: str = "") -> None:
+        self.checks.append(Check(name, ok, value, hint))
+
+    def as_dict(self) -> dict[str, dict[str, object]]:
+        return {c.name: {"ok": c.ok, "value": c.value, "hint": c.hint} for c in self.checks}
+
+    def to_json(self) -> str:
+        return json.dumps(self.as_dict(), indent=2)
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return None
+
+
+def _probe_preset(report: Report) -> None:
+    try:
+        p = presets.current()
+        report.add("preset", True, f"{p.name}: {p.description}")
+    except presets.PresetError as err:
+        report.add("preset", False, str(err), f"unset {presets.ENV_VAR} or set it to tiny or full")
+
+
+def _probe_versions(report: Report) -> None:
+    for dist, hint in PACKAGES.items():
+        v = _version(dist)
+        optional = dist == "libtpu"
+        report.add(dist, v is not None or optional, v or "not installed", "" if v else hint)
+
+
+def _probe_torchax(report: Report) -> None:
+    if _version("torchax") is None or _version("torch") is None:
+        return
+    try:
+        from tpupedia import compat
+
+        compat.import_torchax()
+        missing = compat.missing_overloads()
+        shim = f"import shim covers {len(missing)} removed overloads" if missing else "no shim needed"
+        report.add("torchax import", True, shim)
+    except Exception as err:  # noqa: BLE001 - doctor must report, not crash
+        report.add("torchax import", False, f"{type(err).__name__}: {err}", "see tpupedia.compat")
+
+
+def _probe_devices(report: Report) -> None:
+    if _version("jax") is None or _version("jaxlib") is None:
+        report.add("devices", False, "jax is not installed", PACKAGES["jax"])
+        return
+    try:
+        devices.quiet_libtpu()
+        import jax
+
+        devs = jax.devices()
+        kinds = sorted({d.device_kind for d in devs})
+        report.add("platform", True, jax.default_backend())
+        report.add("devices", True, f"{len(devs)} x {', '.join(kinds)}")
+    except Exception as err:  # noqa: BLE001
+        report.add("devices", False, f"{type(err).__name__}: {err}", "check the jax/jaxlib install")
+
+
+def _probe_aot(report: Report, topology: str) -> None:
+    if not devices.has_libtpu():
+        report.add(
+            "TPU AOT compile",
+            False,
+            "unavailable: libtpu is not installed",
+            PACKAGES["libtpu"],
+        )
+        return
+    try:
+        devs = devices.tpu_topology(topology)
+        report.add("TPU AOT compile", True, f"available ({topology}: {len(devs)} x {devs[0].device_kind})")
+    except Exception as err:  # noqa: BLE001
+        report.add("TPU AOT compile", False, f"{type(err).__name__}: {err}", PACKAGES["libtpu"])
+
+
+def run(topology: str = "v6e:2x4") -> Report:
+    """Probe this machine. Never raises for a missing optional piece."""
+    report = Report()
+    report.add("python", True, _platform.python_version())
+    _probe_preset(report)
+    _probe_versions(report)
+    _probe_devices(report)
+    _probe_torchax(report)
+    _probe_aot(report, topology)
+    if os.environ.get("JAX_PLATFORMS"):
+        report.add("JAX_PLATFORMS", True, os.environ["JAX_PLATFORMS"])
+    return report
+
+
+def format_report(report: Report) -> str:
+    width = max(len(c.name) for c in report.checks)
+    lines = []
+    for c in report.checks:
+        mark = "ok " if c.ok else "-- "
+        lines.append(f"{mark}{c.name:<{width}}  {c.value}")
+        if c.hint:
+            lines.append(f"   {'':<{width}}  -> {c.hint}")
+    return "\n".join(lines)

@@ -1,0 +1,157 @@
+"""Chip facts for roofline and memory arithmetic, each row with its source.
+
+Every number here is a vendor *peak* per chip: dense bf16 matrix throughput, HBM capacity,
+HBM bandwidth, and chip-to-chip bandwidth. Nothing in this table was measured by this project;
+measured numbers live in the benchmark results, with the machine they were measured on.
+
+Introduced in notebook 00 (start here); the dry-run planner of notebook 09 divides by these.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass
+
+__all__ = [
+    "Chip",
+    "CHIPS",
+    "HardwareError",
+    "chip",
+    "Topology",
+    "parse_topology",
+    "table_rows",
+]
+
+GB = 1e9
+TB = 1e12
+TFLOP = 1e12
+
+_TPU_V5E = "https://cloud.google.com/tpu/docs/v5e"
+_TPU_V5P = "https://cloud.google.com/tpu/docs/v5p"
+_TPU_V6E = "https://cloud.google.com/tpu/docs/v6e"
+_H100 = "https://www.nvidia.com/en-us/data-center/h100/"
+_H200 = "https://www.nvidia.com/en-us/data-center/h200/"
+_B200 = "https://www.nvidia.com/en-us/data-center/hgx/"
+
+
+class HardwareError(ValueError):
+    """An unknown chip or a topology name that cannot be parsed."""
+
+
+@dataclass(frozen=True)
+class Chip:
+    """Peak figures for one accelerator chip (one TPU chip, or one GPU)."""
+
+    name: str
+    vendor: str
+    hbm_bytes: float
+    """HBM capacity per chip, in bytes (vendor figure, decimal GB)."""
+    bf16_flops: float
+    """Peak dense bf16 matrix throughput per chip, FLOP/s (no structured-sparsity doubling)."""
+    hbm_bytes_per_s: float
+    """Peak HBM bandwidth per chip, bytes/s."""
+    link_bytes_per_s: float
+    """Chip-to-chip bandwidth per chip, bytes/s, bidirectional (ICI for TPUs, NVLink for GPUs)."""
+    link: str
+    chips_per_host: int
+    source: str
+    note: str = ""
+
+    @property
+    def ridge_flops_per_byte(self) -> float:
+        """Arithmetic intensity at which the chip turns from memory-bound to compute-bound."""
+        return self.bf16_flops / self.hbm_bytes_per_s
+
+    def seconds_for(self, flops: float, hbm_bytes: float) -> float:
+        """Roofline lower bound: the slower of doing the math and moving the bytes."""
+        return max(flops / self.bf16_flops, hbm_bytes / self.hbm_bytes_per_s)
+
+
+CHIPS: dict[str, Chip] = {
+    c.name: c
+    for c in (
+        Chip("v5e", "Google", 16 * GB, 197 * TFLOP, 819 * GB, 1600e9 / 8, "ICI", 8, _TPU_V5E,
+             "ICI listed as 1,600 Gbps per chip"),
+        Chip("v5p", "Google", 95 * GB, 459 * TFLOP, 2765 * GB, 1200 * GB, "ICI", 4, _TPU_V5P,
+             "two TensorCores per chip; 3D torus"),
+        Chip("v6e", "Google", 32 * GB, 918 * TFLOP, 1600 * GB, 800 * GB, "ICI", 8, _TPU_V6E,
+             "Trillium; an earlier revision of the page listed 1,640 GB/s HBM and 3,584 Gbps ICI"),
+        Chip("H100", "NVIDIA", 80 * GB, 989 * TFLOP, 3.35 * TB, 900 * GB, "NVLink 4", 8, _H100,
+             "SXM5; the datasheet's 1,979 TFLOP/s bf16 figure assumes 2:4 sparsity"),
+        Chip("H200", "NVIDIA", 141 * GB, 989 * TFLOP, 4.8 * TB, 900 * GB, "NVLink 4", 8, _H200,
+             "SXM; same Hopper die as H100, more and faster HBM"),
+        Chip("B200", "NVIDIA", 180 * GB, 2250 * TFLOP, 7.7 * TB, 1800 * GB, "NVLink 5", 8, _B200,
+             "HGX B200 (1,000 W); dense bf16 is half the datasheet's 4.5 PFLOP/s sparse figure"),
+    )
+}
+
+
+def chip(name: str) -> Chip:
+    """Look a chip up by name (case-insensitive): ``chip("v6e")``, ``chip("h100")``."""
+    for key, value in CHIPS.items():
+        if key.lower() == name.strip().lower():
+            return value
+    raise HardwareError(f"unknown chip {name!r}; known chips: {', '.join(CHIPS)}")
+
+
+@dataclass(frozen=True)
+class Topology:
+    """A TPU slice named the way libtpu names it, e.g. ``v6e:2x4`` (a v6e-8)."""
+
+    name: str
+    chip: Chip
+    shape: tuple[int, ...]
+
+    @property
+    def num_chips(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def accelerator_type(self) -> str:
+        """The Cloud TPU accelerator type for this slice (``v6e-8``; v5p counts TensorCores)."""
+        cores = 2 if self.chip.name == "v5p" else 1
+        return f"{self.chip.name}-{self.num_chips * cores}"
+
+    @property
+    def hosts(self) -> int:
+        return max(1, self.num_chips // self.chip.chips_per_host)
+
+
+_TOPOLOGY = re.compile(r"^(v5e|v5p|v6e):(\d+(?:x\d+){1,2})$")
+
+
+def parse_topology(name: str) -> Topology:
+    """Parse ``"v6e:2x4"`` into a :class:`Topology`; a bad name gets an error with examples."""
+    m = _TOPOLOGY.match(name.strip())
+    if not m:
+        raise HardwareError(
+            f"topology {name!r} is not of the form CHIP:AxB[xC] with CHIP one of v5e, v5p, v6e "
+            "(for example v6e:2x4, v6e:4x4, v5e:2x4, v5p:2x2x2)"
+        )
+    shape = tuple(int(d) for d in m.group(2).split("x"))
+    if 0 in shape:
+        raise HardwareError(f"topology {name!r} has a zero-sized dimension")
+    return Topology(name=name.strip(), chip=chip(m.group(1)), shape=shape)
+
+
+def table_rows() -> list[dict[str, object]]:
+    """The chip table as plain rows (for notebooks and the docs), in human units."""
+    rows = []
+    for c in CHIPS.values():
+        d = asdict(c)
+        rows.append(
+            {
+                "chip": c.name,
+                "vendor": c.vendor,
+                "HBM (GB)": round(d["hbm_bytes"] / GB),
+                "bf16 peak (TFLOP/s)": round(d["bf16_flops"] / TFLOP),
+                "HBM bandwidth (GB/s)": round(d["hbm_bytes_per_s"] / GB),
+                "ridge (FLOP/byte)": round(c.ridge_flops_per_byte),
+                "link (GB/s)": round(d["link_bytes_per_s"] / GB),
+                "link type": c.link,
+                "source": c.source,
+                "note": c.note,
+            }
+        )
+    return rows

@@ -1,0 +1,212 @@
+"""Keeping the paired notebooks honest: execute lessons, and check what is committed.
+
+Each lesson is a jupytext py:percent file, ``lessons/NN_slug.py``, paired with an executed
+notebook, ``notebooks/NN_slug.ipynb``, which is what nbval re-runs and the site renders.
+:func:`execute` regenerates a notebook from its lesson (``make notebooks``); the ``check_*``
+functions are what ``make test`` enforces on every committed notebook:
+
+* the lesson and the notebook hold the same cells (:func:`check_pair`);
+* every code cell ran, in order, in one session, and errors appear only in cells tagged
+  ``raises-exception`` (:func:`check_executed`);
+* no stored output holds a token-like string or a path from the machine that ran it
+  (:func:`check_outputs_clean`).
+
+Usage: ``python -m tpupedia.notebooks execute lessons/00_start_here.py``,
+``python -m tpupedia.notebooks check`` or ``python -m tpupedia.notebooks nbval``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+
+__all__ = [
+    "SECRET_PATTERNS",
+    "MACHINE_PATH_PATTERNS",
+    "pairs",
+    "execute",
+    "check_pair",
+    "check_executed",
+    "check_outputs_clean",
+    "check_all",
+]
+
+SECRET_PATTERNS: dict[str, re.Pattern[str]] = {
+    "Hugging Face token": re.compile(r"\bhf_[A-Za-z0-9]{30,}"),
+    "GitHub token": re.compile(r"\b(?:gh[pousr]_[A-Za-z0-9]{30,}|github_pat_[A-Za-z0-9_]{30,})"),
+    "OpenAI-style key": re.compile(r"\bsk-[A-Za-z0-9_-]{20,}"),
+    "AWS access key": re.compile(r"\bAKIA[0-9A-Z]{16}\b"),
+    "Google OAuth token": re.compile(r"\bya29\.[A-Za-z0-9_-]{20,}"),
+    "private key": re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----"),
+}
+
+MACHINE_PATH_PATTERNS: dict[str, re.Pattern[str]] = {
+    "home directory": re.compile(r"(?:/home/[^/\s'\"]+|/Users/[^/\s'\"]+|/root)(?:/|\b)"),
+    "Windows user directory": re.compile(r"[A-Za-z]:\\\\?Users\\\\?", re.IGNORECASE),
+    "temporary directory": re.compile(r"(?<![\w.])/(?:tmp|private/var/folders|var/folders)/"),
+    "workspace path": re.compile(r"(?<![\w.])/work/"),
+    "installed package path": re.compile(r"(?:site|dist)-packages/"),
+}
+
+TAG_RAISES = "raises-exception"
+
+# How `make test` runs nbval: strict output comparison (``--nbval``, not ``--nbval-lax``), the
+# kernel of this environment, a generous per-cell timeout, and one sanitizer for memory addresses.
+# Cells whose output is inherently variable (timings) carry ``# NBVAL_IGNORE_OUTPUT`` and still run.
+NBVAL_ARGS = (
+    "--nbval",
+    "--nbval-current-env",
+    "--nbval-cell-timeout=900",
+    "--nbval-sanitize-with",
+    "tests/nbval_sanitize.cfg",
+)
+
+
+def _root() -> Path:
+    return Path(__file__).resolve().parents[2]
+
+
+def pairs(root: Path | None = None) -> list[tuple[Path, Path]]:
+    """``(lesson, notebook)`` paths for every lesson, whether or not the notebook exists yet."""
+    root = root or _root()
+    return [(py, root / "notebooks" / f"{py.stem}.ipynb") for py in sorted((root / "lessons").glob("[0-9][0-9]_*.py"))]
+
+
+def _cells(nb) -> list[tuple[str, str]]:
+    return [(c.cell_type, c.source.strip()) for c in nb.cells]
+
+
+def check_pair(lesson: Path, notebook: Path) -> list[str]:
+    """Problems that make ``lesson`` and ``notebook`` differ in their cells (empty: in sync)."""
+    import jupytext
+
+    if not notebook.exists():
+        return [f"{notebook.name}: missing; run `make notebooks`"]
+    py, ipynb = _cells(jupytext.read(lesson)), _cells(jupytext.read(notebook))
+    if py == ipynb:
+        return []
+    for i, (a, b) in enumerate(zip(py, ipynb)):
+        if a != b:
+            return [f"{notebook.name}: cell {i} differs from {lesson.name}; run `make notebooks`"]
+    return [f"{notebook.name}: {len(ipynb)} cells but {lesson.name} has {len(py)}; run `make notebooks`"]
+
+
+def _tags(cell) -> list[str]:
+    return list(cell.get("metadata", {}).get("tags", []))
+
+
+def check_executed(notebook: Path) -> list[str]:
+    """Problems with how ``notebook`` was executed (empty: every code cell ran, in order)."""
+    import nbformat
+
+    nb = nbformat.read(notebook, as_version=4)
+    problems = []
+    expected = 1
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        if cell.execution_count is None:
+            problems.append(f"{notebook.name}: code cell {i} was never executed")
+            continue
+        if cell.execution_count != expected:
+            problems.append(
+                f"{notebook.name}: code cell {i} has execution count {cell.execution_count}, "
+                f"expected {expected} (execute the whole notebook top to bottom)"
+            )
+        expected = cell.execution_count + 1
+        errors = [o for o in cell.outputs if o.output_type == "error"]
+        raises = TAG_RAISES in _tags(cell)
+        if errors and not raises:
+            problems.append(f"{notebook.name}: code cell {i} stored an unexpected error: {errors[0].ename}")
+        if raises and not errors:
+            problems.append(f"{notebook.name}: code cell {i} is tagged {TAG_RAISES} but raised nothing")
+    return problems
+
+
+def _output_texts(nb):
+    for i, cell in enumerate(nb.cells):
+        for out in cell.get("outputs", []):
+            if out.output_type == "stream":
+                yield i, out.text
+            elif out.output_type == "error":
+                yield i, "\n".join([out.ename, out.evalue, *out.traceback])
+            else:
+                for mime, data in out.get("data", {}).items():
+                    if mime.startswith("text/") or mime.endswith("json"):
+                        yield i, data if isinstance(data, str) else str(data)
+
+
+def check_outputs_clean(notebook: Path) -> list[str]:
+    """Stored outputs that hold a token-like string or a machine path (empty: clean)."""
+    import nbformat
+
+    nb = nbformat.read(notebook, as_version=4)
+    problems = []
+    for i, text in _output_texts(nb):
+        for label, pattern in {**SECRET_PATTERNS, **MACHINE_PATH_PATTERNS}.items():
+            m = pattern.search(text)
+            if m:
+                problems.append(f"{notebook.name}: cell {i} output holds a {label}: {m.group(0)!r}")
+    return problems
+
+
+def check_all(root: Path | None = None) -> list[str]:
+    """Every hygiene problem in the repository's lessons and notebooks."""
+    problems = []
+    for lesson, notebook in pairs(root):
+        problems += check_pair(lesson, notebook)
+        if notebook.exists():
+            problems += check_executed(notebook) + check_outputs_clean(notebook)
+    return problems
+
+
+def execute(lesson: Path | str, timeout: int = 900) -> Path:
+    """Execute ``lesson`` with the tiny preset and write its paired, executed notebook."""
+    import jupytext
+    from nbclient import NotebookClient
+
+    lesson = Path(lesson).resolve()
+    notebook = lesson.parents[1] / "notebooks" / f"{lesson.stem}.ipynb"
+    nb = jupytext.read(lesson)
+    nb.metadata["kernelspec"] = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
+    os.environ.setdefault("TPUPEDIA_PRESET", "tiny")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    client = NotebookClient(
+        nb,
+        timeout=timeout,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(notebook.parent)}},
+    )
+    client.execute()
+    notebook.parent.mkdir(exist_ok=True)
+    tmp = notebook.with_name(f".{notebook.stem}.tmp.ipynb")
+    jupytext.write(nb, tmp, fmt="ipynb")
+    tmp.replace(notebook)
+    problems = check_executed(notebook) + check_outputs_clean(notebook)
+    if problems:
+        raise RuntimeError("\n".join(problems))
+    return notebook
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["execute"] and len(argv) > 1:
+        for path in argv[1:]:
+            print(f"executed {execute(path).name}")
+        return 0
+    if argv[:1] == ["nbval"]:
+        import pytest
+
+        return int(pytest.main(["-p", "no:cacheprovider", "-q", *NBVAL_ARGS, *(argv[1:] or ["notebooks"])]))
+    if argv[:1] == ["check"]:
+        problems = check_all()
+        print("\n".join(problems) or "notebooks: all clean")
+        return 1 if problems else 0
+    print("usage: python -m tpupedia.notebooks execute LESSON.py [...] | check | nbval [PATH ...]", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Presets: one switch, ``TPUPEDIA_PRESET``, decides how big everything is.
+
+``tiny``
+    Random weights from configs written in code, tokenizers built offline, 8 simulated CPU
+    devices, Pallas kernels in interpret mode. Seconds per cell on a 2-core CPU; this is what CI runs.
+``full``
+    The real model ids through ``from_pretrained``, real devices (a TPU VM, or a GPU). The same
+    code path as ``tiny``; only the sizes and the weight source change.
+
+Introduced in notebook 00 (start here).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+__all__ = ["Preset", "PRESETS", "PresetError", "ENV_VAR", "DEFAULT", "get", "current"]
+
+ENV_VAR = "TPUPEDIA_PRESET"
+DEFAULT = "tiny"
+
+
+class PresetError(ValueError):
+    """An unknown preset name."""
+
+
+@dataclass(frozen=True)
+class Preset:
+    """What a preset means for the notebooks and the CLI."""
+
+    name: str
+    description: str
+    simulated_devices: int | None
+    """Number of simulated CPU devices to create, or ``None`` to use the machine's real devices."""
+    pretrained: bool
+    """Load real checkpoints with ``from_pretrained`` (``True``) or build random tiny models."""
+    interpret_kernels: bool
+    """Run Pallas kernels in interpret mode (needed off-TPU)."""
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(
+        name="tiny",
+        description="random tiny models, offline tokenizers, 8 simulated CPU devices (CI, laptops)",
+        simulated_devices=8,
+        pretrained=False,
+        interpret_kernels=True,
+    ),
+    "full": Preset(
+        name="full",
+        description="real checkpoints via from_pretrained on the machine's real devices (TPU VM, GPU)",
+        simulated_devices=None,
+        pretrained=True,
+        interpret_kernels=False,
+    ),
+}
+
+
+def get(name: str) -> Preset:
+    """Return the preset called ``name``; raise :class:`PresetError` naming the allowed ones."""
+    key = name.strip().lower()
+    if key not in PRESETS:
+        allowed = ", ".join(PRESETS)
+        raise PresetError(f"{ENV_VAR}={name!r} is not a preset; choose one of: {allowed}")
+    return PRESETS[key]
+
+
+def current() -> Preset:
+    """The preset in force: ``$TPUPEDIA_PRESET``, or ``tiny`` when it is unset or empty."""
+    return get(os.environ.get(ENV_VAR) or DEFAULT)

@@ -1,0 +1,11 @@
+"""Test session set-up: 8 simulated CPU devices, chosen before anything initialises JAX."""
+
+import os
+import warnings
+
+os.environ.setdefault("TPUPEDIA_PRESET", "tiny")
+
+from tpupedia import devices  # noqa: E402
+
+devices.simulate_cpu_devices(8)
+warnings.filterwarnings("ignore", message="Explicitly requested dtype")

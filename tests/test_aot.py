@@ -1,0 +1,84 @@
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from tpupedia import aot, devices
+from test_devices import requires_libtpu
+
+
+def test_format_bytes():
+    assert aot.format_bytes(3 * 2**30) == "3.00 GiB"
+    assert aot.format_bytes(1536) == "1.50 KiB"
+    assert aot.format_bytes(12) == "12 B"
+
+
+def test_collective_counts_reads_hlo_instructions():
+    hlo = """
+      %all-reduce.1 = f32[8]{0} all-reduce(f32[8]{0} %p), replica_groups={{0,1}}, to_apply=%add
+      %ag = bf16[16]{0} all-gather-start(bf16[8]{0} %q), dimensions={0}
+      %ag.done = bf16[16]{0} all-gather-done(%ag)
+      %rs = f32[4]{0} reduce-scatter(f32[8]{0} %r), dimensions={0}
+      %add = f32[] add(f32[] %a, f32[] %b)
+    """
+    assert aot.collective_counts(hlo) == {"all-reduce": 1, "all-gather": 1, "reduce-scatter": 1}
+
+
+def test_collectives_on_simulated_devices_match_the_sharding():
+    mesh = devices.make_mesh((2, 4), ("data", "model"))
+    x = jnp.ones((16, 32))
+    w = jnp.ones((32, 16))
+    f = lambda a, b: a @ b  # noqa: E731
+    column = aot.compile_aot(
+        f,
+        jax.device_put(x, NamedSharding(mesh, P("data", None))),
+        jax.device_put(w, NamedSharding(mesh, P(None, "model"))),
+    )
+    row = aot.compile_aot(
+        f,
+        jax.device_put(x, NamedSharding(mesh, P(None, "model"))),
+        jax.device_put(w, NamedSharding(mesh, P("model", None))),
+    )
+    assert column.fits and column.collectives == {}
+    assert row.collectives.get("all-reduce", 0) >= 1
+
+
+@requires_libtpu
+def test_per_chip_argument_bytes_on_v6e_match_the_shardings():
+    mesh = devices.topology_mesh("v6e:2x4", (2, 4), ("data", "model"))
+    t, d, f = 4096, 1024, 4096
+    x = aot.abstract((t, d), jnp.bfloat16, NamedSharding(mesh, P("data", None)))
+    w = aot.abstract((d, f), jnp.bfloat16, NamedSharding(mesh, P(None, "model")))
+    result = aot.compile_aot(lambda a, b: a @ b, x, w)
+    assert result.fits
+    assert result.memory.arguments == (t // 2 * d + d * f // 4) * 2
+    assert result.memory.outputs == (t // 2) * (f // 4) * 2
+    assert "fits" in result.summary()
+
+
+@requires_libtpu
+def test_out_of_memory_is_a_result_with_the_compilers_figures():
+    mesh = devices.topology_mesh("v6e:2x4", None, ("x", "y"))
+    q = aot.abstract((131_072, 128), jnp.bfloat16, NamedSharding(mesh, P()))
+    result = aot.compile_aot(lambda a, b: (a @ b.T).astype(jnp.float32), q, q)
+    assert not result.fits and result.memory is None
+    assert result.oom_message.startswith("RESOURCE_EXHAUSTED")
+    # 131072^2 float32 scores = 64 GiB; the v6e budget is 31.25 GiB
+    assert result.oom_required_bytes >= 64 * 2**30
+    assert result.oom_available_bytes == pytest.approx(31.25 * 2**30)
+    assert "does not fit" in result.summary()
+
+
+def test_other_compile_errors_propagate(monkeypatch):
+    class Lowered:
+        def compile(self):
+            raise RuntimeError("INVALID_ARGUMENT: something else")
+
+    class Jitted:
+        def lower(self, *args):
+            return Lowered()
+
+    monkeypatch.setattr(jax, "jit", lambda fn, **kw: Jitted())
+    with pytest.raises(RuntimeError, match="INVALID_ARGUMENT"):
+        aot.compile_aot(lambda a: a, jnp.ones(2))

@@ -1,0 +1,55 @@
+import json
+
+from tpupedia import cli, devices, doctor
+from test_devices import requires_libtpu
+
+
+def _checks(report):
+    return {c.name: c for c in report.checks}
+
+
+def test_doctor_reports_everything_on_this_machine():
+    checks = _checks(doctor.run())
+    for name in ("python", "preset", "torch", "jax", "jaxlib", "torchax", "flax", "transformers",
+                 "diffusers", "libtpu", "platform", "devices", "torchax import", "TPU AOT compile"):
+        assert name in checks, name
+    assert checks["platform"].value == "cpu"
+    assert checks["devices"].value == "8 x cpu"  # the test session simulates 8 devices
+    assert checks["preset"].ok and checks["preset"].value.startswith("tiny")
+
+
+@requires_libtpu
+def test_doctor_sees_aot_for_v6e():
+    c = _checks(doctor.run())["TPU AOT compile"]
+    assert c.ok and "v6e:2x4: 8 x TPU v6" in c.value
+
+
+def test_doctor_without_libtpu_says_unavailable_and_how_to_get_it(monkeypatch):
+    monkeypatch.setattr(devices, "has_libtpu", lambda: False)
+    c = _checks(doctor.run())["TPU AOT compile"]
+    assert not c.ok and "unavailable" in c.value and "jax[tpu]" in c.hint
+
+
+def test_doctor_survives_missing_packages(monkeypatch):
+    real = doctor._version
+    monkeypatch.setattr(doctor, "_version", lambda d: None if d in ("flax", "torchax") else real(d))
+    checks = _checks(doctor.run())
+    assert not checks["flax"].ok and checks["flax"].value == "not installed"
+    assert "pip install 'flax" in checks["flax"].hint
+    assert "torchax import" not in checks  # not attempted without torchax
+
+
+def test_doctor_bad_preset_is_reported_not_raised(monkeypatch):
+    monkeypatch.setenv("TPUPEDIA_PRESET", "huge")
+    c = _checks(doctor.run())["preset"]
+    assert not c.ok and "'huge'" in c.value and "tiny, full" in c.value
+
+
+def test_cli_doctor_json_and_exit_code(capsys, monkeypatch):
+    assert cli.main(["doctor", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["jax"]["ok"] and data["jax"]["value"]
+    monkeypatch.setenv("TPUPEDIA_PRESET", "huge")
+    assert cli.main(["doctor"]) == 1
+    out = capsys.readouterr().out
+    assert "-- preset" in out and "-> unset TPUPEDIA_PRESET" in out

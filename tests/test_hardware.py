@@ -1,0 +1,50 @@
+import pytest
+
+from tpupedia import hardware
+
+
+def test_v6e_facts():
+    v6e = hardware.chip("V6E")
+    assert v6e.hbm_bytes == 32e9 and v6e.bf16_flops == 918e12 and v6e.hbm_bytes_per_s == 1.6e12
+    assert round(v6e.ridge_flops_per_byte) == 574
+
+
+def test_every_chip_has_a_source_and_positive_figures():
+    assert set(hardware.CHIPS) == {"v5e", "v5p", "v6e", "H100", "H200", "B200"}
+    for c in hardware.CHIPS.values():
+        assert c.source.startswith("https://")
+        assert min(c.hbm_bytes, c.bf16_flops, c.hbm_bytes_per_s, c.link_bytes_per_s) > 0
+
+
+def test_roofline_picks_the_slower_bound():
+    h100 = hardware.chip("h100")
+    # 1 TFLOP of math, 1 MB of traffic: compute-bound
+    assert h100.seconds_for(1e12, 1e6) == pytest.approx(1e12 / 989e12)
+    # 1 GFLOP of math, 3.35 TB of traffic: memory-bound, exactly one second at 3.35 TB/s
+    assert h100.seconds_for(1e9, 3.35e12) == pytest.approx(1.0)
+
+
+def test_unknown_chip_lists_known_ones():
+    with pytest.raises(hardware.HardwareError, match="unknown chip 'v7x'.*v5e, v5p, v6e"):
+        hardware.chip("v7x")
+
+
+@pytest.mark.parametrize(
+    "name, chips, accel, hosts",
+    [("v6e:2x4", 8, "v6e-8", 1), ("v6e:4x4", 16, "v6e-16", 2), ("v5e:2x2", 4, "v5e-4", 1),
+     ("v5p:2x2x2", 8, "v5p-16", 2), ("v6e:16x16", 256, "v6e-256", 32)],
+)
+def test_parse_topology(name, chips, accel, hosts):
+    t = hardware.parse_topology(name)
+    assert (t.num_chips, t.accelerator_type, t.hosts) == (chips, accel, hosts)
+
+
+@pytest.mark.parametrize("bad", ["v6e-8", "v6e:2", "tpu:2x4", "v6e:0x4", "v6e:2x4x1x1"])
+def test_bad_topology_names(bad):
+    with pytest.raises(hardware.HardwareError, match=repr(bad)):
+        hardware.parse_topology(bad)
+
+
+def test_table_rows_are_in_human_units():
+    row = next(r for r in hardware.table_rows() if r["chip"] == "v6e")
+    assert row["HBM (GB)"] == 32 and row["bf16 peak (TFLOP/s)"] == 918 and row["ridge (FLOP/byte)"] == 574

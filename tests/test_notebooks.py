@@ -1,0 +1,130 @@
+"""The committed notebooks are paired, executed and clean; nbval strict really compares outputs."""
+
+import copy
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from tpupedia import notebooks
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_lesson_has_an_executed_clean_notebook():
+    assert notebooks.pairs(ROOT), "no lessons found"
+    assert notebooks.check_all(ROOT) == []
+
+
+def test_no_orphan_notebooks():
+    lessons = {p.stem for p, _ in notebooks.pairs(ROOT)}
+    assert {p.stem for p in (ROOT / "notebooks").glob("*.ipynb")} <= lessons
+
+
+# --- the checks themselves catch what they claim to ------------------------------------------
+
+def _code(source, outputs=(), count=None, tags=()):
+    cell = nbformat.v4.new_code_cell(source, execution_count=count, outputs=list(outputs))
+    if tags:
+        cell.metadata["tags"] = list(tags)
+    return cell
+
+
+def _write(tmp_path, cells, name="x.ipynb"):
+    nb = nbformat.v4.new_notebook(cells=cells)
+    path = tmp_path / name
+    nbformat.write(nb, path)
+    return path
+
+
+def _stream(text):
+    return nbformat.v4.new_output("stream", name="stdout", text=text)
+
+
+def test_unexecuted_cell_is_caught(tmp_path):
+    path = _write(tmp_path, [_code("1 + 1", count=1), _code("2 + 2", count=None)])
+    assert "never executed" in " ".join(notebooks.check_executed(path))
+
+
+def test_out_of_order_execution_is_caught(tmp_path):
+    path = _write(tmp_path, [_code("a = 1", count=2), _code("a", count=1)])
+    assert "execution count 2, expected 1" in " ".join(notebooks.check_executed(path))
+
+
+def test_unexpected_error_is_caught_and_tagged_error_is_allowed(tmp_path):
+    err = nbformat.v4.new_output("error", ename="ValueError", evalue="boom", traceback=[])
+    bad = _write(tmp_path, [_code("raise ValueError", [err], count=1)], "bad.ipynb")
+    ok = _write(tmp_path, [_code("raise ValueError", [err], count=1, tags=["raises-exception"])], "ok.ipynb")
+    silent = _write(tmp_path, [_code("pass", count=1, tags=["raises-exception"])], "silent.ipynb")
+    assert "unexpected error: ValueError" in " ".join(notebooks.check_executed(bad))
+    assert notebooks.check_executed(ok) == []
+    assert "raised nothing" in " ".join(notebooks.check_executed(silent))
+
+
+@pytest.mark.parametrize(
+    "text, label",
+    [
+        ("token=hf_" + "a" * 34, "Hugging Face token"),
+        ("ghp_" + "B" * 36, "GitHub token"),
+        ("AKIA" + "ABCDEFGHIJKLMNOP", "AWS access key"),
+        ("saved to /home/alice/cache/model.safetensors", "home directory"),
+        ("File /root/.cache/x.py, line 3", "home directory"),
+        ("wrote /tmp/tmpab12cd/out.mp4", "temporary directory"),
+        ("/opt/venv/lib/python3.11/site-packages/jax/_src/core.py", "installed package path"),
+        ("C:\\Users\\bob\\model", "Windows user directory"),
+    ],
+)
+def test_secrets_and_machine_paths_in_outputs_are_caught(tmp_path, text, label):
+    path = _write(tmp_path, [_code("print(x)", [_stream(text)], count=1)])
+    problems = notebooks.check_outputs_clean(path)
+    assert any(label in p for p in problems), problems
+
+
+def test_ordinary_outputs_are_not_flagged(tmp_path):
+    text = "8 devices, platform 'cpu'\nP('data', 'model')\nv6e:2x4 is a v6e-8\n1/2 of the tokens"
+    path = _write(tmp_path, [_code("print(x)", [_stream(text)], count=1)])
+    assert notebooks.check_outputs_clean(path) == []
+
+
+def test_pair_mismatch_is_caught(tmp_path):
+    lesson_dir, nb_dir = tmp_path / "lessons", tmp_path / "notebooks"
+    lesson_dir.mkdir()
+    nb_dir.mkdir()
+    lesson = lesson_dir / "99_demo.py"
+    lesson.write_text("# %%\nx = 1\n\n# %%\nx + 1\n")
+    nbformat.write(nbformat.v4.new_notebook(cells=[_code("x = 1", count=1), _code("x + 2", count=2)]),
+                   nb_dir / "99_demo.ipynb")
+    assert "cell 1 differs" in " ".join(notebooks.check_pair(lesson, nb_dir / "99_demo.ipynb"))
+    assert "missing" in " ".join(notebooks.check_pair(lesson, nb_dir / "00_none.ipynb"))
+
+
+# --- nbval in strict mode fails on a changed stored output ---------------------------------
+
+def _run_nbval(path):
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *notebooks.NBVAL_ARGS, str(path)]
+    env = {**os.environ, "TPUPEDIA_PRESET": "tiny"}
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=900)
+
+
+def test_nbval_strict_fails_when_a_stored_output_is_changed(tmp_path):
+    source = ROOT / "notebooks" / "00_start_here.ipynb"
+    nb = nbformat.read(source, as_version=4)
+    tampered = copy.deepcopy(nb)
+    target = next(
+        c for c in tampered.cells
+        if c.cell_type == "code" and any("ridge point: 574" in o.get("text", "") for o in c.outputs)
+    )
+    for out in target.outputs:
+        if out.output_type == "stream":
+            out.text = out.text.replace("ridge point: 574", "ridge point: 575")
+    path = tmp_path / "00_tampered.ipynb"
+    nbformat.write(tampered, path)
+    shutil.copy(ROOT / "tests" / "nbval_sanitize.cfg", tmp_path / "nbval_sanitize.cfg")
+    result = _run_nbval(path)
+    assert result.returncode != 0, result.stdout[-2000:]
+    assert "ridge point: 574" in result.stdout and "ridge point: 575" in result.stdout
+    assert "1 failed" in result.stdout
