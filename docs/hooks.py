@@ -1,6 +1,6 @@
 """mkdocs hook: render tables that live in code, so the site never keeps a second copy.
 
-``{{ hardware_table }}`` in a page becomes the chip table from :mod:`tpupedia.hardware`.
+`{{ hardware_table }}` in a page becomes the chip table from `tpupedia.hardware`.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 import os
 import warnings
 
-os.environ.setdefault("TPUPEDIA_PRESET", "tiny")
+os.environ["TPUPEDIA_PRESET"] = "tiny"  # tests assert tiny-preset behaviour
 
 from tpupedia import devices  # noqa: E402
 

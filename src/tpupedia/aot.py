@@ -1,7 +1,7 @@
 """Ahead-of-time compilation: compile for a TPU you do not have, and read what it would cost.
 
-``jax.jit(f).lower(*abstract_args).compile()`` needs only shapes, dtypes and shardings, never
-data. Pointed at the devices of a TPU slice (:func:`tpupedia.devices.tpu_topology`) it runs the
+`jax.jit(f).lower(*abstract_args).compile()` needs only shapes, dtypes and shardings, never
+data. Pointed at the devices of a TPU slice (`tpupedia.devices.tpu_topology`) it runs the
 real TPU compiler on a CPU host and reports per-chip memory; a program too big for the chip
 comes back as the compiler's own out-of-memory figures instead of an exception.
 
@@ -30,7 +30,7 @@ _GIB = 1024**3
 
 
 def format_bytes(n: float) -> str:
-    """Human-readable binary size: ``format_bytes(3 * 2**30) == '3.00 GiB'``."""
+    """Human-readable binary size: `format_bytes(3 * 2**30) == '3.00 GiB'`."""
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"
@@ -90,7 +90,7 @@ class AOTResult:
 
 
 def abstract(shape: tuple[int, ...], dtype: Any, sharding: Any = None) -> Any:
-    """A ``jax.ShapeDtypeStruct``: an argument with a shape, a dtype and a sharding, and no data."""
+    """A `jax.ShapeDtypeStruct`: an argument with a shape, a dtype and a sharding, and no data."""
     import jax
 
     return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
@@ -106,9 +106,9 @@ def collective_counts(hlo_text: str) -> dict[str, int]:
 
 
 def compile_aot(fn: Callable[..., Any], *args: Any, **jit_kwargs: Any) -> AOTResult:
-    """Lower and compile ``fn`` for the devices its abstract ``args`` are sharded over.
+    """Lower and compile `fn` for the devices its abstract `args` are sharded over.
 
-    Out-of-memory is a result (``fits=False`` with the compiler's figures), not an exception;
+    Out-of-memory is a result (`fits=False` with the compiler's figures), not an exception;
     any other compile error propagates.
     """
     import jax

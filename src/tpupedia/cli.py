@@ -1,4 +1,4 @@
-"""The ``tpupedia`` command. Each subcommand is a thin shell over a library function."""
+"""The `tpupedia` command. Each subcommand is a thin shell over a library function."""
 
 from __future__ import annotations
 

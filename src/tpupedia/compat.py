@@ -1,15 +1,15 @@
 """The one place torchax is imported.
 
 torchax 0.0.13 (the newest on PyPI) refers to 22 named-tensor operator overloads, such as
-``aten.prod.dim_Dimname``, that PyTorch 2.13 removed, so a plain ``import torchax`` fails with
-``AttributeError: The underlying op of 'aten.prod' has no overload name 'dim_Dimname'``.
+`aten.prod.dim_Dimname`, that PyTorch 2.13 removed, so a plain `import torchax` fails with
+`AttributeError: The underlying op of 'aten.prod' has no overload name 'dim_Dimname'`.
 google/torchax fixed this upstream (#102, released as 0.0.14); until that release is on PyPI we
 let exactly those missing overloads resolve to inert placeholder keys while torchax builds its
-op tables. ``torch._decomp.get_decompositions`` keeps only real operator objects, so the
+op tables. `torch._decomp.get_decompositions` keeps only real operator objects, so the
 placeholders are ignored.
 
 Introduced in notebook 01 (a Hugging Face model in JAX); every notebook and module that needs
-torchax calls :func:`import_torchax` instead of ``import torchax``. Delete the shim once a fixed
+torchax calls `import_torchax` instead of `import torchax`. Delete the shim once a fixed
 torchax is on PyPI.
 """
 
@@ -70,7 +70,7 @@ def _tolerate_missing_named_overloads():
 def import_torchax() -> ModuleType:
     """Import torchax (and build its default environment) on any supported PyTorch.
 
-    Returns the ``torchax`` module. Safe to call repeatedly; the shim only acts on the first call.
+    Returns the `torchax` module. Safe to call repeatedly; the shim only acts on the first call.
     """
     if "torchax" in sys.modules and getattr(sys.modules["torchax"], "_tpupedia_ready", False):
         return sys.modules["torchax"]

@@ -3,12 +3,12 @@
 Three facts shape this module:
 
 * JAX reads its device set-up once, when the first backend initialises. Simulating 8 CPU
-  devices therefore has to happen *before* anything touches ``jax.devices()``;
-  :func:`simulate_cpu_devices` checks this and fails loudly instead of silently giving 1 device.
-* ``jax.make_mesh`` defaults to explicit axis types in jax 0.10, which torchax's op lowerings do
-  not handle; :func:`make_mesh` always builds ``AxisType.Auto`` meshes (GSPMD propagation).
-* With ``libtpu`` installed (``pip install 'jax[tpu]'``) a CPU-only host can describe a TPU slice
-  and compile programs for it ahead of time. :func:`tpu_topology` returns such a slice's devices,
+  devices therefore has to happen *before* anything touches `jax.devices()`;
+  `simulate_cpu_devices` checks this and fails loudly instead of silently giving 1 device.
+* `jax.make_mesh` defaults to explicit axis types in jax 0.10, which torchax's op lowerings do
+  not handle; `make_mesh` always builds `AxisType.Auto` meshes (GSPMD propagation).
+* With `libtpu` installed (`pip install 'jax[tpu]'`) a CPU-only host can describe a TPU slice
+  and compile programs for it ahead of time. `tpu_topology` returns such a slice's devices,
   keeping libtpu's start-up warnings off stderr on hosts that have no TPU.
 
 Introduced in notebook 00 (start here).
@@ -56,7 +56,7 @@ class AOTUnavailableError(RuntimeError):
 
 
 def has_libtpu() -> bool:
-    """Whether the ``libtpu`` package (shipped by ``jax[tpu]``) is importable."""
+    """Whether the `libtpu` package (shipped by `jax[tpu]`) is importable."""
     return importlib.util.find_spec("libtpu") is not None
 
 
@@ -97,11 +97,11 @@ def quiet_libtpu() -> None:
 
 
 def simulate_cpu_devices(n: int = 8) -> list[jax.Device]:
-    """Make JAX see ``n`` CPU devices, so sharded programs run on a laptop or in CI.
+    """Make JAX see `n` CPU devices, so sharded programs run on a laptop or in CI.
 
-    Must run before JAX initialises a backend (before the first ``jax.devices()``, array or jit).
-    Returns the devices. Raises :class:`DeviceSetupError` if JAX has already chosen its devices
-    and they are not ``n`` CPU devices.
+    Must run before JAX initialises a backend (before the first `jax.devices()`, array or jit).
+    Returns the devices. Raises `DeviceSetupError` if JAX has already chosen its devices
+    and they are not `n` CPU devices.
     """
     if n < 1:
         raise ValueError(f"simulate_cpu_devices needs n >= 1, got {n}")
@@ -126,7 +126,7 @@ def simulate_cpu_devices(n: int = 8) -> list[jax.Device]:
 
 
 def platform() -> str:
-    """``"tpu"``, ``"gpu"`` or ``"cpu"``: the platform JAX computes on by default."""
+    """`"tpu"`, `"gpu"` or `"cpu"`: the platform JAX computes on by default."""
     import jax
 
     return jax.default_backend()
@@ -137,10 +137,10 @@ def make_mesh(
     axis_names: Sequence[str],
     devices: Sequence[jax.Device] | None = None,
 ) -> jax.sharding.Mesh:
-    """A device mesh with ``AxisType.Auto`` axes (what torchax needs), over ``devices``.
+    """A device mesh with `AxisType.Auto` axes (what torchax needs), over `devices`.
 
-    ``devices`` defaults to all of ``jax.devices()``. A shape whose product differs from the
-    number of devices raises :class:`MeshShapeError` naming both.
+    `devices` defaults to all of `jax.devices()`. A shape whose product differs from the
+    number of devices raises `MeshShapeError` naming both.
     """
     import jax
     import numpy as np
@@ -172,12 +172,12 @@ def make_mesh(
 
 
 def tpu_topology(name: str = "v6e:2x4") -> list[jax.Device]:
-    """The devices of a TPU slice such as ``"v6e:2x4"``, for ahead-of-time compilation.
+    """The devices of a TPU slice such as `"v6e:2x4"`, for ahead-of-time compilation.
 
     Works on any host with libtpu installed, TPU or not: the devices are descriptions that
-    ``jax.jit(f).lower(...).compile()`` can target, not chips you can run on. Raises
-    :class:`AOTUnavailableError` (with the install command) when libtpu is missing, and
-    :class:`tpupedia.hardware.HardwareError` for a malformed name.
+    `jax.jit(f).lower(...).compile()` can target, not chips you can run on. Raises
+    `AOTUnavailableError` (with the install command) when libtpu is missing, and
+    `tpupedia.hardware.HardwareError` for a malformed name.
     """
     parse_topology(name)  # validate before touching libtpu
     if not has_libtpu():
@@ -194,7 +194,7 @@ def tpu_topology(name: str = "v6e:2x4") -> list[jax.Device]:
 def topology_mesh(
     name: str, shape: Sequence[int] | None, axis_names: Sequence[str]
 ) -> jax.sharding.Mesh:
-    """An Auto-axis mesh over the devices of TPU slice ``name`` (default shape: the slice's)."""
+    """An Auto-axis mesh over the devices of TPU slice `name` (default shape: the slice's)."""
     devices = tpu_topology(name)
     topo_shape = parse_topology(name).shape
     if shape is None:

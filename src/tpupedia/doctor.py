@@ -1,4 +1,4 @@
-"""``tpupedia doctor``: what this machine is, what is installed, and what it can do.
+"""`tpupedia doctor`: what this machine is, what is installed, and what it can do.
 
 Every probe is isolated: a missing or broken optional piece becomes a line that says what is
 missing and how to install it, never a crash. Introduced in notebook 00 (start here).

@@ -88,7 +88,7 @@ CHIPS: dict[str, Chip] = {
 
 
 def chip(name: str) -> Chip:
-    """Look a chip up by name (case-insensitive): ``chip("v6e")``, ``chip("h100")``."""
+    """Look a chip up by name (case-insensitive): `chip("v6e")`, `chip("h100")`."""
     for key, value in CHIPS.items():
         if key.lower() == name.strip().lower():
             return value
@@ -97,7 +97,7 @@ def chip(name: str) -> Chip:
 
 @dataclass(frozen=True)
 class Topology:
-    """A TPU slice named the way libtpu names it, e.g. ``v6e:2x4`` (a v6e-8)."""
+    """A TPU slice named the way libtpu names it, e.g. `v6e:2x4` (a v6e-8)."""
 
     name: str
     chip: Chip
@@ -109,7 +109,7 @@ class Topology:
 
     @property
     def accelerator_type(self) -> str:
-        """The Cloud TPU accelerator type for this slice (``v6e-8``; v5p counts TensorCores)."""
+        """The Cloud TPU accelerator type for this slice (`v6e-8`; v5p counts TensorCores)."""
         cores = 2 if self.chip.name == "v5p" else 1
         return f"{self.chip.name}-{self.num_chips * cores}"
 
@@ -122,7 +122,7 @@ _TOPOLOGY = re.compile(r"^(v5e|v5p|v6e):(\d+(?:x\d+){1,2})$")
 
 
 def parse_topology(name: str) -> Topology:
-    """Parse ``"v6e:2x4"`` into a :class:`Topology`; a bad name gets an error with examples."""
+    """Parse `"v6e:2x4"` into a `Topology`; a bad name gets an error with examples."""
     m = _TOPOLOGY.match(name.strip())
     if not m:
         raise HardwareError(

@@ -1,18 +1,18 @@
 """Keeping the paired notebooks honest: execute lessons, and check what is committed.
 
-Each lesson is a jupytext py:percent file, ``lessons/NN_slug.py``, paired with an executed
-notebook, ``notebooks/NN_slug.ipynb``, which is what nbval re-runs and the site renders.
-:func:`execute` regenerates a notebook from its lesson (``make notebooks``); the ``check_*``
-functions are what ``make test`` enforces on every committed notebook:
+Each lesson is a jupytext py:percent file, `lessons/NN_slug.py`, paired with an executed
+notebook, `notebooks/NN_slug.ipynb`, which is what nbval re-runs and the site renders.
+`execute` regenerates a notebook from its lesson (`make notebooks`); the `check_*`
+functions are what `make test` enforces on every committed notebook:
 
-* the lesson and the notebook hold the same cells (:func:`check_pair`);
+* the lesson and the notebook hold the same cells (`check_pair`);
 * every code cell ran, in order, in one session, and errors appear only in cells tagged
-  ``raises-exception`` (:func:`check_executed`);
+  `raises-exception` (`check_executed`);
 * no stored output holds a token-like string or a path from the machine that ran it
-  (:func:`check_outputs_clean`).
+  (`check_outputs_clean`).
 
-Usage: ``python -m tpupedia.notebooks execute lessons/00_start_here.py``,
-``python -m tpupedia.notebooks check`` or ``python -m tpupedia.notebooks nbval``.
+Usage: `python -m tpupedia.notebooks execute lessons/00_start_here.py`,
+`python -m tpupedia.notebooks check` or `python -m tpupedia.notebooks nbval`.
 """
 
 from __future__ import annotations
@@ -52,9 +52,9 @@ MACHINE_PATH_PATTERNS: dict[str, re.Pattern[str]] = {
 
 TAG_RAISES = "raises-exception"
 
-# How `make test` runs nbval: strict output comparison (``--nbval``, not ``--nbval-lax``), the
+# How `make test` runs nbval: strict output comparison (`--nbval`, not `--nbval-lax`), the
 # kernel of this environment, a generous per-cell timeout, and one sanitizer for memory addresses.
-# Cells whose output is inherently variable (timings) carry ``# NBVAL_IGNORE_OUTPUT`` and still run.
+# Cells whose output is inherently variable (timings) carry `# NBVAL_IGNORE_OUTPUT` and still run.
 NBVAL_ARGS = (
     "--nbval",
     "--nbval-current-env",
@@ -69,7 +69,7 @@ def _root() -> Path:
 
 
 def pairs(root: Path | None = None) -> list[tuple[Path, Path]]:
-    """``(lesson, notebook)`` paths for every lesson, whether or not the notebook exists yet."""
+    """`(lesson, notebook)` paths for every lesson, whether or not the notebook exists yet."""
     root = root or _root()
     return [(py, root / "notebooks" / f"{py.stem}.ipynb") for py in sorted((root / "lessons").glob("[0-9][0-9]_*.py"))]
 
@@ -79,7 +79,7 @@ def _cells(nb) -> list[tuple[str, str]]:
 
 
 def check_pair(lesson: Path, notebook: Path) -> list[str]:
-    """Problems that make ``lesson`` and ``notebook`` differ in their cells (empty: in sync)."""
+    """Problems that make `lesson` and `notebook` differ in their cells (empty: in sync)."""
     import jupytext
 
     if not notebook.exists():
@@ -98,7 +98,7 @@ def _tags(cell) -> list[str]:
 
 
 def check_executed(notebook: Path) -> list[str]:
-    """Problems with how ``notebook`` was executed (empty: every code cell ran, in order)."""
+    """Problems with how `notebook` was executed (empty: every code cell ran, in order)."""
     import nbformat
 
     nb = nbformat.read(notebook, as_version=4)
@@ -163,7 +163,7 @@ def check_all(root: Path | None = None) -> list[str]:
 
 
 def execute(lesson: Path | str, timeout: int = 900) -> Path:
-    """Execute ``lesson`` with the tiny preset and write its paired, executed notebook."""
+    """Execute `lesson` with the tiny preset and write its paired, executed notebook."""
     import jupytext
     from nbclient import NotebookClient
 

@@ -1,11 +1,11 @@
-"""Presets: one switch, ``TPUPEDIA_PRESET``, decides how big everything is.
+"""Presets: one switch, `TPUPEDIA_PRESET`, decides how big everything is.
 
-``tiny``
+`tiny`
     Random weights from configs written in code, tokenizers built offline, 8 simulated CPU
     devices, Pallas kernels in interpret mode. Seconds per cell on a 2-core CPU; this is what CI runs.
-``full``
-    The real model ids through ``from_pretrained``, real devices (a TPU VM, or a GPU). The same
-    code path as ``tiny``; only the sizes and the weight source change.
+`full`
+    The real model ids through `from_pretrained`, real devices (a TPU VM, or a GPU). The same
+    code path as `tiny`; only the sizes and the weight source change.
 
 Introduced in notebook 00 (start here).
 """
@@ -32,9 +32,9 @@ class Preset:
     name: str
     description: str
     simulated_devices: int | None
-    """Number of simulated CPU devices to create, or ``None`` to use the machine's real devices."""
+    """Number of simulated CPU devices to create, or `None` to use the machine's real devices."""
     pretrained: bool
-    """Load real checkpoints with ``from_pretrained`` (``True``) or build random tiny models."""
+    """Load real checkpoints with `from_pretrained` (`True`) or build random tiny models."""
     interpret_kernels: bool
     """Run Pallas kernels in interpret mode (needed off-TPU)."""
 
@@ -58,7 +58,7 @@ PRESETS: dict[str, Preset] = {
 
 
 def get(name: str) -> Preset:
-    """Return the preset called ``name``; raise :class:`PresetError` naming the allowed ones."""
+    """Return the preset called `name`; raise `PresetError` naming the allowed ones."""
     key = name.strip().lower()
     if key not in PRESETS:
         allowed = ", ".join(PRESETS)
@@ -67,5 +67,5 @@ def get(name: str) -> Preset:
 
 
 def current() -> Preset:
-    """The preset in force: ``$TPUPEDIA_PRESET``, or ``tiny`` when it is unset or empty."""
+    """The preset in force: `$TPUPEDIA_PRESET`, or `tiny` when it is unset or empty."""
     return get(os.environ.get(ENV_VAR) or DEFAULT)
