@@ -1,0 +1,64 @@
+"""The first cell of every notebook: read the preset, set up devices, silence known noise.
+
+Notebook 00 walks through these steps one at a time; later notebooks call `start()`.
+
+The warnings silenced here are harmless and known, and each would otherwise print a line (often
+with a path or a timestamp) into stored notebook outputs that CI compares:
+
+* `Explicitly requested dtype int64 ... will be truncated to int32`: JAX runs with 32-bit
+  integers unless `jax_enable_x64` is set, and PyTorch code asks for int64 everywhere.
+* `The given NumPy array is not writable`: torchax wraps read-only NumPy views of JAX arrays.
+* `IProgress not found`: tqdm without ipywidgets.
+* `is_gradient_checkpointing is deprecated`: touched by torchax when it collects a model's
+  tensors with `getattr` over `dir(module)`.
+
+Introduced in notebook 01 (a Hugging Face model in JAX).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+from tpupedia import devices, presets
+
+__all__ = ["KNOWN_NOISE", "quiet", "start"]
+
+KNOWN_NOISE = (
+    "Explicitly requested dtype",
+    "The given NumPy array is not writable",
+    "IProgress not found",
+    ".*is_gradient_checkpointing. is deprecated",
+    "Guiders are .* experimental",
+)
+
+
+def quiet() -> None:
+    """Filter the known-harmless warnings and quiet library logging and progress bars."""
+    for message in KNOWN_NOISE:
+        warnings.filterwarnings("ignore", message=message)
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)
+    try:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        import diffusers
+
+        diffusers.utils.logging.set_verbosity_error()
+        diffusers.utils.logging.disable_progress_bar()
+    except ImportError:  # pragma: no cover
+        pass
+
+
+def start(name: str | None = None) -> presets.Preset:
+    """Read the preset (`$TPUPEDIA_PRESET` unless `name` is given), create its simulated
+    devices before JAX initialises, and call `quiet`. Returns the preset."""
+    preset = presets.get(name) if name else presets.current()
+    if preset.simulated_devices:
+        devices.simulate_cpu_devices(preset.simulated_devices)
+    quiet()
+    return preset

@@ -1,0 +1,184 @@
+"""Small, verified torchax idioms: outputs as pytrees, jit with static options, moving state.
+
+Each helper exists because of a real failure met when running Hugging Face and diffusers models
+under torchax 0.0.13:
+
+* HF `ModelOutput` and diffusers `BaseOutput` classes are torch pytrees but not JAX
+  pytrees, so a jitted forward fails with "... is not a valid JAX type".
+  `register_output_pytree` registers a class *by field name*. Flattening by position
+  (`to_tuple()`) is lossy: `to_tuple()` drops `None` fields, and rebuilding positionally
+  shifts the remaining values into the wrong fields (logits landing in `loss`).
+* Python `bool`/`None`/`str` keyword arguments (`return_dict=False`, `use_cache=False`)
+  become tracers under `jax.jit`, and the model's `if use_cache:` raises
+  `ConcretizationTypeError`. `JitModule` treats every non-tensor keyword as static
+  (one compiled program per distinct value).
+* diffusers schedulers keep tensors (`alphas_cumprod`, `sigmas`) that are indexed with
+  device timesteps; `move_tensors` moves such non-module state.
+* torchax's SDPA returns NaN for query rows whose mask is all False, where PyTorch returns 0;
+  `install_masked_row_safe_sdpa` matches PyTorch.
+
+Introduced in notebook 01 (a Hugging Face model in JAX); notebook 03 (torchax internals) shows
+every failure live.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.tree_util as jtu
+import torch
+
+from tpupedia.compat import import_torchax
+
+__all__ = [
+    "default_env",
+    "register_output_pytree",
+    "register_common_outputs",
+    "JitModule",
+    "move_tensors",
+    "masked_row_safe_sdpa",
+    "install_masked_row_safe_sdpa",
+]
+
+_REGISTERED: set[type] = set()
+
+
+def default_env():
+    """The torchax environment (imports torchax through the compatibility shim)."""
+    return import_torchax().default_env()
+
+
+def register_output_pytree(cls: type) -> type:
+    """Register an HF/diffusers output class as a JAX pytree, flattened by field name.
+
+    Only the fields that are set are children; their names travel as static aux data, so
+    unflattening rebuilds `cls(**{name: value})` and unset fields stay `None`.
+    Registering the same class twice is a no-op. Returns `cls`.
+    """
+    if cls in _REGISTERED:
+        return cls
+
+    def flatten(out):
+        keys = tuple(out.keys())
+        return tuple(out[k] for k in keys), keys
+
+    def unflatten(keys, values):
+        return cls(**dict(zip(keys, values)))
+
+    try:
+        jtu.register_pytree_node(cls, flatten, unflatten)
+    except ValueError:  # registered elsewhere already (e.g. by another library)
+        pass
+    _REGISTERED.add(cls)
+    return cls
+
+
+def register_common_outputs() -> list[type]:
+    """Register the output classes the course's models return. Returns them."""
+    from transformers import modeling_outputs as mo
+
+    classes = [
+        mo.BaseModelOutput,
+        mo.BaseModelOutputWithPast,
+        mo.BaseModelOutputWithPastAndCrossAttentions,
+        mo.BaseModelOutputWithPooling,
+        mo.CausalLMOutputWithPast,
+        mo.CausalLMOutputWithCrossAttentions,
+    ]
+    try:
+        from diffusers.models.autoencoders.vae import DecoderOutput
+        from diffusers.models.modeling_outputs import AutoencoderKLOutput, Transformer2DModelOutput
+
+        classes += [DecoderOutput, AutoencoderKLOutput, Transformer2DModelOutput]
+    except ImportError:  # pragma: no cover - diffusers is optional for LLM-only use
+        pass
+    return [register_output_pytree(c) for c in classes]
+
+
+def _has_tensor(value: Any) -> bool:
+    return any(isinstance(x, torch.Tensor) for x in torch.utils._pytree.tree_leaves(value))
+
+
+class JitModule(torch.nn.Module):
+    """A jitted view of `module` whose non-tensor keyword arguments are static.
+
+    `JitModule(model)(ids, return_dict=False)` compiles once per distinct set of static
+    keyword values and input shapes, and reuses the compiled program afterwards. Extra methods
+    (a VAE's `decode`) are jitted the same way when listed in `methods`. Attribute access and
+    `isinstance` checks fall through to the wrapped module, so pipelines accept it in place.
+    """
+
+    def __init__(self, module: torch.nn.Module, methods: tuple[str, ...] = ("forward",)):
+        super().__init__()
+        from torchax.interop import JittableModule
+
+        import_torchax()
+        self.__dict__["_jm"] = JittableModule(module)
+        self.__dict__["_compiled"] = {}
+        for name in methods:
+            if name != "forward":
+                self.__dict__[name] = lambda *a, _m=name, **kw: self._call(_m, *a, **kw)
+
+    @property
+    def compiled_variants(self) -> int:
+        """How many distinct programs have been traced so far (one per static-kwarg set)."""
+        return len(self.__dict__["_compiled"])
+
+    def _call(self, method: str, *args, **kwargs):
+        from torchax.interop import jax_jit
+
+        static = {k: v for k, v in kwargs.items() if not _has_tensor(v)}
+        dynamic = {k: v for k, v in kwargs.items() if k not in static}
+        key = (method, repr(sorted(static.items())), tuple(sorted(dynamic)))
+        compiled = self.__dict__["_compiled"]
+        if key not in compiled:
+            jm = self.__dict__["_jm"]
+
+            def call(params, buffers, *a, **kw):
+                return jm.functional_call(method, params, buffers, *a, **kw, **static)
+
+            compiled[key] = jax_jit(call)
+        jm = self.__dict__["_jm"]
+        return compiled[key](jm.params, jm.buffers, *args, **dynamic)
+
+    def forward(self, *args, **kwargs):
+        return self._call("forward", *args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.__dict__["_jm"]._model, name)
+
+    @property
+    def __class__(self):  # noqa: D105 - let pipelines' isinstance checks see the wrapped class
+        return self.__dict__["_jm"]._model.__class__
+
+
+def move_tensors(obj: Any, device: str = "jax") -> Any:
+    """Move every tensor attribute of a non-module object (a scheduler) to `device`.
+
+    Run inside `with env:` when moving to `"jax"`. Returns `obj`.
+    """
+    for name, value in list(vars(obj).items()):
+        if isinstance(value, torch.Tensor):
+            setattr(obj, name, value.to(device))
+    return obj
+
+
+def masked_row_safe_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                         scale=None, enable_gqa=False):
+    """torchax's reference SDPA, with rows whose boolean mask is all False set to 0 (as PyTorch)."""
+    from torchax.ops.jtorch import _sdpa_reference
+
+    out = _sdpa_reference(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        out = torch.where(attn_mask.any(-1, keepdim=True), out, torch.zeros_like(out))
+    return out
+
+
+def install_masked_row_safe_sdpa(env) -> None:
+    """Override `F.scaled_dot_product_attention` in `env` with `masked_row_safe_sdpa`."""
+    for op in (torch.nn.functional.scaled_dot_product_attention,
+               torch.ops.aten.scaled_dot_product_attention):
+        env.override_op_definition(op, masked_row_safe_sdpa)

@@ -1,0 +1,54 @@
+import json
+
+import pytest
+
+from tpupedia import bench, cli
+
+
+def test_time_call_separates_first_call():
+    calls = []
+    t = bench.time_call(lambda: calls.append(1), repeat=3)
+    assert len(calls) == 4 and t.repeats == 3 and len(t.samples_s) == 3
+    assert t.steady_s == sorted(t.samples_s)[1]
+
+
+def _record(device="cpu", layers=1, ratio=0.5):
+    return {"bench": "llama", "config": {"layers": layers}, "machine": {"device_kind": device, "cpu_count": 2},
+            "ratio_jit_over_eager": ratio}
+
+
+def test_merge_record_replaces_same_bench_config_and_machine(tmp_path):
+    path = tmp_path / "r.json"
+    bench.merge_record(_record(ratio=0.5), path)
+    bench.merge_record(_record(layers=2), path)
+    bench.merge_record(_record(ratio=0.7), path)  # same key as the first: replaces it
+    records = bench.load_results(path)
+    assert len(records) == 2
+    assert [r["ratio_jit_over_eager"] for r in records if r["config"]["layers"] == 1] == [0.7]
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_load_results_rejects_foreign_files(tmp_path):
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps([1, 2]))
+    with pytest.raises(ValueError, match="not a tpupedia results file"):
+        bench.load_results(path)
+    assert bench.load_results(tmp_path / "missing.json") == []
+
+
+def test_bench_llama_small_record_is_complete_and_exact():
+    r = bench.bench_llama(layers=1, hidden=64, seq=16, batch=1, repeat=2)
+    assert r["max_abs_diff"] < 1e-5
+    assert r["ratio_jit_over_eager"] == pytest.approx(r["torchax_jit"]["steady_s"] / r["torch_eager"]["steady_s"])
+    assert r["machine"]["platform"] == "cpu" and r["machine"]["versions"]["torchax"]
+    assert r["command"].startswith("tpupedia bench llama --layers 1 --hidden 64")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--hidden", "100"], "--hidden must be a multiple of 64"),
+    (["--layers", "0"], "--layers must be a positive integer, got 0"),
+])
+def test_cli_bench_rejects_bad_sizes_before_building(args, message, tmp_path):
+    with pytest.raises(SystemExit, match=message):
+        cli.main(["bench", "llama", *args, "--output", str(tmp_path / "r.json")])
+    assert not (tmp_path / "r.json").exists()
