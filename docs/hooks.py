@@ -10,6 +10,8 @@ from pathlib import Path
 from tpupedia import bench, hardware
 
 _RESULTS = Path(__file__).parent / "results" / "benchmarks.json"
+_DRYRUNS = Path(__file__).parent / "results" / "dryruns.json"
+_UPSTREAM = Path(__file__).parent / "results" / "upstream.json"
 
 _COLUMNS = [
     "chip",
@@ -42,19 +44,107 @@ def _bench_table() -> str:
     if not records:
         return "*No benchmark has been recorded yet.*"
     lines = [
-        "| bench | config | measured on | PyTorch eager | torchax jit, first call | torchax jit, steady | jit / eager | max abs diff | date | command |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| bench | config | measured on | PyTorch eager | torch.compile | torchax jit, first call | torchax jit, steady | jit / eager | MFU (jit) | max abs diff | date | command |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         c, m = r["config"], r["machine"]
         config = ", ".join(f"{k} {v}" for k, v in c.items())
         where = f"{m['device_kind']} ({m['platform']}, {m['cpu_count']} CPUs), torch {m['versions']['torch']}, jax {m['versions']['jax']}"
+        compiled = r.get("torch_compile")
+        compiled = _ms(compiled["steady_s"]) if isinstance(compiled, dict) else ("not run" if not compiled else "failed")
+        mfu = r.get("mfu_torchax_jit")
+        mfu = f"{mfu:.1%}" if mfu is not None else "peak unknown"
         lines.append(
-            f"| {r['bench']} | {config} | {where} | {_ms(r['torch_eager']['steady_s'])} | "
+            f"| {r['bench']} | {config} | {where} | {_ms(r['torch_eager']['steady_s'])} | {compiled} | "
             f"{r['torchax_jit']['first_s']:.2f} s | {_ms(r['torchax_jit']['steady_s'])} | "
-            f"{r['ratio_jit_over_eager']:.2f} | {r['max_abs_diff']:.1e} | {r['measured_at']} | `{r['command']}` |"
+            f"{r['ratio_jit_over_eager']:.2f} | {mfu} | {r['max_abs_diff']:.1e} | {r['measured_at']} | `{r['command']}` |"
         )
     return "\n".join(lines)
+
+
+def _step_flops(model: str, width: int, height: int, frames: int) -> float:
+    from tpupedia import dryrun
+
+    counter = {"cogvideox": dryrun.cogvideox_step_flops, "hunyuan": dryrun.hunyuan_step_flops}[model]
+    return counter(width, height, frames)["total"]
+
+
+def _upstream() -> list[dict]:
+    import json
+
+    return json.loads(_UPSTREAM.read_text())["records"] if _UPSTREAM.exists() else []
+
+
+def _results_table() -> str:
+    g = 2**30
+    lines = [
+        "| model | resolution | frames | steps | hardware | first run | steady state | memory per chip | MFU | provenance |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in _upstream():
+        chip = hardware.chip(r["chip"])
+        flops = _step_flops(r["model"], r["width"], r["height"], r["frames"])
+        mfu = flops / (r["step_s"] * r["chips"] * chip.bf16_flops)
+        lines.append(
+            f"| {r['name']} | {r['width']}x{r['height']} | {r['frames']} | {r['steps']} | {r['chips']} x {chip.name} ({r['mesh']}) | "
+            f"{r['first_run'] or '—'} | {r['step_s']:.2f} s/step | {r['memory'] or '—'} | {mfu:.0%} | reported upstream: {r['source']} |"
+        )
+    for r in (bench.load_results(_DRYRUNS) if _DRYRUNS.exists() else []):
+        size = f"{r['width']}x{r['height']}" if r["width"] else f"{r['tokens']} tokens"
+        if r["fits"]:
+            memory = f"fits: {r['arguments_bytes'] / g:.2f} GiB args + {r['temporaries_bytes'] / g:.2f} GiB temp of {r['hbm_bytes'] / g:.2f}"
+        else:
+            memory = f"**does not fit**: {r['oom_required_bytes'] / g:.2f} GiB temp of {r['oom_available_bytes'] / g:.2f}"
+        depth = "all" if r["layers_compiled"] == r["layers_full"] else f"{r['layers_compiled']} of {r['layers_full']}"
+        lines.append(
+            f"| {r['model']}, {r['attention']} attention, {r['sharding']} | {size} | {r['frames'] or '—'} | 1 | "
+            f"{r['topology']} ({r['num_chips']} x {r['chip']}), mesh {r['mesh']} | — | ≥ {r['roofline_seconds']:.2f} s/step (roofline) | "
+            f"{memory} | — | AOT here (libtpu {r['libtpu']}, {depth} layers): `{r['command']}` |"
+        )
+    for r in bench.load_results(_RESULTS):
+        c, m = r["config"], r["machine"]
+        size = f"{c['width']}x{c['height']}" if "width" in c else f"seq {c['seq']} x batch {c['batch']}"
+        mfu = r.get("mfu_torchax_jit")
+        lines.append(
+            f"| {r['bench']} ({c['layers']} layers), torchax jit | {size} | {c.get('frames', '—')} | 1 | "
+            f"{m['device_kind']} ({m['cpu_count']} CPUs) | {r['torchax_jit']['first_s']:.2f} s | "
+            f"{_ms(r['torchax_jit']['steady_s'])} per step | — | {f'{mfu:.1%}' if mfu is not None else 'peak unknown'} | "
+            f"measured here: `{r['command']}` |"
+        )
+    return "\n".join(lines)
+
+
+def _results_chart() -> str:
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = _upstream()
+    if not rows:
+        return ""
+    names = [f"{r['name']}\n{r['chips']} x {r['chip']}" for r in rows]
+    reported = [r["step_s"] for r in rows]
+    floors = [_step_flops(r["model"], r["width"], r["height"], r["frames"]) / (r["chips"] * hardware.chip(r["chip"]).bf16_flops)
+              for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 0.55 * len(rows) + 1.2))
+    y = range(len(rows))
+    ax.barh([i + 0.2 for i in y], reported, height=0.4, label="reported upstream (s/step)", color="#3f51b5")
+    ax.barh([i - 0.2 for i in y], floors, height=0.4, label="roofline floor at bf16 peak (computed here)", color="#ff9800")
+    ax.set_yticks(list(y), names, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds per denoising step (CFG batch of 2)")
+    ax.legend(fontsize=8, loc="lower right")
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    buf = io.StringIO()
+    fig.savefig(buf, format="svg")
+    plt.close(fig)
+    svg = buf.getvalue()
+    return svg[svg.index("<svg"):]
 
 
 def on_page_markdown(markdown, page, config, files):  # noqa: ARG001 - mkdocs hook signature
@@ -62,4 +152,8 @@ def on_page_markdown(markdown, page, config, files):  # noqa: ARG001 - mkdocs ho
         markdown = markdown.replace("{{ hardware_table }}", _hardware_table())
     if "{{ bench_table }}" in markdown:
         markdown = markdown.replace("{{ bench_table }}", _bench_table())
+    if "{{ results_table }}" in markdown:
+        markdown = markdown.replace("{{ results_table }}", _results_table())
+    if "{{ results_chart }}" in markdown:
+        markdown = markdown.replace("{{ results_chart }}", _results_chart())
     return markdown

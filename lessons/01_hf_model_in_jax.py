@@ -249,8 +249,9 @@ for out in (static_logits, no_cache, as_tuple):
 # parameters and buffers as arguments instead. The lowered programs show the difference.
 
 # %%
-import torchax
+from tpupedia.compat import import_torchax
 
+torchax = import_torchax()  # the module itself; the shim already ran when the environment was built
 with env:
     weights, forward = torchax.extract_jax(model)
 ids_array = jax.numpy.asarray(ids.numpy())

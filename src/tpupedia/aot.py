@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 __all__ = [
+    "hbm_budget",
     "MemoryPerChip",
     "AOTResult",
     "abstract",
@@ -135,3 +136,30 @@ def compile_aot(fn: Callable[..., Any], *args: Any, **jit_kwargs: Any) -> AOTRes
         collectives=collective_counts(compiled.as_text()),
         compiled=compiled,
     )
+
+
+_BUDGETS: dict[tuple[str, int], float] = {}
+
+
+def hbm_budget(devices) -> float:
+    """Bytes of HBM the TPU compiler lets one program use per chip of `devices` (a topology).
+
+    Measured, not looked up: compile a program that cannot fit (the float32 softmax of a
+    131,072 x 131,072 score matrix, 64 GiB) and read the compiler's "available HBM" figure.
+    Cached per device kind.
+    """
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    device = list(devices)[0]
+    key = (device.device_kind, 1)
+    if key not in _BUDGETS:
+        mesh = Mesh([device], ("x",))
+        q = abstract((131_072, 128), jnp.bfloat16, NamedSharding(mesh, P()))
+        result = compile_aot(lambda a, b: jax.nn.softmax((a @ b.T).astype(jnp.float32), axis=-1), q, q)
+        if result.fits or result.oom_available_bytes is None:  # pragma: no cover - defensive
+            raise RuntimeError(f"could not measure the HBM budget of {device.device_kind}")
+        _BUDGETS[key] = result.oom_available_bytes
+    return _BUDGETS[key]

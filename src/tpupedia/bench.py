@@ -29,6 +29,7 @@ __all__ = [
     "merge_record",
     "load_results",
     "bench_llama",
+    "bench_dit",
 ]
 
 DEFAULT_RESULTS = Path("docs/results/benchmarks.json")
@@ -96,18 +97,34 @@ def _key(record: dict[str, Any]) -> tuple:
     return (record["bench"], json.dumps(record["config"], sort_keys=True), m["device_kind"], m["cpu_count"])
 
 
-def merge_record(record: dict[str, Any], path: str | os.PathLike = DEFAULT_RESULTS) -> Path:
-    """Add `record` to the results file, replacing an earlier run of the same bench, config and
-    machine. Written atomically (temporary file + rename)."""
+def merge_record(record: dict[str, Any], path: str | os.PathLike = DEFAULT_RESULTS,
+                 key: Callable[[dict[str, Any]], tuple] | None = None) -> Path:
+    """Add `record` to the results file, replacing an earlier record with the same `key`
+    (default: same bench, config and machine). Written atomically (temporary file + rename)."""
+    key = key or _key
     path = Path(path)
-    records = [r for r in load_results(path) if _key(r) != _key(record)]
+    records = [r for r in load_results(path) if key(r) != key(record)]
     records.append(record)
-    records.sort(key=lambda r: (r["bench"], r["machine"]["device_kind"], json.dumps(r["config"], sort_keys=True)))
+    records.sort(key=lambda r: json.dumps(key(r)))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps({"records": records}, indent=2) + "\n")
     tmp.replace(path)
     return path
+
+
+def _with_peak(record: dict[str, Any]) -> dict[str, Any]:
+    """Add achieved FLOP/s and, where the chip's peak is known, MFU for the jitted run."""
+    from tpupedia.hardware import chip_for_device_kind
+
+    flops = record["approx_matmul_flops"]
+    record["achieved_flops_per_s"] = {
+        "torch_eager": flops / record["torch_eager"]["steady_s"],
+        "torchax_jit": flops / record["torchax_jit"]["steady_s"],
+    }
+    chip = chip_for_device_kind(record["machine"]["device_kind"])
+    record["mfu_torchax_jit"] = (record["achieved_flops_per_s"]["torchax_jit"] / chip.bf16_flops) if chip else None
+    return record
 
 
 def bench_llama(layers: int = 8, hidden: int = 512, seq: int = 512, batch: int = 4,
@@ -148,7 +165,7 @@ def bench_llama(layers: int = 8, hidden: int = 512, seq: int = 512, batch: int =
         got = jitted(ids_jax).logits.to("cpu")
     error = float((got - reference).abs().max())
     flops = 2 * sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n) * batch * seq
-    return {
+    return _with_peak({
         "bench": "llama",
         "config": config,
         "machine": machine(),
@@ -159,4 +176,87 @@ def bench_llama(layers: int = 8, hidden: int = 512, seq: int = 512, batch: int =
         "approx_matmul_flops": flops,
         "measured_at": _dt.date.today().isoformat(),
         "command": f"tpupedia bench llama --layers {layers} --hidden {hidden} --seq {seq} --batch {batch} --repeat {repeat}",
+    })
+
+
+def bench_dit(layers: int = 2, heads: int = 8, head_dim: int = 64, frames: int = 9, height: int = 64,
+              width: int = 64, text_tokens: int = 32, repeat: int = 5, torch_compile: bool = True,
+              seed: int = 0) -> dict[str, Any]:
+    """One denoising step of a CogVideoX-shaped transformer (CFG batch 2), float32:
+    PyTorch eager, `torch.compile` (when it works here) and torchax jitted, same machine and run.
+
+    The architecture is CogVideoX1.5's (patch 2x2x2, 4x MLP, joint text-video attention) at
+    the given width and depth; the full model is `layers=42, heads=48, head_dim=64`.
+    """
+    import jax
+    import torch
+    from diffusers import CogVideoXTransformer3DModel
+
+    from tpupedia import dryrun, torchax_utils
+
+    if (frames - 1) % 4 or height % 16 or width % 16:
+        raise ValueError(f"frames must be 4n+1 and height/width multiples of 16; got {frames}, {height}x{width}")
+    config = dict(layers=layers, heads=heads, head_dim=head_dim, frames=frames, height=height, width=width,
+                  text_tokens=text_tokens, batch=2, dtype="float32")
+    full = dryrun.cogvideox_config(layers)
+    full.update(num_attention_heads=heads, attention_head_dim=head_dim, text_embed_dim=4 * heads * head_dim // 3 or 64,
+                max_text_seq_length=text_tokens, sample_height=height // 8, sample_width=width // 8, sample_frames=frames)
+    torch.manual_seed(seed)
+    model = CogVideoXTransformer3DModel(**full).eval()
+    latent_frames = (frames - 1) // 4 + 1
+    latent_frames += latent_frames % 2
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, latent_frames, 16, height // 8, width // 8, generator=g)
+    text = torch.randn(2, text_tokens, full["text_embed_dim"], generator=g)
+    t = torch.tensor([500, 500])
+    from diffusers.models.embeddings import get_3d_rotary_pos_embed
+
+    grid = (height // 16, width // 16)
+    rope = get_3d_rotary_pos_embed(embed_dim=head_dim, crops_coords=None, grid_size=grid,
+                                   temporal_size=latent_frames // 2, grid_type="slice", max_size=grid)
+
+    def eager_step():
+        return model(hidden_states=x, encoder_hidden_states=text, timestep=t, image_rotary_emb=rope, return_dict=False)[0]
+
+    with torch.no_grad():
+        eager = time_call(eager_step, repeat=repeat)
+        reference = eager_step()
+        compiled = None
+        if torch_compile:
+            try:
+                compiled_model = torch.compile(model)
+                compiled = time_call(lambda: compiled_model(hidden_states=x, encoder_hidden_states=text, timestep=t,
+                                                            image_rotary_emb=rope, return_dict=False)[0], repeat=repeat)
+            except Exception as err:  # noqa: BLE001 - recorded, not fatal: torch.compile needs a toolchain
+                compiled = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
+
+    env = torchax_utils.default_env()
+    torchax_utils.register_common_outputs()
+    with env:
+        model.to("jax")
+        xj, tj, cj = x.to("jax"), t.to("jax"), text.to("jax")
+        rj = tuple(r.to("jax") for r in rope)
+        jitted = torchax_utils.JitModule(model)
+
+        def jit_step():
+            return jitted(hidden_states=xj, encoder_hidden_states=cj, timestep=tj, image_rotary_emb=rj, return_dict=False)[0]
+
+        jit = time_call(jit_step, sync=lambda out: jax.block_until_ready(out.jax()), repeat=repeat)
+        got = jit_step().to("cpu")
+    flops = dryrun.cogvideox_step_flops(width, height, frames, layers=layers, heads=heads, head_dim=head_dim,
+                                        text_tokens=text_tokens)
+    record = {
+        "bench": "dit",
+        "config": config,
+        "machine": machine(),
+        "torch_eager": asdict(eager) | {"samples_s": list(eager.samples_s)},
+        "torch_compile": (asdict(compiled) | {"samples_s": list(compiled.samples_s)}) if isinstance(compiled, Timing) else compiled,
+        "torchax_jit": asdict(jit) | {"samples_s": list(jit.samples_s)},
+        "ratio_jit_over_eager": jit.steady_s / eager.steady_s,
+        "max_abs_diff": float((got - reference).abs().max()),
+        "approx_matmul_flops": flops["total"],
+        "measured_at": _dt.date.today().isoformat(),
+        "command": (f"tpupedia bench dit --layers {layers} --heads {heads} --head-dim {head_dim} --frames {frames} "
+                    f"--height {height} --width {width} --text-tokens {text_tokens} --repeat {repeat}"),
     }
+    return _with_peak(record)

@@ -18,26 +18,88 @@ def _doctor(args: argparse.Namespace) -> int:
     return 0 if all(c.ok for c in report.checks) else 1
 
 
+def _positive(command: str, **values: int) -> None:
+    for name, value in values.items():
+        if value < 1:
+            raise SystemExit(f"tpupedia bench {command}: --{name.replace('_', '-')} must be a positive integer, got {value}")
+
+
+def _report_bench(record: dict, output: str) -> int:
+    from tpupedia import bench
+
+    path = bench.merge_record(record, output)
+    m = record["machine"]
+    config = ", ".join(f"{k} {v}" for k, v in record["config"].items())
+    print(f"{record['bench']} ({config}) on {m['device_kind']} ({m['cpu_count']} CPUs)")
+    print(f"  torch eager   steady {record['torch_eager']['steady_s'] * 1e3:9.1f} ms")
+    compiled = record.get("torch_compile")
+    if isinstance(compiled, dict):
+        print(f"  torch.compile steady {compiled['steady_s'] * 1e3:9.1f} ms (first call {compiled['first_s']:.2f} s)")
+    elif compiled:
+        print(f"  torch.compile {compiled}")
+    print(f"  torchax jit   steady {record['torchax_jit']['steady_s'] * 1e3:9.1f} ms "
+          f"(first call {record['torchax_jit']['first_s']:.2f} s)")
+    print(f"  ratio jit/eager {record['ratio_jit_over_eager']:.2f}, max abs diff {record['max_abs_diff']:.1e}")
+    if record.get("mfu_torchax_jit") is not None:
+        print(f"  torchax jit MFU {record['mfu_torchax_jit']:.1%} of the chip's bf16 peak")
+    print(f"  written to {path}")
+    return 0
+
+
 def _bench_llama(args: argparse.Namespace) -> int:
     from tpupedia import bench
 
-    for name, value in (("layers", args.layers), ("hidden", args.hidden), ("seq", args.seq),
-                        ("batch", args.batch), ("repeat", args.repeat)):
-        if value < 1:
-            raise SystemExit(f"tpupedia bench llama: --{name} must be a positive integer, got {value}")
+    _positive("llama", layers=args.layers, hidden=args.hidden, seq=args.seq, batch=args.batch, repeat=args.repeat)
     if args.hidden % 64:
         raise SystemExit(f"tpupedia bench llama: --hidden must be a multiple of 64 (head dim 64), got {args.hidden}")
     record = bench.bench_llama(layers=args.layers, hidden=args.hidden, seq=args.seq,
                                batch=args.batch, repeat=args.repeat)
-    path = bench.merge_record(record, args.output)
-    m = record["machine"]
-    print(f"llama {args.layers}x{args.hidden}, batch {args.batch} x seq {args.seq} on "
-          f"{m['device_kind']} ({m['cpu_count']} CPUs)")
-    print(f"  torch eager   steady {record['torch_eager']['steady_s'] * 1e3:9.1f} ms")
-    print(f"  torchax jit   steady {record['torchax_jit']['steady_s'] * 1e3:9.1f} ms "
-          f"(first call {record['torchax_jit']['first_s']:.2f} s)")
-    print(f"  ratio jit/eager {record['ratio_jit_over_eager']:.2f}, max abs diff {record['max_abs_diff']:.1e}")
-    print(f"  written to {path}")
+    return _report_bench(record, args.output)
+
+
+def _bench_dit(args: argparse.Namespace) -> int:
+    from tpupedia import bench
+
+    _positive("dit", layers=args.layers, heads=args.heads, head_dim=args.head_dim, frames=args.frames,
+              height=args.height, width=args.width, text_tokens=args.text_tokens, repeat=args.repeat)
+    if (args.frames - 1) % 4:
+        raise SystemExit(f"tpupedia bench dit: --frames must be 4n+1 (e.g. 9, 49, 81), got {args.frames}")
+    if args.height % 16 or args.width % 16:
+        raise SystemExit(f"tpupedia bench dit: --height and --width must be multiples of 16, got {args.height}x{args.width}")
+    record = bench.bench_dit(layers=args.layers, heads=args.heads, head_dim=args.head_dim, frames=args.frames,
+                             height=args.height, width=args.width, text_tokens=args.text_tokens,
+                             repeat=args.repeat, torch_compile=not args.no_torch_compile)
+    return _report_bench(record, args.output)
+
+
+def _dryrun(args: argparse.Namespace) -> int:
+    import json
+
+    from tpupedia import dryrun, hardware
+
+    try:
+        hardware.parse_topology(args.topology)
+        report = dryrun.run(
+            model=args.model, topology=args.topology, resolution=args.resolution, frames=args.frames,
+            sharding=args.sharding, attention=args.attention, layers=args.layers, seq=args.seq,
+            measured_step_seconds=args.measured_step_seconds,
+        )
+    except (dryrun.DryRunError, hardware.HardwareError) as err:
+        raise SystemExit(f"tpupedia dryrun: {err}") from None
+    print(report.summary())
+    if args.record:
+        command = (f"tpupedia dryrun {args.model} --topology {args.topology} --resolution {args.resolution} "
+                   f"--frames {args.frames} --sharding {args.sharding} --attention {args.attention}"
+                   + (f" --layers {args.layers}" if args.layers else "") + (f" --seq {args.seq}" if args.model == "llama" else ""))
+        print(f"  recorded in {dryrun.record(report, args.record, command=command.strip())}")
+    if args.json:
+        from pathlib import Path
+
+        path = Path(args.json)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(report.as_dict(), indent=2) + "\n")
+        tmp.replace(path)
+        print(f"  written to {path}")
     return 0
 
 
@@ -56,6 +118,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_doctor)
 
+    d = sub.add_parser("dryrun", help="AOT-compile one full-size step for a TPU slice; per-chip memory, collectives, roofline")
+    d.add_argument("model", choices=["cogvideox", "hunyuan", "llama"])
+    d.add_argument("--topology", default="v6e:2x4", help="TPU slice as libtpu names it (v6e:2x4, v6e:4x4, v5e:2x4, v5p:2x2x2)")
+    d.add_argument("--resolution", default="720p", help="720p, 480p or WIDTHxHEIGHT (video models)")
+    d.add_argument("--frames", type=int, default=81, help="4n+1 frames (video models)")
+    d.add_argument("--seq", type=int, default=2048, help="sequence length (llama)")
+    d.add_argument("--sharding", default="tp", help="a strategy of tpupedia.sharding: tp, tp_transposed, fsdp, replicated (hunyuan: also tp_fc2_replicated)")
+    d.add_argument("--attention", default="reference", choices=["reference", "splash"])
+    d.add_argument("--layers", type=int, default=None, help="compile N layers and scale the weights to full depth")
+    d.add_argument("--measured-step-seconds", type=float, default=None, help="a measured step time, to report MFU")
+    d.add_argument("--json", default=None, help="also write the report as JSON to this file")
+    d.add_argument("--record", default=None, nargs="?", const="docs/results/dryruns.json",
+                   help="merge the report into a results file (default docs/results/dryruns.json)")
+    d.set_defaults(func=_dryrun)
+
     b = sub.add_parser("bench", help="benchmarks; results go to a JSON file the docs render")
     bsub = b.add_subparsers(dest="bench", required=True)
     ll = bsub.add_parser("llama", help="random Llama forward: torchax jit vs PyTorch eager")
@@ -66,6 +143,18 @@ def build_parser() -> argparse.ArgumentParser:
     ll.add_argument("--repeat", type=int, default=5)
     ll.add_argument("--output", default="docs/results/benchmarks.json", help="results file to merge into")
     ll.set_defaults(func=_bench_llama)
+    dit = bsub.add_parser("dit", help="one CogVideoX-shaped denoising step: torchax jit vs PyTorch eager and torch.compile")
+    dit.add_argument("--layers", type=int, default=2)
+    dit.add_argument("--heads", type=int, default=8)
+    dit.add_argument("--head-dim", type=int, default=64)
+    dit.add_argument("--frames", type=int, default=9)
+    dit.add_argument("--height", type=int, default=64)
+    dit.add_argument("--width", type=int, default=64)
+    dit.add_argument("--text-tokens", type=int, default=32)
+    dit.add_argument("--repeat", type=int, default=5)
+    dit.add_argument("--no-torch-compile", action="store_true", help="skip torch.compile (it needs a C++ toolchain)")
+    dit.add_argument("--output", default="docs/results/benchmarks.json", help="results file to merge into")
+    dit.set_defaults(func=_bench_dit)
     return parser
 
 

@@ -21,6 +21,7 @@ __all__ = [
     "Topology",
     "parse_topology",
     "table_rows",
+    "chip_for_device_kind",
 ]
 
 GB = 1e9
@@ -155,3 +156,21 @@ def table_rows() -> list[dict[str, object]]:
             }
         )
     return rows
+
+
+_DEVICE_KINDS = (
+    (r"TPU v5 lite|TPU v5e", "v5e"),
+    (r"TPU v5p|TPU v5$", "v5p"),
+    (r"TPU v6", "v6e"),
+    (r"H100", "H100"),
+    (r"H200", "H200"),
+    (r"B200", "B200"),
+)
+
+
+def chip_for_device_kind(kind: str) -> Chip | None:
+    """The table's chip for a JAX `device_kind` ("TPU v6 lite", "NVIDIA H100 80GB HBM3"), or None."""
+    for pattern, name in _DEVICE_KINDS:
+        if re.search(pattern, kind):
+            return CHIPS[name]
+    return None

@@ -23,6 +23,7 @@ every failure live.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import jax.tree_util as jtu
@@ -38,6 +39,8 @@ __all__ = [
     "move_tensors",
     "masked_row_safe_sdpa",
     "install_masked_row_safe_sdpa",
+    "SDPA_OPS",
+    "restoring_ops",
 ]
 
 _REGISTERED: set[type] = set()
@@ -182,3 +185,29 @@ def install_masked_row_safe_sdpa(env) -> None:
     for op in (torch.nn.functional.scaled_dot_product_attention,
                torch.ops.aten.scaled_dot_product_attention):
         env.override_op_definition(op, masked_row_safe_sdpa)
+
+
+def _sdpa_ops() -> tuple:
+    return (torch.nn.functional.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention)
+
+
+SDPA_OPS = _sdpa_ops()
+
+
+@contextlib.contextmanager
+def restoring_ops(env, ops=SDPA_OPS):
+    """Undo, on exit, any `env.override_op_definition` made for `ops` inside the block.
+
+    torchax environments are shared (`default_env()` is one per process) and have no way to
+    remove an override, so code that installs one temporarily (a dry-run with splash attention)
+    snapshots the op table entries and puts them back. Uses torchax 0.0.13's `env._ops`.
+    """
+    saved = {op: env._ops.get(op) for op in ops}
+    try:
+        yield env
+    finally:
+        for op, definition in saved.items():
+            if definition is None:
+                env._ops.pop(op, None)
+            else:
+                env._ops[op] = definition

@@ -1,0 +1,644 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: notebooks///ipynb,lessons///py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 03 · torchax internals and the pitfall catalog
+#
+# Notebooks 01 and 02 used torchax as a black box: move a model to `"jax"`, wrap it, call it.
+# This notebook opens the box. You will see what a torchax tensor is, how it trades places with
+# a `jax.Array`, how to replace one PyTorch operator with your own implementation, how to compile
+# methods other than `forward`, and how to move state that is not inside an `nn.Module`. It ends
+# with a small diffusers video pipeline whose every component is compiled.
+#
+# Along the way we hit, on purpose, the failures that everyone meets when porting a model. Each
+# one gets a `### Pitfall` heading, the real error text, the cause, the fix, and an `assert`
+# proving the fix. The [torchax pitfalls](../kb/torchax-pitfalls.md) page of the knowledge base
+# indexes them.
+#
+# | section | idea | pitfalls met |
+# |---|---|---|
+# | 1 | the torchax tensor and the environment | math outside the environment; mixed torch/torchax math |
+# | 2 | `jax_view`, `torch_view`, `call_jax` | |
+# | 3 | overriding an operator (SDPA) | NaN for fully masked attention rows |
+# | 4 | compiling a whole forward | not a valid JAX type; a cache in the outputs; ConcretizationTypeError; data-dependent shapes; the eager-dispatch slowdown |
+# | 5 | compiling `decode` and other methods | |
+# | 6 | state outside modules (schedulers) | `'Tensor' object has no attribute '_env'` |
+# | 7 | a whole diffusers pipeline, compiled | |
+#
+# *Budget: about 2 minutes on a 2-core CPU (tiny). The models are tiny and random on every
+# preset: this notebook is about mechanics, not about any particular checkpoint.*
+
+# %% [markdown]
+# ## 0. Set-up
+#
+# The same first cell as every notebook: quiet, deterministic warnings and logs, then the preset
+# and the simulated devices, before anything touches JAX. torchax itself is always imported
+# through `tpupedia.compat.import_torchax`, which works around a torchax 0.0.13 / PyTorch 2.13
+# incompatibility (notebook 01 explains it).
+
+# %%
+# %xmode Minimal
+from tpupedia import session
+
+preset = session.start()  # preset, simulated devices, known warnings silenced (notebook 01)
+
+# %%
+import re
+import time
+
+import diffusers
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+import transformers
+
+from tpupedia import torchax_utils as tu
+from tpupedia.compat import import_torchax
+
+torchax = import_torchax()
+from torchax.interop import JittableModule, call_jax, jax_jit, jax_view, torch_view
+
+env = torchax.default_env()
+print(f"torchax {torchax.__version__}, jax {jax.__version__}, torch {torch.__version__.split('+')[0]}")
+
+# %% [markdown]
+# ## 1. The torchax tensor and the environment
+#
+# A `torchax.tensor.Tensor` is a `torch.Tensor` subclass that holds a `jax.Array` instead of
+# storage. PyTorch does not know how to run `aten.add` on it, so it hands every operation to
+# `__torch_dispatch__`, and torchax looks the operator up in its table of JAX implementations.
+# That lookup only happens while the **environment** is active, because the environment is a
+# pair of torch "modes" that intercept both tensor operations and factory calls
+# (`torch.ones(..., device="jax")`). `with env:` turns them on; `.to("jax")` inside it moves a
+# tensor, or every parameter and buffer of a module.
+
+# %%
+def kind(obj):
+    """Which of the three array types `obj` is, by name."""
+    if isinstance(obj, torchax.tensor.Tensor):
+        return f"torchax.tensor.Tensor on {obj.device}"
+    if isinstance(obj, torch.Tensor):
+        return f"torch.Tensor on {obj.device}"
+    return "jax.Array" if isinstance(obj, jax.Array) else type(obj).__name__
+
+
+torch.manual_seed(0)
+x_cpu = torch.randn(2, 3)
+with env:
+    x = x_cpu.to("jax")
+    y = (x * 2).sin()
+print("x:        ", kind(x), x.dtype, tuple(x.shape))
+print("x.jax():  ", kind(x.jax()), x.jax().dtype)
+print("y.torch():", kind(y.torch()))
+
+# %%
+assert isinstance(x, torchax.tensor.Tensor) and isinstance(x, torch.Tensor)
+assert isinstance(x.jax(), jax.Array)
+torch.testing.assert_close(y.torch(), (x_cpu * 2).sin())
+
+# %% [markdown]
+# `.jax()` unwraps the array and `.torch()` copies it back to a plain CPU tensor; both work
+# outside the environment because they do no math. Everything else needs it.
+#
+# ### Pitfall 1: math outside the environment
+#
+# The environment is a context manager, so it is easy to leave it and keep using its tensors:
+
+# %% tags=["raises-exception"]
+x + 1
+
+# %% [markdown]
+# **Cause.** Outside `with env:` no mode intercepts the operation; torchax's dispatch hook sees
+# that and refuses rather than guessing. **Fix.** Keep the math inside `with env:` (or call
+# `torchax.enable_globally()` once, at the top of a script). Prefer one explicit block: nested
+# `with env:` blocks switch the modes off when the inner one exits.
+
+# %%
+with env:
+    z = x + 1
+torch.testing.assert_close(z.torch(), x_cpu + 1)
+
+# %% [markdown]
+# ### Pitfall 2: mixed torch and torchax math
+#
+# Inside the environment, a factory call *without* `device="jax"` still builds an ordinary CPU
+# tensor, and so does anything that was created before the environment was entered. Adding one
+# to a torchax tensor fails:
+
+# %% tags=["raises-exception"]
+with env:
+    bias = torch.arange(3.0)  # a plain CPU tensor
+    print("bias:", kind(bias))
+    x + bias
+
+# %% [markdown]
+# **Cause.** torchax unwraps each argument to a `jax.Array`; a plain `torch.Tensor` has no array
+# inside, and torchax will not copy host memory behind your back (that would hide a host-to-device
+# transfer on every step). **Fix.** Move the stray tensor explicitly with `.to("jax")`, or create
+# it with `device="jax"`. Most real cases are hidden state: a module attribute that is not a
+# registered buffer, or a tensor built in `__init__`. Section 6 meets the scheduler version of
+# this.
+
+# %%
+with env:
+    total = x + bias.to("jax")
+torch.testing.assert_close(total.torch(), x_cpu + torch.arange(3.0))
+
+# %% [markdown]
+# ## 2. Crossing the border: `jax_view`, `torch_view`, `call_jax`
+#
+# Sometimes the right tool is a JAX function (a Pallas kernel, `jax.lax.with_sharding_constraint`,
+# a Flax layer) and the caller is PyTorch code, or the other way round. `torchax.interop` converts
+# without copying:
+#
+# * `jax_view(obj)` replaces every torchax tensor in a pytree by its `jax.Array`; applied to a
+#   function, it makes a function that takes and returns JAX arrays;
+# * `torch_view(obj)` does the reverse: arrays become torchax tensors, and a JAX function becomes
+#   a torch-callable one;
+# * `call_jax(fn, *args)` calls a JAX function on torchax tensors and wraps the result.
+
+# %%
+def jax_gelu_mean(a):  # pure JAX
+    return jax.nn.gelu(a, approximate=False).mean(axis=-1)
+
+
+torch_gelu_mean = torch_view(jax_gelu_mean)  # now takes and returns torchax tensors
+with env:
+    from_view = torch_gelu_mean(x)
+    from_call = call_jax(jax_gelu_mean, x)
+    arrays = jax_view({"x": x, "y": y})
+print("torch_view:", kind(from_view))
+print("call_jax: ", kind(from_call))
+print("jax_view: ", {name: kind(a) for name, a in arrays.items()})
+
+# %%
+reference = torch.nn.functional.gelu(x_cpu).mean(-1)
+torch.testing.assert_close(from_view.torch(), reference, rtol=0, atol=1e-6)
+torch.testing.assert_close(from_call.torch(), reference, rtol=0, atol=1e-6)
+assert all(isinstance(v, jax.Array) for v in arrays.values())
+
+# %% [markdown]
+# The same works in the other direction: `jax_view(torch_fn)` turns a function written with
+# torch ops into one that JAX can trace, and that is exactly what `torchax.interop.jax_jit` does
+# before handing it to `jax.jit` (section 4).
+
+# %% [markdown]
+# ## 3. Overriding an operator: scaled dot-product attention
+#
+# The environment keeps a table from PyTorch operators to implementations, and
+# `env.override_op_definition(op, impl)` replaces one entry. The implementation receives
+# torchax tensors and may use torch ops (they are dispatched to JAX in turn) or call JAX
+# directly through `call_jax`. This is how the course plugs in TPU kernels: notebook 04 installs
+# a Pallas splash-attention kernel as the implementation of
+# `F.scaled_dot_product_attention`, through this same mechanism.
+#
+# Here we use it to fix a real difference between torchax and PyTorch.
+#
+# ### Pitfall 3: NaN from fully masked attention rows
+#
+# Video and text-to-video transformers pad their prompts and mask the padded *queries*, so some
+# rows of the boolean attention mask are all `False`. PyTorch returns zeros for those rows;
+# torchax 0.0.13's SDPA takes a softmax over nothing and returns NaN:
+
+# %%
+F = torch.nn.functional
+torch.manual_seed(0)
+q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+mask = torch.ones(1, 1, 4, 5, dtype=torch.bool)
+mask[..., 3, :] = False  # query row 3 may attend to nothing
+
+expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+with env:
+    got = F.scaled_dot_product_attention(q.to("jax"), k.to("jax"), v.to("jax"), attn_mask=mask.to("jax"))
+print("PyTorch, row 3:", expected[0, 0, 3, :4].tolist())
+print("torchax, row 3:", got.torch()[0, 0, 3, :4].tolist())
+
+# %% [markdown]
+# **Cause.** Masked scores are set to `-inf`; a row of only `-inf` gives `0/0` in the softmax.
+# PyTorch special-cases that row, torchax's reference implementation does not. In a transformer
+# the NaN does not stay put: the next attention multiplies it by a zero weight, and `0 * NaN`
+# is NaN, so the whole output becomes NaN (that is how HunyuanVideo-1.5 fails under torchax).
+#
+# **Fix.** `tu.masked_row_safe_sdpa` calls torchax's reference SDPA and then zeroes the rows
+# whose mask is all `False`; `tu.install_masked_row_safe_sdpa(env)` registers it for both the
+# functional and the `aten` operator. The override stays installed in this environment for the
+# rest of the notebook; it changes nothing for rows that can attend to something.
+
+# %%
+tu.install_masked_row_safe_sdpa(env)
+with env:
+    fixed = F.scaled_dot_product_attention(q.to("jax"), k.to("jax"), v.to("jax"), attn_mask=mask.to("jax"))
+print("torchax with the override, row 3:", fixed.torch()[0, 0, 3, :4].tolist())
+
+# %%
+assert torch.isnan(got.torch()).any()
+assert not torch.isnan(fixed.torch()).any()
+torch.testing.assert_close(fixed.torch(), expected, rtol=0, atol=1e-5)
+
+# %% [markdown]
+# ## 4. Compiling a whole forward
+#
+# Inside `with env:` a module runs **eagerly**: each PyTorch operator becomes one JAX call,
+# dispatched from Python one at a time. That is correct, and useful for debugging, but slow (the
+# last pitfall of this section measures how slow). To get one XLA program for the whole forward,
+# torchax traces it with `jax.jit`. `torchax.interop.JittableModule(model)` does that: it pulls the
+# parameters and buffers out into dicts, and jits a function of `(params, buffers, *inputs)`, so
+# the weights are inputs of the program, not constants baked into it.
+#
+# Our test subject is a tiny random GPT-2, first on the CPU as the reference, then eagerly under
+# torchax.
+
+# %%
+torch.manual_seed(0)
+gpt2 = transformers.GPT2LMHeadModel(
+    transformers.GPT2Config(vocab_size=256, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+).eval()
+ids = torch.randint(0, 256, (2, 8))
+with torch.no_grad():
+    logits_cpu = gpt2(ids, use_cache=False).logits
+
+with env:
+    gpt2.to("jax")
+    ids_j = ids.to("jax")
+    logits_eager = gpt2(ids_j, use_cache=False).logits
+print("eager logits:", kind(logits_eager), tuple(logits_eager.shape))
+
+# %%
+torch.testing.assert_close(logits_eager.torch(), logits_cpu, rtol=0, atol=1e-5)
+
+# %% [markdown]
+# Now compile it. The failures below come one after the other: each fix uncovers the next.
+#
+# ### Pitfall 4: not a valid JAX type
+#
+# `jax.jit` can only return *JAX pytrees*: arrays, and tuples, lists and dicts of them, plus
+# classes registered with `jax.tree_util`. Hugging Face's `ModelOutput` (and diffusers'
+# `BaseOutput`) are registered as **torch** pytrees, which torchax uses to convert arguments,
+# but not as JAX pytrees. The message names a file and line inside torchax; we print it without
+# that path.
+
+# %%
+jm = JittableModule(gpt2)
+try:
+    with env:
+        jm(ids_j)
+except TypeError as err:
+    message = re.sub(r" at \S+\.py:\d+", "", str(err).splitlines()[0])
+    print(f"{type(err).__name__}: {message}")
+
+# %% [markdown]
+# **Cause.** The output class is unknown to `jax.tree_util`. **Fix.** Register it, by field
+# name: `tu.register_output_pytree(cls)` (or `tu.register_common_outputs()` for every output
+# class this course meets). Flattening by *name* matters: the tempting alternative, flattening
+# with `to_tuple()` and rebuilding by position, is lossy, because `to_tuple()` skips fields that
+# are `None`:
+
+# %%
+from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
+
+sample = CausalLMOutputWithCrossAttentions(logits=torch.ones(1))  # loss=None
+by_position = CausalLMOutputWithCrossAttentions(*sample.to_tuple())
+print("rebuilt by position: loss =", by_position.loss, "| logits =", by_position.logits)
+
+tu.register_output_pytree(CausalLMOutputWithCrossAttentions)
+leaves, treedef = jax.tree_util.tree_flatten(sample)
+by_name = jax.tree_util.tree_unflatten(treedef, leaves)
+print("rebuilt by name:     loss =", by_name.loss, "| logits =", by_name.logits)
+
+# %%
+assert by_position.loss is not None and by_position.logits is None  # the logits moved into `loss`
+assert by_name.loss is None and torch.equal(by_name.logits, sample.logits)
+
+# %% [markdown]
+# ### Pitfall 5: a cache in the outputs
+#
+# With the output class registered, the same call fails one level deeper: GPT-2 returns its
+# key/value cache, a `DynamicCache` object, inside the output.
+
+# %%
+try:
+    with env:
+        jm(ids_j)
+except TypeError as err:
+    message = re.sub(r" at \S+\.py:\d+", "", str(err).splitlines()[0])
+    print(f"{type(err).__name__}: {message}")
+
+# %% [markdown]
+# **Cause.** `DynamicCache` is not a pytree either, and it could not be one usefully: it grows by
+# one position per generated token, so every step would have new shapes and a new compilation.
+# (For generation, a fixed-size `StaticCache` registered as a pytree is the way.) **Fix** for a
+# single forward:
+# do not build the cache. The natural way to say that is `use_cache=False`, which leads
+# straight to the next pitfall.
+#
+# ### Pitfall 6: ConcretizationTypeError from a Python flag
+#
+# `JittableModule` passes keyword arguments through `jax.jit`, which turns every argument,
+# `False` included, into a traced value. The model's `if use_cache:` then asks a tracer for its
+# truth value, which is not known while tracing:
+
+# %%
+try:
+    with env:
+        jm(ids_j, use_cache=False)
+except jax.errors.ConcretizationTypeError as err:
+    first = str(err).splitlines()[0]
+    which = re.search(r"depends on the value of the argument (\S+)\.", str(err)).group(1)
+    print(f"{type(err).__name__}: {first}")
+    print(f"... depends on the value of the argument {which}")
+
+# %% [markdown]
+# **Cause.** Under `jax.jit`, Python control flow sees abstract values only. `return_dict`,
+# `use_cache`, `output_hidden_states` and friends are configuration, not data, and must be
+# *static*: part of the compiled program's identity. **Fix.** `tu.JitModule` wraps
+# `JittableModule` and treats every keyword argument that contains no tensor as static. It
+# compiles one program per distinct set of static values (and input shapes) and reuses it:
+
+# %%
+gpt2_jit = tu.JitModule(gpt2)
+with env:
+    out_a = gpt2_jit(ids_j, use_cache=False)
+    out_b = gpt2_jit(ids_j, use_cache=False, return_dict=False)
+    out_c = gpt2_jit(ids_j, use_cache=False)  # same static values as out_a: no new program
+print(type(out_a).__name__, type(out_b).__name__, "| compiled programs:", gpt2_jit.compiled_variants)
+
+# %%
+assert gpt2_jit.compiled_variants == 2
+assert isinstance(gpt2_jit, transformers.GPT2LMHeadModel)  # pipelines' isinstance checks still pass
+for logits in (out_a.logits, out_b[0], out_c.logits):
+    torch.testing.assert_close(logits.torch(), logits_cpu, rtol=0, atol=1e-5)
+
+# %% [markdown]
+# Other ways out, when you control the call: set `model.config.use_cache = False`, or close over
+# the constants, `jax_jit(lambda p, b, i: jm.functional_call("forward", p, b, i, use_cache=False))`.
+#
+# ### Pitfall 7: data-dependent shapes
+#
+# XLA compiles for fixed shapes. Eager torchax can run code whose output *shape* depends on the
+# *values* in a tensor, such as boolean-mask indexing, because each op runs on concrete data:
+
+# %%
+def positive_sum(t):
+    return t[t > 0].sum()  # how many elements survive depends on the data
+
+
+with env:
+    v = torch.randn(8, generator=torch.Generator().manual_seed(5)).to("jax")
+    eager_sum = positive_sum(v)
+print("eager:", round(float(eager_sum.torch()), 4))
+
+# %% [markdown]
+# Under `jax.jit` the mask is a tracer, and the indexed array would have an unknown length:
+
+# %% tags=["raises-exception"]
+with env:
+    jax_jit(positive_sum)(v)
+
+# %% [markdown]
+# **Cause.** The number of selected elements is data, not shape. The same wall is hit by
+# `.nonzero()`, `.item()` and `.tolist()`, and by Python `if` on a tensor value
+# (`ConcretizationTypeError`). **Fix.** Rewrite with fixed shapes: keep every element and zero
+# the ones you do not want (`torch.where`, or a multiplication by the mask). For a reordering,
+# a stable `argsort` over the mask keeps the valid elements first while keeping the length.
+
+# %%
+def positive_sum_static(t):
+    return torch.where(t > 0, t, torch.zeros_like(t)).sum()
+
+
+with env:
+    jitted_sum = jax_jit(positive_sum_static)(v)
+print("jitted:", round(float(jitted_sum.torch()), 4))
+
+# %%
+torch.testing.assert_close(jitted_sum.torch(), eager_sum.torch(), rtol=0, atol=1e-6)
+
+# %% [markdown]
+# ### Pitfall 8: the eager-dispatch slowdown
+#
+# Nothing fails here, which is what makes it a pitfall: a model moved to `"jax"` and called
+# inside `with env:` gives the right answer, just slowly, because every operator makes its own
+# round trip from Python through torchax to JAX and XLA. The fix is the compiled forward we
+# already have. We time the tiny GPT-2 both ways, after a warm-up call, waiting for the result
+# each time (JAX runs asynchronously, so a timer that does not wait measures nothing).
+
+# %%
+def best_of(fn, repeats):
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn().jax())
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+with env:
+    best_of(lambda: gpt2(ids_j, use_cache=False).logits, 1)  # warm-up
+    eager_s = best_of(lambda: gpt2(ids_j, use_cache=False).logits, 3)
+    jit_s = best_of(lambda: gpt2_jit(ids_j, use_cache=False).logits, 20)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+print(f"measured here (tiny GPT-2, 2-core CPU in CI): eager {eager_s * 1e3:.1f} ms, "
+      f"jitted {jit_s * 1e3:.2f} ms, eager/jit = {eager_s / jit_s:.0f}x")
+
+# %%
+assert eager_s > jit_s
+
+# %% [markdown]
+# The ratio grows with the number of operators, not with their size. Reported upstream (TPU
+# v6e-8, YOLO11n at 640×640): about 21.7 s per forward eagerly against 8.1 ms with one `jax.jit`
+# around the whole forward. On a real model, always compile the hot path, and check that the
+# method you actually call is the compiled one, which is the subject of the next section.
+
+# %% [markdown]
+# ## 5. Compiling `decode` and other methods
+#
+# A pipeline does not always call `forward`. A diffusion pipeline calls `vae.decode(latents)`,
+# and `JittableModule` compiles only `forward`: any other method falls through to the wrapped
+# module and runs eagerly, silently. `tu.JitModule(vae, methods=("decode",))` compiles `decode`
+# the same way as `forward` (with the same static-keyword treatment), and
+# `torchax.compile(vae, torchax.CompileOptions(methods_to_compile=["decode"]))` is torchax's own
+# spelling. The VAE is CogVideoX's, with tiny random weights (diffusers' fast-test sizes): 4
+# latent channels and 3 latent frames of 4×4 decode to 9 RGB frames of 32×32.
+
+# %%
+from diffusers import AutoencoderKLCogVideoX
+
+tu.register_common_outputs()  # DecoderOutput and the other output classes this course meets
+
+
+def tiny_cogvideox_vae():
+    torch.manual_seed(0)
+    return AutoencoderKLCogVideoX(
+        block_out_channels=(8, 8, 8, 8), latent_channels=4, layers_per_block=1, norm_num_groups=2,
+        temporal_compression_ratio=4, down_block_types=("CogVideoXDownBlock3D",) * 4,
+        up_block_types=("CogVideoXUpBlock3D",) * 4,
+    ).eval()
+
+
+vae = tiny_cogvideox_vae()
+latent = torch.randn(1, 4, 3, 4, 4, generator=torch.Generator().manual_seed(1))
+with torch.no_grad():
+    video_cpu = vae.decode(latent).sample
+
+with env:
+    vae.to("jax")
+    vae_jit = tu.JitModule(vae, methods=("decode",))
+    video_jax = vae_jit.decode(latent.to("jax")).sample
+diff = (video_jax.torch() - video_cpu).abs().max().item()
+print(f"decoded {tuple(video_jax.shape)}; compiled programs: {vae_jit.compiled_variants}; "
+      f"max abs diff < 1e-4: {diff < 1e-4}")
+
+# %%
+assert vae_jit.compiled_variants == 1
+assert diff < 1e-4
+
+# %% [markdown]
+# ## 6. State that lives outside modules: schedulers
+#
+# `.to("jax")` on a module moves its parameters and registered buffers. Anything else stays
+# where it was created. The usual offender is the diffusion scheduler: it is not an
+# `nn.Module`, yet it keeps tensors (`alphas_cumprod`, `timesteps`, `sigmas`) that it indexes
+# with the current timestep on every step.
+#
+# ### Pitfall 9: scheduler tensors left on the CPU
+#
+# The pipeline's timestep is a torchax tensor; the scheduler's tables are not:
+
+# %%
+from diffusers import CogVideoXDDIMScheduler
+
+scheduler = CogVideoXDDIMScheduler()
+scheduler.set_timesteps(4)
+noise_pred = torch.randn(1, 3, 4, 4, 4, generator=torch.Generator().manual_seed(2))
+sample_cpu = torch.randn(1, 3, 4, 4, 4, generator=torch.Generator().manual_seed(3))
+step_cpu = scheduler.step(noise_pred, scheduler.timesteps[0], sample_cpu).prev_sample
+print("alphas_cumprod:", kind(scheduler.alphas_cumprod), scheduler.alphas_cumprod.dtype)
+
+# %% tags=["raises-exception"]
+with env:
+    t = scheduler.timesteps[0].to("jax")  # the pipeline's timestep lives on the device
+    scheduler.step(noise_pred.to("jax"), t, sample_cpu.to("jax"))
+
+# %% [markdown]
+# **Cause.** `alphas_cumprod[t]` indexes a plain CPU tensor with a torchax tensor. torchax's
+# indexing implementation expects every tensor involved to be its own and looks for the
+# environment attribute (`_env`) that only torchax tensors carry. It is Pitfall 2 again, wearing
+# a different message. **Fix.** Move the scheduler's tensors inside the environment:
+# `tu.move_tensors(scheduler)` walks its attributes and moves every tensor it finds. (The
+# float64 tables arrive as float32: JAX runs without 64-bit types unless `jax_enable_x64` is on,
+# which is also what the "Explicitly requested dtype" warnings we filter are about.)
+
+# %%
+with env:
+    tu.move_tensors(scheduler)
+    step_jax = scheduler.step(noise_pred.to("jax"), t, sample_cpu.to("jax")).prev_sample
+moved = sorted(n for n, val in vars(scheduler).items() if isinstance(val, torchax.tensor.Tensor))
+print("moved:", moved)
+
+# %%
+assert "alphas_cumprod" in moved
+torch.testing.assert_close(step_jax.torch(), step_cpu, rtol=0, atol=1e-5)
+
+# %% [markdown]
+# ## 7. A whole diffusers pipeline, every component compiled
+#
+# A diffusers pipeline is not an `nn.Module`, so there is nothing to compile as a whole. Instead
+# we compile each component the pipeline calls, in place: the text encoder and the transformer
+# (`forward`), and the VAE (`decode`); and we move the scheduler's state. `JitModule` passes the
+# pipeline's `isinstance` checks and forwards attribute access (`vae.config`, `transformer.dtype`)
+# to the wrapped module, so the pipeline code runs unchanged.
+#
+# The pipeline is CogVideoX with tiny random components (the same configs as diffusers' own fast
+# tests) and a byte-level T5 tokenizer that needs no files. Passing the same `latents` to both
+# runs makes them start from the same noise.
+
+# %%
+from diffusers import CogVideoXPipeline, CogVideoXTransformer3DModel
+
+
+def tiny_cogvideox_pipeline():
+    torch.manual_seed(0)
+    transformer = CogVideoXTransformer3DModel(
+        num_attention_heads=4, attention_head_dim=8, in_channels=4, out_channels=4, time_embed_dim=2,
+        text_embed_dim=32, num_layers=2, sample_width=4, sample_height=4, sample_frames=9,
+        patch_size=2, temporal_compression_ratio=4, max_text_seq_length=16,
+    ).eval()
+    text_encoder = transformers.T5EncoderModel(
+        transformers.T5Config(vocab_size=384, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
+    ).eval()
+    pipe = CogVideoXPipeline(
+        tokenizer=transformers.ByT5Tokenizer(), text_encoder=text_encoder, vae=tiny_cogvideox_vae(),
+        transformer=transformer, scheduler=CogVideoXDDIMScheduler(),
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+pipe = tiny_cogvideox_pipeline()
+call = dict(prompt="a red panda surfing", height=32, width=32, num_frames=9, num_inference_steps=4,
+            guidance_scale=6.0, max_sequence_length=16, output_type="np")
+latents = torch.randn(1, 3, 4, 4, 4, generator=torch.Generator().manual_seed(4))
+frames_cpu = pipe(**call, latents=latents.clone()).frames
+print("torch CPU frames:", frames_cpu.shape, frames_cpu.dtype)
+
+# %% [markdown]
+# Now the same pipeline object, under torchax. Everything happens inside one `with env:` block.
+
+# %%
+with env:
+    for name in ("text_encoder", "transformer", "vae"):
+        getattr(pipe, name).to("jax")
+    tu.move_tensors(pipe.scheduler)
+    pipe.text_encoder = tu.JitModule(pipe.text_encoder)
+    pipe.transformer = tu.JitModule(pipe.transformer)
+    pipe.vae = tu.JitModule(pipe.vae, methods=("decode",))
+    frames_jax = pipe(**call, latents=latents.to("jax")).frames
+pipe_diff = float(np.abs(np.asarray(frames_jax) - frames_cpu).max())
+print("torchax frames:", np.asarray(frames_jax).shape, "| execution device:", pipe._execution_device)
+print(f"max abs diff < 1e-4: {pipe_diff < 1e-4}")
+print("compiled programs:", {n: getattr(pipe, n).compiled_variants for n in ("text_encoder", "transformer", "vae")})
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+print(f"measured here: max abs diff {pipe_diff:.1e}")
+
+# %%
+assert pipe_diff < 1e-4
+assert all(getattr(pipe, n).compiled_variants >= 1 for n in ("text_encoder", "transformer", "vae"))
+
+# %% [markdown]
+# Every step of the 4-step loop reused one transformer program: the classifier-free-guidance
+# batch, the shapes and the static keywords are the same at each step. On a TPU the same recipe
+# is what makes the pipeline fast; later notebooks add sharding across eight chips.
+#
+# ## Summary
+#
+# | pitfall | symptom | fix |
+# |---|---|---|
+# | [1](#pitfall-1-math-outside-the-environment) | `AssertionError: torchax Tensors can only do math within the torchax environment` | `with env:` |
+# | [2](#pitfall-2-mixed-torch-and-torchax-math) | `AssertionError: Expect a Tensor or a View but got <class 'torch.Tensor'>` | `.to("jax")` the stray tensor |
+# | [3](#pitfall-3-nan-from-fully-masked-attention-rows) | NaN rows from SDPA | `tu.install_masked_row_safe_sdpa(env)` |
+# | [4](#pitfall-4-not-a-valid-jax-type) | `... which is not a valid JAX type` | `tu.register_output_pytree` |
+# | [5](#pitfall-5-a-cache-in-the-outputs) | `DynamicCache ... not a valid JAX type` | `use_cache=False`, static |
+# | [6](#pitfall-6-concretizationtypeerror-from-a-python-flag) | `ConcretizationTypeError ... kwargs['use_cache']` | `tu.JitModule` (static keywords) |
+# | [7](#pitfall-7-data-dependent-shapes) | `NonConcreteBooleanIndexError` | fixed shapes: `torch.where` |
+# | [8](#pitfall-8-the-eager-dispatch-slowdown) | correct but slow | compile the whole forward |
+# | [9](#pitfall-9-scheduler-tensors-left-on-the-cpu) | `'Tensor' object has no attribute '_env'` | `tu.move_tensors(scheduler)` |
+#
+# The [torchax pitfalls](../kb/torchax-pitfalls.md) page keeps the same list with the full error
+# texts, for searching.

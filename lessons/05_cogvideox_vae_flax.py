@@ -1,0 +1,487 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: notebooks///ipynb,lessons///py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 05 · The CogVideoX VAE in Flax NNX, with exact parity
+#
+# Lessons 01–03 ran PyTorch models *through* JAX with torchax. This lesson does the other thing
+# a PyTorch engineer eventually does: rewrite a model natively in JAX, here the video VAE of
+# CogVideoX (`diffusers.AutoencoderKLCogVideoX`) in Flax NNX. The port lives in
+# `tpupedia.models.cogvideox_vae`; its weight conversion and a layer-by-layer comparison tool
+# live in `tpupedia.models.cogvideox_vae_convert`.
+#
+# The upstream project this course draws on reported encode/decode mean absolute errors of
+# 0.3–0.6 for its port and called that usable; its "numerical accuracy" test never compared
+# against PyTorch. Errors that size are bugs. Here the target is float32 rounding: max abs error
+# ≤ 1e-4, measured against diffusers itself.
+#
+# 1. layouts and weight conversion; 2. parity; 3. finding the first wrong layer;
+# 4. the causal conv cache across frame batches; 5. why the frame loop is not jitted whole;
+# 6. tiling; 7. eager vs jit, and torchax vs the port; 8. the full-size memory question;
+# 9. bad input.
+#
+# *Budget: about 3 min on a 2-core CPU (tiny).*
+
+# %%
+# %xmode Minimal
+import warnings
+
+warnings.filterwarnings("ignore", message="Explicitly requested dtype")  # int64 -> int32 under x32
+
+from tpupedia import devices, presets
+
+preset = presets.current()
+if preset.simulated_devices:
+    devices.simulate_cpu_devices(preset.simulated_devices)
+preset.name
+
+# %% [markdown]
+# ## 1. Layouts and weight conversion
+#
+# PyTorch stores video as `(B, C, T, H, W)` (channels first). XLA's TPU convolutions want the
+# channels last, `(B, T, H, W, C)`, and so do Flax's `nnx.Conv` layers. The port transposes once
+# on the way in and once on the way out, so its public `encode`/`decode` take and return the same
+# channels-first arrays diffusers does, and runs channels-last everywhere in between.
+#
+# The weights change layout for the same reason. The NNX modules use diffusers' attribute names
+# (`decoder.up_blocks.0.resnets.1.conv1.conv`), so a state-dict key maps to an NNX path just by
+# splitting on dots; only the last name and the axis order change. These rules are data in the
+# module:
+
+# %%
+from IPython.display import Markdown
+
+from tpupedia.models import cogvideox_vae_convert as convert
+
+rows = ["| torch name | ndim | NNX name | transpose | meaning |", "|---|---|---|---|---|"]
+rows += [f"| `{r.torch_leaf}` | {r.ndim} | `{r.nnx_leaf}` | `{r.transpose}` | {r.what} |" for r in convert.WEIGHT_RULES]
+Markdown("\n".join(rows))
+
+# %% [markdown]
+# A tiny random CogVideoX VAE from diffusers (the course's test config: widths 8, 4 latent
+# channels, 2 groups), and its Flax twin built from the torch state dict. GroupNorm weights start
+# at exactly 1 and 0 in PyTorch; we perturb them, so that a swapped scale and bias could not
+# hide behind the defaults.
+
+# %%
+import numpy as np
+import torch
+
+warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm, imported by diffusers
+from diffusers import AutoencoderKLCogVideoX as TorchVAE  # noqa: E402
+
+torch.manual_seed(0)
+torch_vae = TorchVAE(
+    block_out_channels=(8, 8, 8, 8), latent_channels=4, layers_per_block=1, norm_num_groups=2,
+    temporal_compression_ratio=4,
+    down_block_types=("CogVideoXDownBlock3D",) * 4, up_block_types=("CogVideoXUpBlock3D",) * 4,
+).eval()
+with torch.no_grad():
+    for p in torch_vae.parameters():
+        if p.ndim == 1:
+            p.add_(0.1 * torch.randn_like(p))
+
+flax_vae = convert.from_diffusers(torch_vae)
+key = "decoder.up_blocks.0.resnets.1.conv1.conv.weight"
+path, rule = convert.nnx_path(key, 5)
+print(key, tuple(torch_vae.state_dict()[key].shape))
+print(".".join(map(str, path)), flax_vae.decoder.up_blocks[0].resnets[1].conv1.conv.kernel.shape)
+
+# %%
+from flax import nnx
+
+n_torch = sum(p.numel() for p in torch_vae.parameters())
+n_flax = sum(v.size for v in jax.tree.leaves(nnx.state(flax_vae, nnx.Param))) if (jax := __import__("jax")) else 0
+print(f"parameters: torch {n_torch:,}, flax {n_flax:,}")
+assert n_torch == n_flax
+w = torch_vae.state_dict()[key].numpy()
+np.testing.assert_array_equal(np.asarray(flax_vae.decoder.up_blocks[0].resnets[1].conv1.conv.kernel[...]),
+                              w.transpose(2, 3, 4, 1, 0))
+
+# %% [markdown]
+# ## 2. Parity with diffusers
+#
+# Nine frames of 32×40 video (non-square on purpose: a swapped H and W cannot pass) go through
+# both encoders; four latent frames go through both decoders. `encode` returns the posterior, as
+# diffusers does; we compare its raw moments (mean and log-variance, `2 × latent_channels`
+# channels). Neither side applies `scaling_factor`: diffusers leaves that to the pipeline.
+
+# %%
+import jax.numpy as jnp
+
+gen = torch.Generator().manual_seed(1)
+video = torch.randn(1, 3, 9, 32, 40, generator=gen)
+latents = torch.randn(1, 4, 4, 4, 5, generator=gen)
+
+with torch.no_grad():
+    ref_moments = torch_vae.encode(video).latent_dist.parameters.numpy()
+    ref_video = torch_vae.decode(latents).sample.numpy()
+moments = np.asarray(flax_vae.encode(jnp.asarray(video.numpy())).parameters)
+decoded = np.asarray(flax_vae.decode(jnp.asarray(latents.numpy())))
+enc_err = float(np.abs(moments - ref_moments).max())
+dec_err = float(np.abs(decoded - ref_video).max())
+print("encode", moments.shape, "max abs err < 1e-5:", enc_err < 1e-5)
+print("decode", decoded.shape, "max abs err < 1e-5:", dec_err < 1e-5)
+
+# %%
+assert moments.shape == (1, 8, 3, 4, 5) and decoded.shape == (1, 3, 16, 32, 40)
+assert enc_err <= 1e-4 and dec_err <= 1e-4
+
+# %% [markdown]
+# Four latent frames decode to 16 video frames, not 13: the decoder works in frame batches of two
+# latents, and only the first batch of a video carries the odd "first frame" that the causal
+# design keeps single. A 49-frame CogVideoX clip has 13 latents, so its first batch has three.
+# `tests/test_cogvideox_vae.py` repeats this comparison on five configurations (different
+# widths, latent channels, group counts, 9, 13 and 17 frames, a batch of two, tiling).
+
+# %% [markdown]
+# ## 3. Finding the first layer that goes wrong
+#
+# When a port disagrees, the final error says nothing about where. `compare_layers` runs both
+# models eagerly on the same input, records every layer's output (PyTorch forward hooks on one
+# side, a capture list on the NNX side), and lines the two up by diffusers' layer name and call
+# number (each layer runs once per frame batch). `first_divergence` returns the first layer, in
+# execution order, above a tolerance.
+
+# %%
+diffs = convert.compare_layers(torch_vae, flax_vae, latents.numpy(), mode="decode")
+print(len(diffs), "layer calls compared; first above 1e-4:", convert.first_divergence(diffs, 1e-4))
+
+# %%
+assert len(diffs) > 100 and convert.first_divergence(diffs, 1e-4) is None
+
+# %% [markdown]
+# Now two classic porting mistakes, each planted in a copy of the model.
+#
+# **A wrong kernel layout.** Transposing a Conv3d weight with `(2, 4, 3, 1, 0)` instead of
+# `(2, 3, 4, 1, 0)` swaps the kernel's height and width. Shapes still match (3×3), so nothing
+# complains; only the numbers are wrong.
+
+# %%
+import copy
+
+bad_layout = copy.deepcopy(flax_vae)
+conv = bad_layout.decoder.mid_block.resnets[0].conv1.conv
+conv.kernel[...] = jnp.swapaxes(conv.kernel[...], 1, 2)
+first = convert.first_divergence(convert.compare_layers(torch_vae, bad_layout, latents.numpy()), 1e-4)
+print(f"first divergence: {first.name} (call {first.call})")
+
+# %%
+assert first.name == "decoder.mid_block.resnets.0.conv1" and first.call == 0
+
+# %% [markdown]
+# **A wrong GroupNorm grouping.** PyTorch puts channel `c` of `C` in group `c // (C/G)`:
+# contiguous blocks. Reshaping the channel axis to `(C/G, G)` instead of `(G, C/G)` interleaves the
+# groups (channel `c` lands in group `c % G`). The statistics are then taken over the wrong
+# channels. The upstream guide blamed its GroupNorm error on the channels-last *layout*; the
+# layout is harmless (our GroupNorm is channels-last and matches to rounding), the *grouping* is not.
+
+# %%
+from tpupedia.models.cogvideox_vae import GroupNorm
+
+
+class InterleavedGroupNorm(GroupNorm):
+    """The bug: groups channels as c % G instead of c // (C/G)."""
+
+    def __call__(self, x):
+        c, g = x.shape[-1], self.num_groups
+        perm = np.arange(c).reshape(c // g, g).T.reshape(-1)  # gather each wrong group together
+        y = super().__call__(x[..., perm] / self.scale[...][perm] * self.scale[...][perm])
+        return y[..., np.argsort(perm)]
+
+
+bad_norm = copy.deepcopy(flax_vae)
+old = bad_norm.decoder.up_blocks[0].resnets[0].norm1.norm_layer
+new = InterleavedGroupNorm(old.scale.shape[0], old.num_groups, old.eps)
+new.scale[...], new.bias[...] = old.scale[...], old.bias[...]
+bad_norm.decoder.up_blocks[0].resnets[0].norm1.norm_layer = new
+first = convert.first_divergence(convert.compare_layers(torch_vae, bad_norm, latents.numpy()), 1e-4)
+print(f"first divergence: {first.name} (call {first.call})")
+
+# %%
+assert first.name == "decoder.up_blocks.0.resnets.0.norm1.norm_layer"
+
+# %% [markdown]
+# ## 4. The causal conv cache across frame batches
+#
+# Decoding a whole clip at once would hold every intermediate activation of every frame; the
+# decoder therefore works on two latent frames at a time. Its 3-D convolutions are *causal* in
+# time: each output frame sees the current and the two previous input frames. At the start of a
+# clip the "previous frames" are copies of frame 0. At the start of every later batch they must be
+# the last two input frames of the previous batch, which each `CausalConv3d` hands back as its
+# cache. The loop is diffusers' own:
+
+# %%
+from tpupedia.models.cogvideox_vae import frame_batches, to_channels_first, to_channels_last
+
+print("13 latent frames in batches of 2:", frame_batches(13, 2))
+print("4 latent frames in batches of 2: ", frame_batches(4, 2))
+
+# %% [markdown]
+# `decode_chunk(z, cache) -> (frames, new_cache)` is one batch, channels-last, with the cache as
+# an explicit input and output: a pure function, the unit we jit. Passing the cache along gives
+# diffusers' result; starting each batch with a fresh cache (the upstream port's first per-frame
+# attempt) does not, and the damage is confined to the frames after the first batch.
+
+# %%
+z_cl = to_channels_last(jnp.asarray(latents.numpy()))
+decode_chunk = nnx.jit(lambda m, z, c: m.decode_chunk(z, c))
+outs, cache, fresh = [], None, []
+for start, end in frame_batches(z_cl.shape[1], 2):
+    out, cache = decode_chunk(flax_vae, z_cl[:, start:end], cache)
+    outs.append(out)
+    fresh.append(decode_chunk(flax_vae, z_cl[:, start:end], None)[0])
+shared = np.asarray(to_channels_first(jnp.concatenate(outs, axis=1)))
+no_cache = np.asarray(to_channels_first(jnp.concatenate(fresh, axis=1)))
+print("shared cache == diffusers:", bool(np.abs(shared - ref_video).max() <= 1e-4))
+print("fresh cache per batch, max abs err in frames 0-7 / 8-15 > 1e-2:",
+      bool(np.abs(no_cache - ref_video)[:, :, :8].max() > 1e-2), bool(np.abs(no_cache - ref_video)[:, :, 8:].max() > 1e-2))
+
+# %%
+assert np.abs(shared - ref_video).max() <= 1e-4
+assert np.abs(no_cache - ref_video)[:, :, :8].max() <= 1e-4  # first batch: same either way
+assert np.abs(no_cache - ref_video)[:, :, 8:].max() > 1e-2
+
+# %% [markdown]
+# The cache is only the last `kernel_t − 1 = 2` frames of each causal conv's padded input, so it
+# costs two frames of activations per layer, not a whole clip.
+
+# %% [markdown]
+# ## 5. Jit the frame batch, not the frame loop
+#
+# `jax.jit` traces Python: a `for` loop over frame batches inside a jitted function is unrolled
+# into one program with a copy of the decoder per batch. The upstream project put `jax.jit`
+# around a whole decode at 768×1360 and the compiler asked for 243.63 GB; jitting the whole tiled
+# decode took over an hour to compile (reported upstream, TPU v6e). The fix is to jit the body
+# (one frame batch, as `decode` does) and keep the loop in Python.
+#
+# We can see the cause without a TPU: lower both versions for 13 latent frames (six batches) and
+# count the convolutions in the program each one hands the compiler.
+
+# %%
+import jax
+
+graphdef, state = nnx.split(flax_vae)
+z13 = jax.ShapeDtypeStruct((1, 13, 4, 5, 4), jnp.float32)
+
+
+def whole_decode(state, z):  # the loop inside jit: unrolled
+    return nnx.merge(graphdef, state).decode_channels_last(z, jit=False)
+
+
+def one_batch(state, z):  # the body: what `decode` jits
+    return nnx.merge(graphdef, state).decode_chunk(z, None)[0]
+
+
+whole = jax.jit(whole_decode).lower(state, z13)
+body = jax.jit(one_batch).lower(state, jax.ShapeDtypeStruct((1, 3, 4, 5, 4), jnp.float32))
+n_whole = whole.as_text().count("stablehlo.convolution")
+n_body = body.as_text().count("stablehlo.convolution")
+print(f"convolutions in the program: whole loop {n_whole}, one frame batch {n_body}")
+
+# %%
+assert n_whole == 6 * n_body
+
+# %% [markdown]
+# Six times the program means roughly six times the compile work, and buffers the scheduler may
+# keep alive across batches. Compiling both here for the CPU (times vary from run to run, so this
+# cell's output is not checked):
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+import time
+
+from tpupedia import aot
+
+t0 = time.perf_counter()
+whole_c = whole.compile()
+t1 = time.perf_counter()
+body_c = body.compile()
+t2 = time.perf_counter()
+mw, mb = aot.MemoryPerChip.from_compiled(whole_c), aot.MemoryPerChip.from_compiled(body_c)
+print(f"whole loop: compile {t1 - t0:.1f} s, temporaries {aot.format_bytes(mw.temporaries)}")
+print(f"one batch:  compile {t2 - t1:.1f} s, temporaries {aot.format_bytes(mb.temporaries)}")
+
+# %%
+assert mw.temporaries >= mb.temporaries
+
+# %% [markdown]
+# ## 6. Tiling
+#
+# Frame batching bounds memory in time; tiling bounds it in space. Each overlapping spatial tile
+# is decoded with its own frame loop and cache (time is never split across tiles, because the
+# causal convolution needs the whole past), then neighbouring tiles are cross-faded over the
+# overlap (`blend_v`, `blend_h`) and cropped. diffusers blends each tile with neighbours that
+# have *already* been blended; the port does the same, or the seams would differ.
+#
+# Tiny tiles force tiling on a tiny input: 32×32 output tiles, i.e. 4×4 latent tiles, over
+# 6×7 latents.
+
+# %%
+torch_vae.enable_tiling(tile_sample_min_height=32, tile_sample_min_width=32)
+flax_vae.enable_tiling(tile_sample_min_height=32, tile_sample_min_width=32)
+z_tiled = torch.randn(1, 4, 3, 6, 7, generator=gen)
+with torch.no_grad():
+    ref_tiled = torch_vae.decode(z_tiled).sample.numpy()
+tiled = np.asarray(flax_vae.decode(jnp.asarray(z_tiled.numpy())))
+print("tiled decode", tiled.shape, "max abs err < 1e-5:", float(np.abs(tiled - ref_tiled).max()) < 1e-5)
+
+# %% [markdown]
+# The tiled output is 51×60, not the 48×56 an untiled decode gives: diffusers crops every tile to
+# `tile − overlap` pixels, which only adds up to the frame when the tile size suits the frame
+# (it does for CogVideoX's own 480×720 defaults, not for these toy tiles). Parity means keeping
+# that quirk too.
+
+# %%
+assert tiled.shape == ref_tiled.shape == (1, 3, 9, 51, 60)
+assert np.abs(tiled - ref_tiled).max() <= 1e-4
+torch_vae.disable_tiling()
+flax_vae.disable_tiling()
+
+# %% [markdown]
+# ## 7. Eager vs jit, and torchax vs the port
+#
+# Without `jit` every JAX operation is dispatched on its own: the first call compiles hundreds of
+# small kernels, later calls pay the dispatch cost of each. `decode(jit=False)` runs that way;
+# the default jits one frame batch. Timings on a shared 2-core CPU are noisy and not checked.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+from tpupedia.compat import import_torchax
+
+z_in = jnp.asarray(latents.numpy())
+
+
+def timed(fn, n=3):
+    fn().block_until_ready()  # warm-up (compiles)
+    t = time.perf_counter()
+    for _ in range(n):
+        fn().block_until_ready()
+    return (time.perf_counter() - t) / n
+
+
+t_eager = timed(lambda: flax_vae.decode(z_in, jit=False))
+t_jit = timed(lambda: flax_vae.decode(z_in))
+print(f"Flax decode: eager {t_eager * 1e3:.0f} ms, jit per frame batch {t_jit * 1e3:.0f} ms")
+
+# %% [markdown]
+# The other route is not to port at all: run diffusers' own VAE through torchax (lesson 01) and
+# jit its `decode`. `JittableModule.functional_call` turns the module into a function of its
+# weights; `return_dict=False` keeps the output a plain tuple.
+
+# %%
+torchax = import_torchax()  # the shim of lesson 01, before anything imports torchax
+from torchax.interop import JittableModule, jax_jit  # noqa: E402
+
+env = torchax.default_env()
+with env:
+    tx_vae = copy.deepcopy(torch_vae).to("jax")
+    jm = JittableModule(tx_vae)
+    tx_decode = jax_jit(lambda p, b, z: jm.functional_call("decode", p, b, z, return_dict=False)[0])
+    tx_out = tx_decode(jm.params, jm.buffers, latents.to("jax"))
+    tx_video = np.asarray(tx_out.jax())
+print("torchax decode == diffusers (< 1e-4):", bool(np.abs(tx_video - ref_video).max() <= 1e-4))
+print("torchax decode == Flax port (< 1e-4):", bool(np.abs(tx_video - decoded).max() <= 1e-4))
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+with env:
+    z_tx = latents.to("jax")
+    t_tx = timed(lambda: tx_decode(jm.params, jm.buffers, z_tx).jax())
+print(f"decode, tiny config, this CPU: torchax {t_tx * 1e3:.0f} ms, Flax port {t_jit * 1e3:.0f} ms")
+
+# %%
+assert np.abs(tx_video - ref_video).max() <= 1e-4 and np.abs(tx_video - decoded).max() <= 1e-4
+
+# %% [markdown]
+# Note that torchax jits the *whole* diffusers `decode`, frame loop included, which is exactly
+# what section 5 warns about; at tiny sizes it does not matter. At full size the upstream project
+# found the opposite of its own expectation: once its torchax build of the VAE replaced
+# `nn.GroupNorm` with a JAX mean/variance GroupNorm, the torchax decode took **0.64 s against
+# 1.31 s** for its hand-written Flax port (reported upstream, TPU v6e-8, 768×1360). A port buys
+# control (layout, caching, what gets jitted), not speed by itself.
+
+# %% [markdown]
+# ## 8. Full size: does one frame batch fit on a v6e chip?
+#
+# The CogVideoX VAE at 768×1360 (96×170 latents, 16 channels, widths 128–512) in bf16. We build
+# the model with `nnx.eval_shape` (shapes only: no weight is allocated) and compile one frame
+# batch of two latent frames for a single v6e chip, ahead of time. This compile takes over a
+# minute on a CPU host, so it runs with `TPUPEDIA_PRESET=full` only. Run that way on this course's
+# CPU host (AOT here, v6e target, libtpu of jax 0.10.2), the compiler answered: *does not fit:
+# needs 47.23 GiB of temporaries, 31.25 GiB of HBM available per chip*. Two latent frames already
+# overflow one chip untiled; this is why the pipeline tiles (section 6) or shards the decode.
+
+# %%
+from jax.sharding import SingleDeviceSharding
+
+from tpupedia.models.cogvideox_vae import CogVideoXVAEConfig
+
+full_cfg = CogVideoXVAEConfig()  # diffusers' defaults = the CogVideoX VAE
+abstract_model = convert.abstract_vae(full_cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+n_full = sum(x.size for x in jax.tree.leaves(nnx.state(abstract_model, nnx.Param)))
+print(f"CogVideoX VAE: {n_full / 1e6:.1f} M parameters, none allocated")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+if preset.name == "full":
+    chip = SingleDeviceSharding(devices.tpu_topology("v6e:2x4")[0])
+    g_full, s_full = nnx.split(abstract_model)
+    s_full = jax.tree.map(lambda s: aot.abstract(s.shape, s.dtype, chip), s_full)
+    z_full = aot.abstract((1, 2, 96, 170, 16), jnp.bfloat16, chip)
+    full_result = aot.compile_aot(lambda s, z: nnx.merge(g_full, s).decode_chunk(z, None)[0], s_full, z_full)
+    print(full_result.summary())
+else:
+    print("skipped in the tiny preset (see the text above for the result)")
+
+# %%
+assert 200e6 < n_full < 230e6
+
+# %% [markdown]
+# ## 9. Bad input fails before any compute
+#
+# Channels-last latents (a common slip after working inside the port) or video whose frame count
+# the ×4 temporal compression cannot produce latents from are rejected with the value and what is
+# allowed, before anything is traced or compiled.
+
+# %% tags=["raises-exception"]
+flax_vae.decode(np.zeros((1, 5, 8, 6, 4), np.float32))
+
+# %% tags=["raises-exception"]
+flax_vae.encode(np.zeros((1, 3, 10, 32, 32), np.float32))
+
+# %%
+from tpupedia.models.cogvideox_vae import VAEInputError
+
+for bad, call in [((1, 5, 8, 6, 4), flax_vae.decode), ((1, 3, 10, 32, 32), flax_vae.encode)]:
+    try:
+        call(np.zeros(bad, np.float32))
+    except VAEInputError:
+        pass
+    else:
+        raise AssertionError(f"{bad} was accepted")
+
+# %% [markdown]
+# ## Takeaways
+#
+# * Port layout deliberately: channels-last inside, the framework's layout at the boundary, and
+#   conv kernels `(O, I, kT, kH, kW) → (kT, kH, kW, I, O)`.
+# * Parity means rounding-level error against the original, on several configs, tiled and not.
+#   A layer-by-layer diff names the first wrong layer; the final error never does.
+# * GroupNorm must group channels the way PyTorch does; where the channel axis sits is irrelevant.
+# * Causal convs carry a two-frame cache between frame batches; make it an explicit value.
+# * Jit one frame batch (or tile) and loop in Python; a jitted loop is an unrolled program.
+# * The knowledge-base page [Porting a PyTorch model to Flax NNX](../kb/porting-to-flax-nnx.md)
+#   collects the tables and pitfalls.

@@ -1,0 +1,491 @@
+"""One attention function for every platform, and one SDPA override for torchax.
+
+Introduced in notebook 04 (splash attention).
+
+:func:`attention` takes PyTorch-layout arrays ``(batch, heads, seq, head_dim)`` and computes
+softmax attention with one of three back ends:
+
+``"splash"``
+    JAX's splash attention Pallas kernel: compiled for the TPU on a TPU, run in Pallas interpret
+    mode elsewhere (slow, but the same kernel code; this is how CI checks it).
+``"reference"``
+    ``jax.nn.dot_product_attention`` (XLA; on a GPU XLA may pick cuDNN). It materialises the
+    score matrix, so it is for short sequences, checks and GPUs.
+``"auto"``
+    splash on TPU and CPU, the reference on GPU.
+
+Masks. Splash masks are static, host-side objects, while a caller such as Hugging Face passes a
+*traced* boolean mask of shape ``(B, 1, Sq, Skv)``. The splash path represents exactly the masks
+of the form ``base[i, j] & q_valid[i] & kv_valid[j]``, where ``base`` is all-true or causal
+(``i >= j``) and the validity vectors are per batch element. That covers key padding, query
+padding, joint text+video padding and HF's explicit causal(+padding) masks. The validity vectors
+become splash :class:`SegmentIds`: valid tokens share segment 0, masked or padded keys get
+segment 2 and masked or padded queries segment 1, so they match nothing. Padding a sequence up to
+a block multiple uses the same segment ids, which makes padding *exact* (a zero key inside a
+``FullMask`` is not masked: it has logit 0 and still takes a share of the softmax).
+
+Any other mask (per-head masks, float/additive masks, arbitrary patterns) goes to the reference
+path. With ``mask_structure="check"`` (the default) the decomposition is verified at run time on
+the mask itself and ``lax.switch`` picks the splash form that reproduces it, or the reference if
+none does, so a wrong answer is never returned silently. Query rows with no visible key return
+0 (as PyTorch on CPU does), not NaN, on every path.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu import splash_attention as sa
+from jax.sharding import PartitionSpec as P
+
+__all__ = [
+    "AttentionError",
+    "AttentionLayoutWarning",
+    "LANE",
+    "BACKENDS",
+    "resolve_backend",
+    "round_up",
+    "default_block_sizes",
+    "check_block_sizes",
+    "split_mask",
+    "reference_attention",
+    "splash_attention",
+    "attention",
+    "install_attention",
+    "cache_info",
+]
+
+LANE = 128
+"""A TPU vreg is 8 sublanes x 128 lanes: splash tiles must be multiples of 128 along sequences."""
+
+BACKENDS = ("auto", "splash", "reference")
+_MASK_STRUCTURES = ("check", "padding", "causal_padding")
+
+
+class AttentionError(ValueError):
+    """Inputs or settings that attention cannot honour; the message names the value and the rule."""
+
+
+class AttentionLayoutWarning(UserWarning):
+    """Heads (or batch) did not divide the mesh axis; a different layout was used."""
+
+
+# ---------------------------------------------------------------------------------------------
+# block sizes
+
+
+def round_up(n: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` that is >= ``n``."""
+    return -(-int(n) // int(multiple)) * int(multiple)
+
+
+def default_block_sizes(q_len: int, kv_len: int, max_block: int = 512) -> sa.BlockSizes:
+    """Block sizes of at most ``max_block``, never larger than the 128-padded sequence."""
+    bq = min(max_block, round_up(q_len, LANE))
+    bkv = min(max_block, round_up(kv_len, LANE))
+    return sa.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv)
+
+
+def _as_block_sizes(block_sizes: Any) -> sa.BlockSizes:
+    if isinstance(block_sizes, sa.BlockSizes):
+        return block_sizes
+    if isinstance(block_sizes, dict):
+        return sa.BlockSizes(**block_sizes)
+    if isinstance(block_sizes, (tuple, list)) and len(block_sizes) in (2, 3):
+        return sa.BlockSizes(*[int(b) for b in block_sizes])
+    raise AttentionError(
+        f"block_sizes={block_sizes!r}: expected splash BlockSizes, a dict of its fields, or "
+        "(block_q, block_kv[, block_kv_compute])"
+    )
+
+
+def check_block_sizes(block_sizes: Any, q_len: int, kv_len: int) -> sa.BlockSizes:
+    """Validate forward block sizes for sequences of ``q_len`` queries and ``kv_len`` keys.
+
+    Rules: each of ``block_q``, ``block_kv``, ``block_kv_compute`` is a positive multiple of 128
+    (the TPU lane width; the kernel's tiles are laid out in 128-lane registers, also in interpret
+    mode); ``block_kv_compute`` divides ``block_kv``; and no block exceeds its sequence padded to
+    a multiple of 128 (a larger block would only compute padding).
+    """
+    bs = _as_block_sizes(block_sizes)
+    limits = {"block_q": round_up(q_len, LANE), "block_kv": round_up(kv_len, LANE),
+              "block_kv_compute": round_up(kv_len, LANE)}
+    for name, limit in limits.items():
+        value = getattr(bs, name)
+        if not isinstance(value, int) or value <= 0 or value % LANE:
+            raise AttentionError(
+                f"{name}={value!r} is not a positive multiple of {LANE}: splash tiles sequences "
+                f"in {LANE}-lane TPU registers"
+            )
+        if value > limit:
+            raise AttentionError(
+                f"{name}={value} exceeds the padded sequence length {limit} "
+                f"(length rounded up to a multiple of {LANE}); use at most {limit}"
+            )
+    if bs.block_kv % bs.block_kv_compute:
+        raise AttentionError(
+            f"block_kv_compute={bs.block_kv_compute} must divide block_kv={bs.block_kv}"
+        )
+    return bs
+
+
+def _cap_block_sizes(bs: sa.BlockSizes, q_len: int, kv_len: int) -> sa.BlockSizes:
+    """Shrink blocks to the 128-padded sequence (what the installed override does per call)."""
+    bq = min(bs.block_q, round_up(q_len, LANE))
+    bkv = min(bs.block_kv, round_up(kv_len, LANE))
+    bkvc = bs.block_kv_compute if bkv % bs.block_kv_compute == 0 else bkv
+    return sa.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=min(bkvc, bkv))
+
+
+# ---------------------------------------------------------------------------------------------
+# input checks and masks
+
+
+def _check_qkv(q, k, v) -> None:
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise AttentionError(
+            f"q, k, v must be (batch, heads, seq, head_dim); got shapes "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if not (q.shape[-1] == k.shape[-1] == v.shape[-1]):
+        raise AttentionError(
+            f"head dims differ: q {q.shape[-1]}, k {k.shape[-1]}, v {v.shape[-1]}; "
+            "q, k and v must share one head_dim"
+        )
+    if k.shape != v.shape:
+        raise AttentionError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    if q.shape[0] != k.shape[0]:
+        raise AttentionError(f"batch sizes differ: q {q.shape[0]}, k/v {k.shape[0]}")
+    if q.shape[1] % k.shape[1]:
+        raise AttentionError(
+            f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads "
+            "(grouped-query attention needs q_heads % kv_heads == 0)"
+        )
+
+
+def _causal(q_len: int, kv_len: int) -> jax.Array:
+    # PyTorch's is_causal: top-left aligned, query i sees keys j <= i.
+    return jnp.arange(q_len)[:, None] >= jnp.arange(kv_len)[None, :]
+
+
+def split_mask(mask: jax.Array, *, causal: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Split a boolean ``(B, 1|Sq, Skv)``-broadcastable mask into per-token validity.
+
+    Returns ``(q_valid (B, Sq), kv_valid (B, Skv), exact)``, where ``exact`` is a traced bool:
+    whether ``base & q_valid[:, :, None] & kv_valid[:, None, :]`` reproduces the mask, ``base``
+    being causal if ``causal`` else all-true.
+    """
+    m = mask[:, 0] if mask.ndim == 4 else mask
+    q_valid = m.any(-1)
+    kv_valid = m.any(-2)
+    rebuilt = q_valid[:, :, None] & kv_valid[:, None, :]
+    if causal:
+        rebuilt = rebuilt & _causal(m.shape[-2], m.shape[-1])
+    return q_valid, kv_valid, jnp.all(rebuilt == m)
+
+
+def _bool_mask(mask, q, k):
+    """Broadcast a user mask to (B, 1, Sq, Skv) bool, or return None if splash can't take it."""
+    b, _, sq, _ = q.shape
+    skv = k.shape[2]
+    if mask.dtype != jnp.bool_ or mask.ndim > 4 or (mask.ndim == 4 and mask.shape[1] != 1):
+        return None
+    m = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape))
+    return jnp.broadcast_to(m, (b, 1, sq, skv))
+
+
+# ---------------------------------------------------------------------------------------------
+# the reference path
+
+
+def reference_attention(q, k, v, mask=None, *, is_causal=False, scale=None) -> jax.Array:
+    """Softmax attention with ``jax.nn.dot_product_attention``; fully masked query rows give 0.
+
+    ``q`` is ``(B, H, Sq, D)``, ``k``/``v`` are ``(B, Hkv, Skv, D)`` (GQA when Hkv < H).
+    ``mask``: boolean (True = attend) or additive float, broadcastable to ``(B, H, Sq, Skv)``.
+    """
+    _check_qkv(q, k, v)
+    if mask is not None and is_causal:
+        raise AttentionError("pass either a mask or is_causal=True, not both (as in PyTorch)")
+    b, h, sq, d = q.shape
+    skv = k.shape[2]
+    scale = d**-0.5 if scale is None else float(scale)
+    bias = None
+    if is_causal:
+        mask = _causal(sq, skv)
+    if mask is not None and mask.dtype != jnp.bool_:
+        bias = jnp.broadcast_to(mask.astype(jnp.float32), (b, h, sq, skv))
+        mask = None
+    if mask is not None:
+        mask = jnp.broadcast_to(mask, (b, h, sq, skv))
+    out = jax.nn.dot_product_attention(
+        q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
+        bias=bias, mask=mask, scale=scale,
+    ).transpose(0, 2, 1, 3)
+    if mask is not None:
+        out = jnp.where(mask.any(-1)[..., None], out, 0)
+    return out.astype(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# the splash path
+
+
+_warned: set[tuple] = set()
+
+
+def _warn_once(key: tuple, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, AttentionLayoutWarning, stacklevel=3)
+
+
+@functools.lru_cache(maxsize=128)
+def _kernel(causal: bool, heads: int, q_len: int, kv_len: int, block: tuple, interpret: bool):
+    base = sa.CausalMask if causal else sa.FullMask
+    mask = sa.MultiHeadMask([base((q_len, kv_len)) for _ in range(heads)])
+    bs = sa.BlockSizes(block_q=block[0], block_kv=block[1], block_kv_compute=block[2])
+    with jax.ensure_compile_time_eval():  # concrete mask info, even when first built under jit
+        return sa.make_splash_mha(mask, head_shards=1, q_seq_shards=1, block_sizes=bs,
+                                  interpret=interpret)
+
+
+def cache_info():
+    """Hits and misses of the kernel cache (one kernel per shape, mask kind and block sizes)."""
+    return _kernel.cache_info()
+
+
+@dataclass(frozen=True)
+class _Layout:
+    batch_axis: str | None
+    head_axis: str | None
+    seq_axis: str | None  # q split along the sequence (cross-attention layout)
+
+
+def _choose_layout(mesh, layout, batch_axis, head_axis, b, h, hkv, causal) -> _Layout:
+    names = mesh.axis_names
+    if head_axis is None:
+        head_axis = names[-1]
+    if batch_axis is None and len(names) > 1:
+        batch_axis = names[0]
+    for ax in (head_axis, batch_axis):
+        if ax is not None and ax not in names:
+            raise AttentionError(f"mesh has axes {names}; no axis named {ax!r}")
+    if batch_axis is not None and b % mesh.shape[batch_axis]:
+        _warn_once(("batch", b, mesh.shape[batch_axis]),
+                   f"batch {b} does not divide mesh axis {batch_axis!r} "
+                   f"({mesh.shape[batch_axis]}); replicating over it")
+        batch_axis = None
+    n = mesh.shape[head_axis]
+    if layout not in ("heads", "sequence"):
+        raise AttentionError(f"layout={layout!r}: expected 'heads' or 'sequence'")
+    if layout == "sequence" and causal:
+        raise AttentionError("layout='sequence' splits queries and needs a non-causal mask")
+    if layout == "heads" and h % n:
+        if not causal:
+            _warn_once(("heads", h, n), f"{h} heads do not divide mesh axis {head_axis!r} ({n}); "
+                       "splitting queries along the sequence instead")
+            return _Layout(batch_axis, None, head_axis)
+        _warn_once(("heads", h, n), f"{h} heads do not divide mesh axis {head_axis!r} ({n}); "
+                   "replicating attention over it")
+        return _Layout(batch_axis, None, None)
+    if layout == "sequence":
+        return _Layout(batch_axis, None, head_axis)
+    del hkv  # kv heads are repeated to the query heads when they do not divide
+    return _Layout(batch_axis, head_axis, None)
+
+
+def splash_attention(
+    q, k, v, q_valid=None, kv_valid=None, *, is_causal=False, scale=None, block_sizes=None,
+    interpret=None, mesh=None, layout="heads", batch_axis=None, head_axis=None,
+) -> jax.Array:
+    """Splash attention on ``(B, H, S, D)`` arrays with exact padding.
+
+    ``q_valid`` ``(B, Sq)`` / ``kv_valid`` ``(B, Skv)`` mark real tokens (default: all).
+    Sequences are padded to block multiples; padded and invalid tokens are excluded through
+    segment ids, and query rows with no visible key return 0. ``block_sizes`` are checked with
+    :func:`check_block_sizes`. ``interpret`` defaults to True off TPU. With a ``mesh``, the kernel
+    runs under ``shard_map``: heads split over ``head_axis`` (default: the mesh's last axis) and
+    batch over ``batch_axis`` (default: its first, if it has two or more); ``layout="sequence"``
+    splits the queries instead (non-causal only, e.g. cross-attention).
+    """
+    _check_qkv(q, k, v)
+    b, h, sq, d = q.shape
+    hkv, skv = k.shape[1], k.shape[2]
+    scale = d**-0.5 if scale is None else float(scale)
+    bs = default_block_sizes(sq, skv) if block_sizes is None else check_block_sizes(block_sizes, sq, skv)
+    if interpret is None:
+        interpret = jax.default_backend() != "tpu"
+    lay = _Layout(None, None, None)
+    n_seq = 1
+    if mesh is not None:
+        lay = _choose_layout(mesh, layout, batch_axis, head_axis, b, h, hkv, is_causal)
+        if lay.seq_axis is not None:
+            n_seq = mesh.shape[lay.seq_axis]
+        if lay.head_axis is not None and hkv % mesh.shape[lay.head_axis]:
+            k = jnp.repeat(k, h // hkv, axis=1)
+            v = jnp.repeat(v, h // hkv, axis=1)
+            hkv = h
+    sqp, skvp = round_up(sq, bs.block_q * n_seq), round_up(skv, bs.block_kv)
+    qv = jnp.ones((b, sq), bool) if q_valid is None else jnp.broadcast_to(q_valid, (b, sq))
+    kvv = jnp.ones((b, skv), bool) if kv_valid is None else jnp.broadcast_to(kv_valid, (b, skv))
+    qv = jnp.pad(qv, ((0, 0), (0, sqp - sq)))
+    kvv = jnp.pad(kvv, ((0, 0), (0, skvp - skv)))
+    q_seg = jnp.where(qv, 0, 1).astype(jnp.int32)
+    kv_seg = jnp.where(kvv, 0, 2).astype(jnp.int32)
+    pad = lambda x, s: jnp.pad(x, ((0, 0), (0, 0), (0, s - x.shape[2]), (0, 0)))
+    qp, kp, vp = pad(q * jnp.asarray(scale, q.dtype), sqp), pad(k, skvp), pad(v, skvp)
+    block = (bs.block_q, bs.block_kv, bs.block_kv_compute)
+
+    def local(q, k, v, q_seg, kv_seg, qv):
+        kern = _kernel(bool(is_causal), q.shape[1], q.shape[2], k.shape[2], block, bool(interpret))
+        out = jax.vmap(lambda a, b_, c, s, t: kern(a, b_, c, segment_ids=sa.SegmentIds(s, t)))(
+            q, k, v, q_seg, kv_seg)
+        return jnp.where(qv[:, None, :, None], out, 0).astype(q.dtype)
+
+    if mesh is None:
+        out = local(qp, kp, vp, q_seg, kv_seg, qv)
+    else:
+        ba, ha, sa_ = lay.batch_axis, lay.head_axis, lay.seq_axis
+        q_spec = P(ba, ha, sa_, None)
+        kv_spec = P(ba, ha, None, None)
+        qs_spec, kvs_spec = P(ba, sa_), P(ba, None)
+        out = jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, qs_spec, kvs_spec, qs_spec),
+                            out_specs=q_spec, check_vma=False)(qp, kp, vp, q_seg, kv_seg, qv)
+    return out[:, :, :sq]
+
+
+# ---------------------------------------------------------------------------------------------
+# the dispatcher
+
+
+def resolve_backend(backend: str = "auto", platform: str | None = None) -> str:
+    """``"splash"`` or ``"reference"``: what ``backend`` means on ``platform`` (default: JAX's)."""
+    if backend not in BACKENDS:
+        raise AttentionError(f"backend={backend!r}: expected one of {BACKENDS}")
+    platform = platform or jax.default_backend()
+    if backend == "auto":
+        return "reference" if platform == "gpu" else "splash"
+    return backend
+
+
+def attention(
+    q, k, v, mask=None, *, is_causal=False, scale=None, backend="auto", block_sizes=None,
+    interpret=None, mesh=None, layout="heads", batch_axis=None, head_axis=None,
+    mask_structure="check", cap_block_sizes=False,
+) -> jax.Array:
+    """Scaled dot-product attention, PyTorch semantics, on ``(B, H, S, D)`` arrays.
+
+    ``mask`` is boolean (True = attend) or additive float, broadcastable to ``(B, H, Sq, Skv)``;
+    ``is_causal`` is top-left aligned as in PyTorch; GQA when k/v have fewer heads. See the
+    module docstring for which masks the splash path represents; ``mask_structure`` says how a
+    boolean mask is handled there: ``"check"`` verifies at run time (``lax.switch`` between
+    padding, causal+padding and the reference), ``"padding"`` / ``"causal_padding"`` trust the
+    caller that the mask has that form (no reference branch is compiled).
+    """
+    _check_qkv(q, k, v)
+    if mask is not None and is_causal:
+        raise AttentionError("pass either a mask or is_causal=True, not both (as in PyTorch)")
+    if mask_structure not in _MASK_STRUCTURES:
+        raise AttentionError(f"mask_structure={mask_structure!r}: expected one of {_MASK_STRUCTURES}")
+    if resolve_backend(backend) == "reference":
+        return reference_attention(q, k, v, mask, is_causal=is_causal, scale=scale)
+    sq, skv = q.shape[2], k.shape[2]
+    if block_sizes is not None and cap_block_sizes:
+        block_sizes = _cap_block_sizes(_as_block_sizes(block_sizes), sq, skv)
+    kw = dict(scale=scale, block_sizes=block_sizes, interpret=interpret, mesh=mesh,
+              layout=layout, batch_axis=batch_axis, head_axis=head_axis)
+    if mask is None:
+        return splash_attention(q, k, v, is_causal=is_causal, **kw)
+    m = _bool_mask(mask, q, k)
+    if m is None:  # float or per-head mask: not representable by segment ids
+        return reference_attention(q, k, v, mask, scale=scale)
+    if mask_structure != "check":
+        causal = mask_structure == "causal_padding"
+        qv, kvv, _ = split_mask(m, causal=causal)
+        return splash_attention(q, k, v, qv, kvv, is_causal=causal, **kw)
+    qv, kvv, exact_full = split_mask(m, causal=False)
+    _, _, exact_causal = split_mask(m, causal=True)
+    index = jnp.where(exact_full, 0, jnp.where(exact_causal, 1, 2))
+    kw_nc = dict(kw, layout=layout)
+    kw_c = dict(kw, layout="heads")
+    branches = (
+        lambda q, k, v, qv, kvv, m: splash_attention(q, k, v, qv, kvv, is_causal=False, **kw_nc),
+        lambda q, k, v, qv, kvv, m: splash_attention(q, k, v, qv, kvv, is_causal=True, **kw_c),
+        lambda q, k, v, qv, kvv, m: reference_attention(q, k, v, m, scale=scale),
+    )
+    return jax.lax.switch(index, branches, q, k, v, qv, kvv, m)
+
+
+# ---------------------------------------------------------------------------------------------
+# torchax
+
+
+class AttentionOverride:
+    """What :func:`install_attention` installed (its settings, for display and tests)."""
+
+    def __init__(self, backend, mesh, block_sizes, mask_structure, interpret):
+        self.backend = backend
+        self.mesh = mesh
+        self.block_sizes = block_sizes
+        self.mask_structure = mask_structure
+        self.interpret = interpret
+        self.calls = 0
+
+    def __repr__(self) -> str:
+        mesh = None if self.mesh is None else dict(self.mesh.shape)
+        return (f"AttentionOverride(backend={self.backend!r}, mesh={mesh}, "
+                f"mask_structure={self.mask_structure!r}, interpret={self.interpret})")
+
+
+def install_attention(
+    env, mesh=None, backend="auto", block_sizes=None, *, mask_structure="check", interpret=None,
+    **layout_kwargs,
+) -> AttentionOverride:
+    """Make ``F.scaled_dot_product_attention`` inside the torchax ``env`` call :func:`attention`.
+
+    Registered for both ``torch.nn.functional.scaled_dot_product_attention`` and
+    ``torch.ops.aten.scaled_dot_product_attention``. ``block_sizes`` here are upper bounds: each
+    call shrinks them to its own 128-padded sequence (as upstream does with ``min``), so one
+    setting serves a 226-token text encoder and a 40k-token transformer. ``layout_kwargs``
+    (``layout``, ``batch_axis``, ``head_axis``) are passed on. Returns an
+    :class:`AttentionOverride` describing what was installed.
+    """
+    import torch
+
+    from tpupedia.compat import import_torchax
+
+    import_torchax()
+    from torchax.interop import call_jax
+
+    resolved = resolve_backend(backend)
+    if block_sizes is not None:
+        bs = _as_block_sizes(block_sizes)
+        check_block_sizes(bs, max(bs.block_q, bs.block_kv), max(bs.block_q, bs.block_kv))
+    info = AttentionOverride(resolved, mesh, block_sizes, mask_structure, interpret)
+    jitted = jax.jit(
+        functools.partial(attention, backend=resolved, block_sizes=block_sizes,
+                          interpret=interpret, mesh=mesh, mask_structure=mask_structure,
+                          cap_block_sizes=True, **layout_kwargs),
+        static_argnames=("is_causal", "scale"),
+    )
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+             enable_gqa=False):
+        if dropout_p:
+            raise AttentionError(f"dropout_p={dropout_p}: attention dropout is not supported "
+                                 "(inference only); pass 0.0")
+        info.calls += 1
+        return call_jax(jitted, query, key, value, attn_mask, is_causal=bool(is_causal),
+                        scale=None if scale is None else float(scale))
+
+    for op in (torch.nn.functional.scaled_dot_product_attention,
+               torch.ops.aten.scaled_dot_product_attention):
+        env.override_op_definition(op, sdpa)
+    return info
+

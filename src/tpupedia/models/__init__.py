@@ -1,0 +1,5 @@
+"""Model ports used by the course.
+
+* `cogvideox_vae`: the CogVideoX VAE in Flax NNX (notebook 05);
+  `cogvideox_vae_convert`: its weight conversion and layer-by-layer comparison.
+"""

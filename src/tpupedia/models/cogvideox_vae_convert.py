@@ -1,0 +1,269 @@
+"""Weights in, differences out: converting diffusers CogVideoX VAE weights to the Flax NNX port,
+and comparing the two layer by layer.
+
+Introduced in notebook 05 (CogVideoX VAE in Flax NNX).
+
+The NNX module tree uses diffusers' attribute names, so a state-dict key maps to an NNX path by
+splitting on dots; only the *leaf* changes, by the rules in `WEIGHT_RULES` (a kernel transpose
+for convolutions, `weight` -> `scale` for norms). Checkpoints are read from safetensors only;
+nothing here unpickles.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from tpupedia.models import cogvideox_vae as vae_mod
+from tpupedia.models.cogvideox_vae import AutoencoderKLCogVideoX, CogVideoXVAEConfig
+
+__all__ = [
+    "WeightRule",
+    "WEIGHT_RULES",
+    "WeightConversionError",
+    "nnx_path",
+    "convert_state_dict",
+    "abstract_vae",
+    "from_state_dict",
+    "from_diffusers",
+    "from_pretrained",
+    "LayerDiff",
+    "compare_layers",
+    "first_divergence",
+]
+
+
+class WeightConversionError(ValueError):
+    """A state dict that does not match the NNX model: missing, unexpected or mis-shaped tensors."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightRule:
+    """How one kind of PyTorch tensor becomes an NNX parameter."""
+
+    torch_leaf: str
+    ndim: int
+    nnx_leaf: str
+    transpose: tuple[int, ...] | None
+    what: str
+
+
+WEIGHT_RULES: tuple[WeightRule, ...] = (
+    WeightRule("weight", 5, "kernel", (2, 3, 4, 1, 0), "Conv3d weight (O, I, kT, kH, kW) -> kernel (kT, kH, kW, I, O)"),
+    WeightRule("weight", 4, "kernel", (2, 3, 1, 0), "Conv2d weight (O, I, kH, kW) -> kernel (kH, kW, I, O)"),
+    WeightRule("weight", 2, "kernel", (1, 0), "Linear weight (O, I) -> kernel (I, O)"),
+    WeightRule("weight", 1, "scale", None, "GroupNorm weight (C,) -> scale (C,)"),
+    WeightRule("bias", 1, "bias", None, "any bias (C,) -> bias (C,), unchanged"),
+)
+
+
+def _rule(leaf: str, ndim: int) -> WeightRule:
+    for r in WEIGHT_RULES:
+        if r.torch_leaf == leaf and r.ndim == ndim:
+            return r
+    raise WeightConversionError(f"no conversion rule for a {ndim}-d tensor named {leaf!r}")
+
+
+def nnx_path(key: str, ndim: int) -> tuple[tuple[str | int, ...], WeightRule]:
+    """`'decoder.up_blocks.0.resnets.1.conv1.conv.weight'` (5-d) ->
+    `(('decoder','up_blocks',0,'resnets',1,'conv1','conv','kernel'), <Conv3d rule>)`."""
+    key = key.removeprefix("_orig_mod.")  # torch.compile'd modules
+    *parents, leaf = key.split(".")
+    rule = _rule(leaf, ndim)
+    path = tuple(int(p) if p.isdigit() else p for p in parents) + (rule.nnx_leaf,)
+    return path, rule
+
+
+def convert_state_dict(state_dict: Mapping[str, Any], dtype: Any = None) -> dict[tuple, jax.Array]:
+    """diffusers state dict (torch tensors or numpy/jax arrays) -> {nnx path: array}."""
+    out = {}
+    for key, t in state_dict.items():
+        arr = _to_numpy(t)
+        path, rule = nnx_path(key, arr.ndim)
+        if rule.transpose is not None:
+            arr = np.transpose(arr, rule.transpose)
+        a = jnp.asarray(arr)
+        out[path] = a.astype(dtype) if dtype is not None else a
+    return out
+
+
+def _to_numpy(t: Any) -> np.ndarray:
+    if hasattr(t, "detach"):  # torch.Tensor; numpy has no bfloat16, so go through float32
+        import torch
+
+        t = t.detach().cpu()
+        return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
+    if isinstance(t, jax.Array) and t.dtype == jnp.bfloat16:
+        t = t.astype(jnp.float32)
+    return np.asarray(t)
+
+
+def abstract_vae(config: CogVideoXVAEConfig, **kwargs: Any) -> AutoencoderKLCogVideoX:
+    """The model with `jax.ShapeDtypeStruct` leaves: shapes only, no weights allocated."""
+    return nnx.eval_shape(lambda: AutoencoderKLCogVideoX(config, rngs=nnx.Rngs(0), **kwargs))
+
+
+def from_state_dict(
+    config: CogVideoXVAEConfig | Mapping[str, Any],
+    state_dict: Mapping[str, Any],
+    *,
+    dtype: Any = jnp.float32,
+    param_dtype: Any = None,
+    precision: Any = None,
+) -> AutoencoderKLCogVideoX:
+    """Build the NNX VAE directly from converted weights (no random init), strictly: every
+    parameter must be provided with the right shape, and every tensor must be used."""
+    if not isinstance(config, CogVideoXVAEConfig):
+        config = CogVideoXVAEConfig.from_dict(config)
+    param_dtype = param_dtype or dtype
+    graphdef, abstract = nnx.split(abstract_vae(config, dtype=dtype, param_dtype=param_dtype, precision=precision))
+    flat = dict(nnx.to_flat_state(abstract))
+    weights = convert_state_dict(state_dict, param_dtype)
+    missing = sorted(".".join(map(str, p)) for p in flat if p not in weights)
+    unexpected = sorted(".".join(map(str, p)) for p in weights if p not in flat)
+    if missing or unexpected:
+        raise WeightConversionError(
+            f"state dict does not match the config: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+            f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
+        )
+    for path, var in flat.items():
+        if weights[path].shape != var.value.shape:
+            raise WeightConversionError(
+                f"{'.'.join(map(str, path))}: checkpoint shape {weights[path].shape}, model expects {var.value.shape}"
+            )
+        var.set_value(weights[path])
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def from_diffusers(torch_vae: Any, *, dtype: Any = jnp.float32, precision: Any = None) -> AutoencoderKLCogVideoX:
+    """Convert a live `diffusers.AutoencoderKLCogVideoX`, copying its tiling/frame-batch settings."""
+    model = from_state_dict(dict(torch_vae.config), torch_vae.state_dict(), dtype=dtype, precision=precision)
+    for name in (
+        "use_tiling", "tile_sample_min_height", "tile_sample_min_width", "tile_overlap_factor_height",
+        "tile_overlap_factor_width", "num_latent_frames_batch_size", "num_sample_frames_batch_size",
+    ):
+        setattr(model, name, getattr(torch_vae, name))
+    return model
+
+
+def from_pretrained(
+    path_or_id: str | os.PathLike, *, subfolder: str | None = None, dtype: Any = jnp.float32, precision: Any = None
+) -> AutoencoderKLCogVideoX:
+    """Load `config.json` + `*.safetensors` from a directory (as written by diffusers'
+    `save_pretrained(..., safe_serialization=True)`), or from a Hub id via
+    `huggingface_hub.snapshot_download` (honours HF_HUB_OFFLINE). Never unpickles."""
+    path = Path(path_or_id)
+    if not path.is_dir():
+        from huggingface_hub import snapshot_download
+
+        prefix = f"{subfolder}/" if subfolder else ""
+        path = Path(snapshot_download(str(path_or_id), allow_patterns=[f"{prefix}*.json", f"{prefix}*.safetensors"]))
+    if subfolder:
+        path = path / subfolder
+    config_file = path / "config.json"
+    files = sorted(path.glob("*.safetensors"))
+    if not config_file.is_file() or not files:
+        raise FileNotFoundError(f"need config.json and *.safetensors in {path.name!r}; found {sorted(p.name for p in path.iterdir())}")
+    from safetensors import safe_open
+
+    state: dict[str, Any] = {}
+    for f in files:
+        with safe_open(f, framework="flax") as fh:
+            for k in fh.keys():
+                state[k] = fh.get_tensor(k)
+    return from_state_dict(json.loads(config_file.read_text()), state, dtype=dtype, precision=precision)
+
+
+# ----------------------------------------------------------------------------------- layer diff
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerDiff:
+    """One layer call: its dotted name (diffusers naming), which call (frame batch) it was,
+    the output shape (channels-first) and the max abs difference torch vs NNX."""
+
+    name: str
+    call: int
+    shape: tuple[int, ...]
+    max_abs_err: float
+
+
+_TORCH_TYPES = (
+    "CogVideoXCausalConv3d", "GroupNorm", "CogVideoXSpatialNorm3D", "CogVideoXResnetBlock3D",
+    "CogVideoXDownsample3D", "CogVideoXUpsample3D", "CogVideoXDownBlock3D", "CogVideoXMidBlock3D",
+    "CogVideoXUpBlock3D", "CogVideoXEncoder3D", "CogVideoXDecoder3D",
+)
+
+
+@contextlib.contextmanager
+def _capture_flax(model: nnx.Module) -> Iterator[list]:
+    names = {}
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Module) and path:
+            names[id(node)] = ".".join(map(str, path))
+    vae_mod._records.clear()
+    vae_mod._capture = names
+    try:
+        yield vae_mod._records
+    finally:
+        vae_mod._capture = None
+
+
+def compare_layers(torch_vae: Any, flax_vae: AutoencoderKLCogVideoX, x: Any, *, mode: str = "decode") -> list[LayerDiff]:
+    """Run `encode` or `decode` on the same input in both models, eagerly, recording every
+    layer's output (torch forward hooks; a capture list on the NNX side), and return the
+    differences in the order the layers finished."""
+    import torch
+
+    if mode not in ("encode", "decode"):
+        raise ValueError(f"mode must be 'encode' or 'decode', got {mode!r}")
+    x_np = np.asarray(x, dtype=np.float32)
+    torch_out: list[tuple[str, np.ndarray]] = []
+    hooks = []
+    for name, mod in torch_vae.named_modules():
+        is_shortcut = name.endswith(".conv_shortcut") and type(mod).__name__ == "CogVideoXSafeConv3d"
+        if type(mod).__name__ in _TORCH_TYPES or is_shortcut:
+            def hook(_m, _inp, out, name=name):
+                out = out[0] if isinstance(out, tuple) else out
+                torch_out.append((name, out.detach().float().cpu().numpy()))
+            hooks.append(mod.register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            t = torch.from_numpy(x_np)
+            torch_vae.encode(t) if mode == "encode" else torch_vae.decode(t)
+    finally:
+        for h in hooks:
+            h.remove()
+    with _capture_flax(flax_vae) as records:
+        (flax_vae.encode if mode == "encode" else flax_vae.decode)(jnp.asarray(x_np), jit=False)
+        flax_out = [(n, np.asarray(a, dtype=np.float32)) for n, a in records]
+    flax_by_key: dict[tuple[str, int], np.ndarray] = {}
+    counts: dict[str, int] = {}
+    for n, a in flax_out:
+        i = counts.get(n, 0)
+        counts[n] = i + 1
+        flax_by_key[(n, i)] = np.moveaxis(a, -1, 1)  # channels-last -> channels-first
+    result = []
+    counts = {}
+    for n, a in torch_out:
+        i = counts.get(n, 0)
+        counts[n] = i + 1
+        b = flax_by_key.get((n, i))
+        err = float(np.max(np.abs(a - b))) if b is not None and b.shape == a.shape else float("inf")
+        result.append(LayerDiff(n, i, tuple(a.shape), err))
+    return result
+
+
+def first_divergence(diffs: list[LayerDiff], tol: float = 1e-4) -> LayerDiff | None:
+    """The first layer call (in execution order) whose max abs error exceeds `tol`, or None."""
+    return next((d for d in diffs if not d.max_abs_err <= tol), None)

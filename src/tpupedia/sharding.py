@@ -1,0 +1,468 @@
+"""Sharding a torchax module over a mesh with rule tables: regex -> PartitionSpec, as data.
+
+A *rule table* is a list of `(regex, spec)` pairs. The first regex that `re.fullmatch`-es a
+parameter's (or buffer's) qualified name decides its `PartitionSpec`; a name no rule matches
+is replicated and reported, never silently guessed. Tables live in `RULES`, keyed by
+`(family, strategy)`, and are written against a default axis name that `rules(...)` renames
+to the mesh axis (or axes) you pass.
+
+Strategies, for PyTorch's `Linear.weight` of shape `(out_features, in_features)`:
+
+* `"tp"`: Megatron tensor parallelism. The first matmul of a pair is *column-parallel*: shard
+  the output features, which is **dim 0** of a torch weight (`P("tp", None)`), biases too.
+  The second is *row-parallel*: shard the input features, **dim 1** (`P(None, "tp")`). One
+  all-reduce per pair, none inside attention (heads split cleanly).
+* `"tp_transposed"`: the same pairs with the dims swapped: the layout some upstream CogVideoX
+  scripts label "TP (Megatron column-row)". For torch's `(out, in)` weights it is the
+  opposite of Megatron; kept so the notebook can measure what it costs.
+* `"fsdp"`: every weight matrix sharded on dim 0 over the data axis (or axes); the compiler
+  all-gathers each weight where it is used.
+* `"replicated"`: every tensor on every device.
+* `"tp_fc2_replicated"` (hunyuan only): `"tp"` with the row-parallel layers replicated, the
+  upstream default for HunyuanVideo-1.5 (no row-parallel all-reduce, more memory).
+
+`apply_rules(module, rules, mesh)` validates every spec against the tensor's shape first (a
+spec that does not divide a dimension raises `ShardingError` naming the tensor, the dimension
+and the mesh axis), then places parameters and buffers in place. `describe(module)` reads
+back where every tensor actually lives, with bytes per device.
+
+Introduced in notebook 02 (distributed sharding).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = [
+    "ShardingError",
+    "RULES",
+    "FAMILIES",
+    "STRATEGIES",
+    "rules",
+    "spec_for",
+    "Placement",
+    "ShardingPlan",
+    "plan",
+    "apply_rules",
+    "describe",
+    "FunctionalModule",
+]
+
+SpecTuple = tuple[Any, ...]
+Rule = tuple[str, SpecTuple]
+
+_COL_LLAMA = r"(q_proj|k_proj|v_proj|gate_proj|up_proj)"
+_ROW_LLAMA = r"(o_proj|down_proj)"
+_LLAMA_MATRICES = r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+
+# diffusers names; see the tiny models in tests/test_sharding.py
+_COL_COG = r"(attn1\.to_q|attn1\.to_k|attn1\.to_v|ff\.net\.0\.proj)"
+_ROW_COG = r"(attn1\.to_out\.0|ff\.net\.2)"
+_COL_HY = (
+    r"(attn\.to_q|attn\.to_k|attn\.to_v|attn\.add_q_proj|attn\.add_k_proj|attn\.add_v_proj"
+    r"|ff\.net\.0\.proj|ff_context\.net\.0\.proj)"
+)
+_ROW_HY_ATTN = r"(attn\.to_out\.0|attn\.to_add_out)"
+_ROW_HY_MLP = r"(ff\.net\.2|ff_context\.net\.2)"
+
+RULES: dict[tuple[str, str], list[Rule]] = {
+    # Llama naming, shared by Qwen2 and Mistral (Qwen2 adds q/k/v biases).
+    ("llama", "tp"): [
+        (rf".*\.{_COL_LLAMA}\.weight", ("tp", None)),  # column-parallel: out features (dim 0)
+        (rf".*\.{_COL_LLAMA}\.bias", ("tp",)),
+        (rf".*\.{_ROW_LLAMA}\.weight", (None, "tp")),  # row-parallel: in features (dim 1)
+        (r"(model\.)?embed_tokens\.weight", (None, "tp")),  # (vocab, hidden): split hidden
+        (r"lm_head\.weight", ("tp", None)),  # (vocab, hidden): vocab-parallel logits
+    ],
+    ("llama", "tp_transposed"): [
+        (rf".*\.{_COL_LLAMA}\.weight", (None, "tp")),
+        (rf".*\.{_ROW_LLAMA}\.weight", ("tp", None)),
+        (r"(model\.)?embed_tokens\.weight", ("tp", None)),
+        (r"lm_head\.weight", (None, "tp")),
+    ],
+    ("llama", "fsdp"): [
+        (rf".*\.{_LLAMA_MATRICES}\.weight", ("fsdp", None)),
+        (r"(model\.)?embed_tokens\.weight", ("fsdp", None)),
+        (r"lm_head\.weight", ("fsdp", None)),
+    ],
+    ("llama", "replicated"): [],
+    # CogVideoX transformer (diffusers CogVideoXTransformer3DModel).
+    ("cogvideox", "tp"): [
+        (rf".*\.{_COL_COG}\.weight", ("tp", None)),
+        (rf".*\.{_COL_COG}\.bias", ("tp",)),
+        (rf".*\.{_ROW_COG}\.weight", (None, "tp")),
+    ],
+    ("cogvideox", "tp_transposed"): [  # what upstream labels "TP"; biases stay replicated
+        (rf".*\.{_COL_COG}\.weight", (None, "tp")),
+        (rf".*\.{_ROW_COG}\.weight", ("tp", None)),
+    ],
+    ("cogvideox", "fsdp"): [
+        (rf".*\.({_COL_COG[1:-1]}|{_ROW_COG[1:-1]})\.weight", ("fsdp", None)),
+    ],
+    ("cogvideox", "replicated"): [],
+    # HunyuanVideo-1.5 transformer (diffusers HunyuanVideo15Transformer3DModel).
+    ("hunyuan", "tp"): [
+        (rf".*\.{_COL_HY}\.weight", ("tp", None)),
+        (rf".*\.{_COL_HY}\.bias", ("tp",)),
+        (rf".*\.({_ROW_HY_ATTN[1:-1]}|{_ROW_HY_MLP[1:-1]})\.weight", (None, "tp")),
+        (r"context_embedder_2\.linear_1\.weight", ("tp", None)),
+        (r"context_embedder_2\.linear_1\.bias", ("tp",)),
+        (r"context_embedder_2\.linear_2\.weight", (None, "tp")),
+    ],
+    ("hunyuan", "tp_fc2_replicated"): [
+        (rf".*\.{_COL_HY}\.weight", ("tp", None)),
+        (rf".*\.{_COL_HY}\.bias", ("tp",)),
+        (rf".*\.({_ROW_HY_ATTN[1:-1]}|{_ROW_HY_MLP[1:-1]})\.weight", ()),
+        (r"context_embedder_2\.linear_1\.weight", ("tp", None)),
+        (r"context_embedder_2\.linear_1\.bias", ("tp",)),
+        (r"context_embedder_2\.linear_2\.weight", ()),
+    ],
+    ("hunyuan", "fsdp"): [
+        (rf".*\.({_COL_HY[1:-1]}|{_ROW_HY_ATTN[1:-1]}|{_ROW_HY_MLP[1:-1]})\.weight", ("fsdp", None)),
+        (r"context_embedder_2\.linear_[12]\.weight", ("fsdp", None)),
+    ],
+    ("hunyuan", "replicated"): [],
+}
+
+FAMILIES: tuple[str, ...] = tuple(dict.fromkeys(f for f, _ in RULES))
+STRATEGIES: tuple[str, ...] = tuple(dict.fromkeys(s for _, s in RULES))
+_DEFAULT_AXIS = {"tp": "tp", "tp_transposed": "tp", "tp_fc2_replicated": "tp", "fsdp": "fsdp"}
+_FAMILY_ALIASES = {"qwen2": "llama", "mistral": "llama"}
+
+
+class ShardingError(ValueError):
+    """A spec that cannot be applied: it does not divide a dimension, names an unknown mesh
+    axis, or has more entries than the tensor has dimensions."""
+
+
+def rules(family: str, strategy: str, axis: str | Sequence[str] | None = None) -> list[tuple[str, Any]]:
+    """The rule table for `family` and `strategy`, as `(regex, PartitionSpec)` pairs.
+
+    `family` is `"llama"` (also `"qwen2"`, `"mistral"`), `"cogvideox"` or `"hunyuan"`.
+    `axis` renames the table's default axis (`"tp"` or `"fsdp"`) to a mesh axis name, or to a
+    tuple of names to shard one dimension over several axes (`("dp", "tp")`).
+    """
+    from jax.sharding import PartitionSpec as P
+
+    fam = _FAMILY_ALIASES.get(family, family)
+    if (fam, strategy) not in RULES:
+        have = sorted(s for f, s in RULES if f == fam)
+        raise KeyError(
+            f"no rule table for family {family!r} and strategy {strategy!r}; "
+            f"families: {', '.join(FAMILIES)}; strategies for {fam!r}: {', '.join(have) or 'none'}"
+        )
+    default = _DEFAULT_AXIS.get(strategy)
+    new = tuple(axis) if isinstance(axis, (list, tuple)) else axis
+
+    def rename(entry):
+        return new if (axis is not None and entry == default) else entry
+
+    return [(pattern, P(*(rename(e) for e in spec))) for pattern, spec in RULES[(fam, strategy)]]
+
+
+def spec_for(name: str, rule_table: Iterable[tuple[str, Any]]) -> tuple[Any, str | None]:
+    """`(spec, pattern)` of the first rule whose regex fullmatches `name`; `(P(), None)` if none."""
+    from jax.sharding import PartitionSpec as P
+
+    for pattern, spec in rule_table:
+        if re.fullmatch(pattern, name):
+            return (spec if isinstance(spec, P) else P(*spec)), pattern
+    return P(), None
+
+
+def _axes(entry: Any) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def _check(name: str, shape: tuple[int, ...], spec: Any, mesh: Any) -> None:
+    if len(spec) > len(shape):
+        raise ShardingError(
+            f"{name}: spec {spec} has {len(spec)} entries but the tensor has shape {shape} "
+            f"({len(shape)} dimensions)"
+        )
+    sizes = dict(mesh.shape)
+    for dim, entry in enumerate(spec):
+        axes = _axes(entry)
+        for a in axes:
+            if a not in sizes:
+                raise ShardingError(
+                    f"{name}: spec {spec} names mesh axis {a!r}, but the mesh has axes "
+                    f"{tuple(sizes)}"
+                )
+        n = math.prod(sizes[a] for a in axes)
+        if n > 1 and shape[dim] % n:
+            where = " x ".join(f"{a!r} (size {sizes[a]})" for a in axes)
+            raise ShardingError(
+                f"{name}: dimension {dim} has size {shape[dim]}, which mesh axis {where} does not "
+                f"divide (spec {spec}, shape {shape}); choose a mesh axis of a size that divides "
+                f"{shape[dim]} or replicate this dimension"
+            )
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one tensor goes: its spec and what each device holds."""
+
+    name: str
+    kind: str  # "param" or "buffer"
+    shape: tuple[int, ...]
+    dtype: str
+    spec: Any  # PartitionSpec, or None for a tensor not on a mesh
+    shard_shape: tuple[int, ...]
+    itemsize: int
+    rule: str | None = None  # the regex that matched; None: replicated by default
+
+    @property
+    def bytes_total(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+    @property
+    def bytes_per_device(self) -> int:
+        return math.prod(self.shard_shape) * self.itemsize
+
+    @property
+    def sharded(self) -> bool:
+        return self.shard_shape != self.shape
+
+
+def _spec_text(spec: Any) -> str:
+    if spec is None:
+        return "(not on a mesh)"
+    return "P(" + ", ".join(repr(e) for e in spec) + ")"
+
+
+@dataclass
+class ShardingPlan:
+    """Every parameter and buffer of a module with its spec and bytes per device.
+
+    `unmatched` lists the names no rule matched (they are replicated). Displays as a Markdown
+    table in a notebook; `table(pattern)` shows only names that `re.search` `pattern`.
+    """
+
+    placements: list[Placement]
+    mesh: Any = None
+    rule_table: list[tuple[str, Any]] = field(default_factory=list)
+    from_rules: bool = True  # False: read back by `describe`, no rules involved
+
+    @property
+    def unmatched(self) -> list[str]:
+        """Names no rule matched (replicated); empty for a plan read back by `describe`."""
+        return [p.name for p in self.placements if p.rule is None] if self.from_rules else []
+
+    @property
+    def bytes_per_device(self) -> int:
+        """Bytes of parameters and buffers one device holds."""
+        return sum(p.bytes_per_device for p in self.placements)
+
+    @property
+    def bytes_total(self) -> int:
+        """Bytes of all parameters and buffers, counted once."""
+        return sum(p.bytes_total for p in self.placements)
+
+    def __getitem__(self, name: str) -> Placement:
+        for p in self.placements:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+    def specs(self) -> dict[str, Any]:
+        """`{name: PartitionSpec}` for every tensor."""
+        return {p.name: p.spec for p in self.placements}
+
+    def rows(self, pattern: str | None = None) -> list[dict[str, Any]]:
+        return [
+            {
+                "name": p.name,
+                "shape": p.shape,
+                "spec": _spec_text(p.spec),
+                "bytes per device": p.bytes_per_device,
+                "rule": p.rule if p.rule is not None else "(none: replicated)",
+            }
+            for p in self.placements
+            if pattern is None or re.search(pattern, p.name)
+        ]
+
+    def table(self, pattern: str | None = None) -> str:
+        """A Markdown table (name, shape, spec, bytes per device) and a total line."""
+        lines = ["| name | shape | spec | bytes per device |", "|---|---|---|---:|"]
+        for r in self.rows(pattern):
+            shape = "(" + ", ".join(str(s) for s in r["shape"]) + ")"
+            lines.append(f"| `{r['name']}` | {shape} | `{r['spec']}` | {r['bytes per device']:,} |")
+        lines.append(
+            f"| **total, all {len(self.placements)} tensors** | | | **{self.bytes_per_device:,}** |"
+        )
+        return "\n".join(lines)
+
+    def _repr_markdown_(self) -> str:
+        return self.table()
+
+    def __repr__(self) -> str:
+        tail = f", {len(self.unmatched)} unmatched" if self.from_rules else ""
+        return (
+            f"ShardingPlan({len(self.placements)} tensors, {self.bytes_per_device:,} bytes per "
+            f"device of {self.bytes_total:,}{tail})"
+        )
+
+
+def _named_tensors(module: torch.nn.Module) -> list[tuple[str, str, torch.Tensor]]:
+    out = [(n, "param", t) for n, t in module.named_parameters()]
+    return out + [(n, "buffer", t) for n, t in module.named_buffers()]
+
+
+def _itemsize(t: torch.Tensor) -> int:
+    return torch.empty((), dtype=t.dtype, device="meta").element_size()
+
+
+def plan(module: torch.nn.Module, rule_table: Iterable[tuple[str, Any]], mesh: Any) -> ShardingPlan:
+    """Decide (without moving data) every tensor's spec, and validate it against its shape.
+
+    Works on any module, including one built on the `meta` device. Raises `ShardingError` for
+    a spec that does not fit its tensor.
+    """
+    from jax.sharding import NamedSharding
+
+    rule_table = list(rule_table)
+    placements = []
+    for name, kind, t in _named_tensors(module):
+        spec, pattern = spec_for(name, rule_table)
+        shape = tuple(t.shape)
+        _check(name, shape, spec, mesh)
+        shard = tuple(NamedSharding(mesh, spec).shard_shape(shape))
+        placements.append(
+            Placement(name, kind, shape, str(t.dtype).removeprefix("torch."), spec, shard,
+                      _itemsize(t), pattern)
+        )
+    return ShardingPlan(placements, mesh, rule_table)
+
+
+def _jax_array(t: torch.Tensor):
+    elem = getattr(t, "_elem", None)
+    import jax
+
+    return elem if isinstance(elem, jax.Array) else None
+
+
+def apply_rules(module: torch.nn.Module, rule_table: Iterable[tuple[str, Any]], mesh: Any) -> ShardingPlan:
+    """Shard `module`'s parameters and buffers in place by `rule_table`; return the plan.
+
+    The module must already live on torchax's `"jax"` device (`module.to("jax")` inside
+    `with env:`). Every spec is validated before anything moves, so an error leaves the
+    module as it was. Tensors no rule matches are replicated and listed in `plan.unmatched`.
+    """
+    import jax
+    from jax.sharding import NamedSharding
+
+    the_plan = plan(module, rule_table, mesh)
+    tensors = {name: t for name, _, t in _named_tensors(module)}
+    not_jax = [n for n, t in tensors.items() if _jax_array(t) is None]
+    if not_jax:
+        raise TypeError(
+            f"apply_rules needs torchax tensors, but {not_jax[0]!r} (and {len(not_jax) - 1} more) "
+            f"live on {tensors[not_jax[0]].device}; run `module.to('jax')` inside `with env:` first"
+        )
+    for p in the_plan.placements:
+        tensors[p.name].apply_jax_(jax.device_put, NamedSharding(mesh, p.spec))
+    return the_plan
+
+
+def describe(module: torch.nn.Module) -> ShardingPlan:
+    """Where every parameter and buffer of `module` actually lives, read from its arrays.
+
+    Tensors that are not torchax tensors (still on CPU or `meta`) are reported with spec
+    `None` and their full size.
+    """
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    placements, mesh = [], None
+    for name, kind, t in _named_tensors(module):
+        arr, shape = _jax_array(t), tuple(t.shape)
+        if arr is None:
+            spec, shard = None, shape
+        else:
+            sharding = arr.sharding
+            if isinstance(sharding, NamedSharding):
+                spec, mesh = sharding.spec, mesh or sharding.mesh
+            else:  # a single-device array
+                spec = P()
+            shard = tuple(sharding.shard_shape(shape))
+        placements.append(
+            Placement(name, kind, shape, str(t.dtype).removeprefix("torch."), spec, shard,
+                      _itemsize(t), rule=None)
+        )
+    return ShardingPlan(placements, mesh, from_rules=False)
+
+
+class FunctionalModule:
+    """A torch module as a pure JAX function `fn(params, buffers, *args)`.
+
+    This is what `torchax`'s jit wraps internally, exposed so that you can call
+    `jax.jit(f).lower(...)` yourself: read the compiled HLO (`hlo`), or compile ahead of time
+    against abstract, sharded arguments (`abstract_state`). Static keyword arguments
+    (`return_dict=False`) are baked in. Call it, and lower it, inside `with env:`.
+    """
+
+    def __init__(self, module: torch.nn.Module, method: str = "forward", **static_kwargs: Any):
+        from torchax.interop import JittableModule
+
+        from tpupedia.compat import import_torchax
+
+        import_torchax()
+        self.module = module
+        self._jm = JittableModule(module)
+        self._method = method
+        self._static = static_kwargs
+
+    def __call__(self, params: dict, buffers: dict, *args: Any) -> Any:
+        from torchax.interop import jax_view, torch_view
+
+        out = self._jm.functional_call(
+            self._method, torch_view(params), torch_view(buffers), *torch_view(args), **self._static
+        )
+        return jax_view(out)
+
+    def state(self) -> tuple[dict, dict]:
+        """The module's current `(params, buffers)` as dicts of (sharded) `jax.Array`s."""
+        from torchax.interop import jax_view
+
+        return jax_view(dict(self._jm.params)), jax_view(dict(self._jm.buffers))
+
+    def abstract_state(self, the_plan: ShardingPlan | None = None, mesh: Any = None) -> tuple[dict, dict]:
+        """`(params, buffers)` as `jax.ShapeDtypeStruct`s with the plan's shardings, no data.
+
+        Works for a module built on the `meta` device. Names the plan does not know (and all of
+        them when there is no plan) are replicated over `mesh` (default: the plan's mesh).
+        """
+        import jax
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        from torchax.ops.mappings import t2j_dtype
+
+        mesh = mesh if mesh is not None else (the_plan.mesh if the_plan else None)
+        specs = the_plan.specs() if the_plan else {}
+
+        def one(name, t):
+            sharding = NamedSharding(mesh, specs.get(name) or P()) if mesh is not None else None
+            return jax.ShapeDtypeStruct(tuple(t.shape), t2j_dtype(t.dtype), sharding=sharding)
+
+        return (
+            {n: one(n, t) for n, t in self._jm.params.items()},
+            {n: one(n, t) for n, t in self._jm.buffers.items()},
+        )
+
+    def lower(self, *args: Any, state: tuple[dict, dict] | None = None, **jit_kwargs: Any):
+        """`jax.jit(self, **jit_kwargs).lower(params, buffers, *args)` (default: current state)."""
+        import jax
+
+        params, buffers = state if state is not None else self.state()
+        return jax.jit(self, **jit_kwargs).lower(params, buffers, *args)
+
+    def hlo(self, *args: Any, **jit_kwargs: Any) -> str:
+        """The compiled (post-partitioning) HLO text for `args`: where the collectives are."""
+        return self.lower(*args, **jit_kwargs).compile().as_text()

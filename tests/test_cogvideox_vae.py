@@ -1,0 +1,226 @@
+"""Parity of the Flax NNX CogVideoX VAE with diffusers (float32, random weights), tiling,
+bf16, weight loading from safetensors, the layer-diff tool and input validation."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from diffusers import AutoencoderKLCogVideoX as TorchVAE
+
+from tpupedia.models import cogvideox_vae_convert as convert
+from tpupedia.models.cogvideox_vae import (
+    CogVideoXVAEConfig,
+    VAEConfigError,
+    VAEInputError,
+    frame_batches,
+    tiny_config,
+)
+
+TOL = 1e-4
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    config: dict
+    video: tuple[int, ...]  # (B, C, T, H, W)
+    latents: tuple[int, ...]
+    tiles: tuple[int, int] | None = None  # tile_sample_min (height, width): forces tiling
+
+
+CASES = [
+    # the course's tiny config: 9 frames, non-square, 4 latent frames (two decode batches)
+    Case("tiny-9f", dict(block_out_channels=(8, 8, 8, 8), latent_channels=4, norm_num_groups=2),
+         (1, 3, 9, 32, 40), (1, 4, 4, 4, 5)),
+    # 3 levels, wider channels, 8 groups, 13 frames, 2 resnets per block
+    Case("wide-13f", dict(block_out_channels=(8, 16, 16), latent_channels=6, norm_num_groups=8, layers_per_block=2),
+         (1, 3, 13, 12, 20), (1, 6, 3, 3, 5)),
+    # 2 levels, temporal x2, 3 latent channels, batch of 2
+    Case("t2-b2", dict(block_out_channels=(4, 8), latent_channels=3, norm_num_groups=4, temporal_compression_ratio=2),
+         (2, 3, 13, 10, 6), (2, 3, 3, 5, 3)),
+    # 17 frames: two encoder frame batches, so the encoder's conv cache is exercised too
+    Case("17f-cache", dict(block_out_channels=(4, 8, 8), latent_channels=2, norm_num_groups=4),
+         (1, 3, 17, 8, 12), (1, 2, 3, 2, 3)),
+    # tiling with tiny tiles (32x32 pixels, 4x4 latents) along the width, on the tiny config;
+    # diffusers itself cannot encode edge tiles narrower than ~9 pixels, hence these sizes
+    Case("tiny-tiled", dict(block_out_channels=(8, 8, 8, 8), latent_channels=4, norm_num_groups=2),
+         (1, 3, 9, 24, 64), (1, 4, 3, 3, 7), tiles=(32, 32)),
+]
+
+
+def _torch_vae(case: Case) -> TorchVAE:
+    cfg = tiny_config(**case.config)
+    torch.manual_seed(0)
+    vae = TorchVAE(
+        block_out_channels=cfg.block_out_channels,
+        latent_channels=cfg.latent_channels,
+        layers_per_block=cfg.layers_per_block,
+        norm_num_groups=cfg.norm_num_groups,
+        temporal_compression_ratio=cfg.temporal_compression_ratio,
+        down_block_types=("CogVideoXDownBlock3D",) * len(cfg.block_out_channels),
+        up_block_types=("CogVideoXUpBlock3D",) * len(cfg.block_out_channels),
+    ).eval()
+    # GroupNorm affine parameters start at 1/0 in torch; randomise them so a swapped scale/bias
+    # or a wrong grouping cannot hide.
+    with torch.no_grad():
+        for name, p in vae.named_parameters():
+            if p.ndim == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    if case.tiles:
+        vae.enable_tiling(tile_sample_min_height=case.tiles[0], tile_sample_min_width=case.tiles[1])
+    return vae
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda c: c.name)
+def pair(request):
+    case = request.param
+    tv = _torch_vae(case)
+    return case, tv, convert.from_diffusers(tv)
+
+
+def _inputs(case: Case):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(case.video, generator=g), torch.randn(case.latents, generator=g)
+
+
+def test_encode_parity(pair):
+    case, tv, fv = pair
+    x, _ = _inputs(case)
+    with torch.no_grad():
+        ref = tv.encode(x).latent_dist
+    got = fv.encode(jnp.asarray(x.numpy()))
+    assert got.parameters.shape == tuple(ref.parameters.shape)
+    assert float(np.max(np.abs(np.asarray(got.parameters) - ref.parameters.numpy()))) <= TOL
+    assert float(np.max(np.abs(np.asarray(got.logvar) - ref.logvar.numpy()))) <= TOL
+
+
+def test_decode_parity(pair):
+    case, tv, fv = pair
+    _, z = _inputs(case)
+    with torch.no_grad():
+        ref = tv.decode(z).sample.numpy()
+    got = np.asarray(fv.decode(jnp.asarray(z.numpy())))
+    assert got.shape == ref.shape
+    assert float(np.max(np.abs(got - ref))) <= TOL
+
+
+def test_tiling_really_tiles():
+    # the tiled case's inputs are larger than one tile, in both directions
+    case = CASES[-1]
+    th, tw = case.tiles
+    assert case.video[4] > tw and case.latents[4] > tw // 8
+
+
+def test_bf16_decode_close():
+    case = CASES[0]
+    tv = _torch_vae(case)
+    fv = convert.from_diffusers(tv, dtype=jnp.bfloat16)
+    z = torch.randn(1, 4, 3, 2, 3, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = tv.decode(z).sample.numpy()
+    got = fv.decode(jnp.asarray(z.numpy()))
+    assert got.dtype == jnp.bfloat16
+    got = np.asarray(got.astype(jnp.float32))
+    assert np.isfinite(got).all()
+    # bf16 keeps 8 mantissa bits: expect ~1e-2 relative drift through ~20 layers, not 1e-5
+    assert float(np.max(np.abs(got - ref))) <= 0.05 * float(np.max(np.abs(ref)))
+
+
+def test_from_pretrained_roundtrip(tmp_path):
+    tv = _torch_vae(CASES[2])
+    tv.save_pretrained(tmp_path, safe_serialization=True)
+    assert not list(tmp_path.glob("*.bin"))
+    loaded = convert.from_pretrained(tmp_path)
+    direct = convert.from_diffusers(tv)
+    assert loaded.config == direct.config
+    from flax import nnx
+
+    a = nnx.to_flat_state(nnx.state(loaded, nnx.Param))
+    b = dict(nnx.to_flat_state(nnx.state(direct, nnx.Param)))
+    assert len(a) == len(b) == len(tv.state_dict())
+    for path, var in a:
+        np.testing.assert_array_equal(np.asarray(var.value), np.asarray(b[path].value))
+
+
+def test_weight_mapping_table():
+    path, rule = convert.nnx_path("decoder.up_blocks.0.resnets.1.conv1.conv.weight", 5)
+    assert path == ("decoder", "up_blocks", 0, "resnets", 1, "conv1", "conv", "kernel")
+    assert rule.transpose == (2, 3, 4, 1, 0)
+    assert convert.nnx_path("_orig_mod.encoder.norm_out.weight", 1)[0] == ("encoder", "norm_out", "scale")
+    with pytest.raises(convert.WeightConversionError, match="no conversion rule"):
+        convert.nnx_path("encoder.conv_in.conv.weight", 3)
+
+
+def test_state_dict_mismatch_is_reported():
+    tv = _torch_vae(CASES[2])
+    sd = dict(tv.state_dict())
+    sd.pop("decoder.conv_out.conv.bias")
+    with pytest.raises(convert.WeightConversionError, match="missing.*decoder.conv_out.conv.bias"):
+        convert.from_state_dict(dict(tv.config), sd)
+
+
+def test_compare_layers_localises_a_wrong_kernel_layout():
+    case = CASES[2]
+    tv = _torch_vae(case)
+    fv = convert.from_diffusers(tv)
+    _, z = _inputs(case)
+    diffs = convert.compare_layers(tv, fv, z.numpy(), mode="decode")
+    assert diffs and convert.first_divergence(diffs, TOL) is None
+    # load one conv kernel with H and W swapped: the tool must point at exactly that layer
+    bad = fv.decoder.mid_block.resnets[0].conv1.conv.kernel
+    bad[...] = jnp.swapaxes(bad[...], 1, 2)
+    first = convert.first_divergence(convert.compare_layers(tv, fv, z.numpy(), mode="decode"), TOL)
+    assert first is not None and first.name == "decoder.mid_block.resnets.0.conv1" and first.call == 0
+
+
+def test_frame_batches_match_diffusers_loop():
+    assert frame_batches(13, 2) == [(0, 3), (3, 5), (5, 7), (7, 9), (9, 11), (11, 13)]
+    assert frame_batches(4, 2) == [(0, 2), (2, 4)]
+    assert frame_batches(17, 8) == [(0, 9), (9, 17)]
+    assert frame_batches(1, 2) == [(0, 1)]
+
+
+@pytest.fixture(scope="module")
+def tiny_flax():
+    # shapes only: validation happens before any weight is touched
+    return convert.abstract_vae(tiny_config())
+
+
+@pytest.mark.parametrize(
+    "shape, match",
+    [
+        ((1, 3, 2, 4, 5), "latent_channels=4"),
+        ((1, 2, 4, 5, 4), "channels-last"),
+        ((1, 4, 0, 4, 4), "empty"),
+        ((4, 3, 4, 4), "must be \\(B, C, t, h, w\\)"),
+    ],
+)
+def test_bad_latents(tiny_flax, shape, match):
+    with pytest.raises(VAEInputError, match=match):
+        tiny_flax.decode(np.zeros(shape, np.float32))
+
+
+@pytest.mark.parametrize(
+    "shape, match",
+    [
+        ((1, 3, 10, 16, 16), "10 frames.*1 \\+ 4\\*k frames \\(1, 5, 9, 13, 17"),
+        ((1, 3, 0, 16, 16), "0 frames"),
+        ((1, 16, 16, 9, 3), "16 channels"),
+        ((3, 9, 16, 16), "must be \\(B, C, T, H, W\\)"),
+    ],
+)
+def test_bad_video(tiny_flax, shape, match):
+    with pytest.raises(VAEInputError, match=match):
+        tiny_flax.encode(np.zeros(shape, np.float32))
+
+
+def test_bad_config():
+    with pytest.raises(VAEConfigError, match="does not divide"):
+        tiny_config(norm_num_groups=3)
+    with pytest.raises(VAEConfigError, match="power of 2"):
+        tiny_config(temporal_compression_ratio=3)
+    assert CogVideoXVAEConfig.from_dict({"_class_name": "x", "latent_channels": 16}).latent_channels == 16

@@ -1,0 +1,112 @@
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+import torch
+
+from tpupedia import cli, dryrun, torchax_utils
+from tpupedia.compat import import_torchax
+from test_devices import requires_libtpu
+
+
+def test_cogvideox_flops_by_hand():
+    # 1280x720, 81 frames: 21 latent frames -> 11 temporal patches x 45 x 80 = 39,600 video tokens + 226 text
+    f = dryrun.cogvideox_step_flops(1280, 720, 81)
+    s, d = 39_600 + 226, 3072
+    assert f["tokens"] == s
+    assert f["linear"] == 2 * 42 * 2 * s * 12 * d * d
+    assert f["attention"] == 2 * 42 * 4 * s * s * d
+    assert f["total"] == pytest.approx(2.395e15, rel=1e-3)
+
+
+def test_hunyuan_and_llama_flops_by_hand():
+    h = dryrun.hunyuan_step_flops(1280, 720, 121)
+    assert h["tokens"] == 31 * 45 * 80 + 1256  # 112,856, as the upstream notes count
+    ll = dryrun.llama_forward_flops(seq=12, layers=1, hidden=8, mlp=16, vocab=10)
+    assert ll["linear"] == 2 * 12 * (4 * 64 + 3 * 8 * 16 + 8 * 10)
+    assert ll["attention"] == 4 * 12 * 12 * 8
+
+
+def test_flop_counter_agrees_with_xla_cost_analysis():
+    """The analytic count is matmuls only: XLA's count of the real program is a little higher."""
+    from diffusers import CogVideoXTransformer3DModel
+    from diffusers.models.embeddings import get_3d_rotary_pos_embed
+
+    heads, hd, layers, frames, size, text = 4, 64, 2, 9, 128, 16
+    cfg = dryrun.cogvideox_config(layers)
+    cfg.update(num_attention_heads=heads, attention_head_dim=hd, text_embed_dim=256,
+               max_text_seq_length=text, sample_height=size // 8, sample_width=size // 8)
+    torch.manual_seed(0)
+    model = CogVideoXTransformer3DModel(**cfg).eval()
+    grid = (size // 16, size // 16)
+    rope = get_3d_rotary_pos_embed(embed_dim=hd, crops_coords=None, grid_size=grid, temporal_size=2,
+                                   grid_type="slice", max_size=grid)
+    with torchax_utils.default_env():
+        weights, forward = import_torchax().extract_jax(model)
+    x = jnp.zeros((2, 4, 16, size // 8, size // 8))
+    c = jnp.zeros((2, text, 256))
+    t = jnp.ones((2,), jnp.int32)
+    r = tuple(jnp.asarray(v.numpy()) for v in rope)
+
+    def step(w, x, c, t, r):
+        return forward(w, (), dict(hidden_states=x, encoder_hidden_states=c, timestep=t, image_rotary_emb=r,
+                                   return_dict=False))[0]
+
+    cost = jax.jit(step).lower(weights, x, c, t, r).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    analytic = dryrun.cogvideox_step_flops(size, size, frames, layers=layers, heads=heads, head_dim=hd, text_tokens=text)
+    assert 1.0 <= cost["flops"] / analytic["total"] <= 1.10
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(model="sora"), "model 'sora' is not one of"),
+    (dict(frames=80), "4n+1 frames"),
+    (dict(sharding="zigzag"), "sharding 'zigzag'"),
+    (dict(attention="flash"), "attention 'flash'"),
+    (dict(resolution="1000x700"), "multiples of 16"),
+    (dict(resolution="4k"), "not one of 720p, 480p or WIDTHxHEIGHT"),
+    (dict(layers=0), "layers=0"),
+    (dict(mesh_shape=(3, 3)), "mesh (3, 3) needs 9 chips"),
+])
+def test_bad_requests_fail_before_building(kwargs, message):
+    with pytest.raises(dryrun.DryRunError, match=re.escape(message)):
+        dryrun.run(**kwargs)
+
+
+@requires_libtpu
+def test_out_of_memory_is_reported_with_the_compilers_figures():
+    r = dryrun.run("cogvideox", resolution="720p", frames=81, attention="reference", layers=1,
+                   measured_step_seconds=2.13)
+    assert not r.fits and r.arguments_bytes is None
+    assert r.oom_required_bytes > r.oom_available_bytes == pytest.approx(31.25 * 2**30)
+    assert r.mfu == pytest.approx(r.flops["total"] / (2.13 * 8 * 918e12))
+    assert "does not fit" in r.summary()
+
+
+@requires_libtpu
+def test_shallow_compiles_scale_to_the_same_full_depth_arguments():
+    small = dict(model="cogvideox", resolution="256x256", frames=9, attention="reference")
+    one, two = dryrun.run(**small, layers=1), dryrun.run(**small, layers=2)
+    assert one.fits and two.fits
+    # both extrapolated to 42 layers: equal up to the layout padding of small tensors
+    assert one.arguments_bytes == pytest.approx(two.arguments_bytes, rel=1e-5)
+    assert one.temporaries_bytes == two.temporaries_bytes  # reused layer after layer
+    assert one.collectives.get("all-reduce", 0) >= 1  # row-parallel projections
+    assert "compiled 1 of 42 layers" in one.notes[0]
+
+
+@requires_libtpu
+def test_cli_dryrun_writes_json(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert cli.main(["dryrun", "llama", "--layers", "1", "--seq", "128", "--json", str(out)]) == 0
+    assert "llama 128 tokens on v6e:2x4" in capsys.readouterr().out
+    import json
+
+    data = json.loads(out.read_text())
+    assert data["fits"] and data["layers_compiled"] == 1 and data["layers_full"] == 32
+
+
+def test_cli_dryrun_rejects_bad_frames():
+    with pytest.raises(SystemExit, match="4n\\+1 frames"):
+        cli.main(["dryrun", "cogvideox", "--frames", "80"])
