@@ -36,15 +36,9 @@
 
 # %%
 # %xmode Minimal
-import warnings
+from tpupedia import devices, session
 
-warnings.filterwarnings("ignore", message="Explicitly requested dtype")  # int64 -> int32 under x32
-
-from tpupedia import devices, presets
-
-preset = presets.current()
-if preset.simulated_devices:
-    devices.simulate_cpu_devices(preset.simulated_devices)
+preset = session.start()  # preset, simulated devices, known warnings silenced (notebook 01)
 preset.name
 
 # %% [markdown]
@@ -78,9 +72,7 @@ Markdown("\n".join(rows))
 # %%
 import numpy as np
 import torch
-
-warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm, imported by diffusers
-from diffusers import AutoencoderKLCogVideoX as TorchVAE  # noqa: E402
+from diffusers import AutoencoderKLCogVideoX as TorchVAE
 
 torch.manual_seed(0)
 torch_vae = TorchVAE(

@@ -84,9 +84,11 @@ class AOTResult:
                 f"fits: arguments {format_bytes(m.arguments)}, outputs {format_bytes(m.outputs)}, "
                 f"temporaries {format_bytes(m.temporaries)} per chip"
             )
+        if self.oom_required_bytes is None or self.oom_available_bytes is None:
+            return f"does not fit: {self.oom_message}"
         return (
-            f"does not fit: needs {format_bytes(self.oom_required_bytes or 0)} of temporaries, "
-            f"{format_bytes(self.oom_available_bytes or 0)} of HBM available per chip"
+            f"does not fit: needs {format_bytes(self.oom_required_bytes)} of temporaries, "
+            f"{format_bytes(self.oom_available_bytes)} of HBM available per chip"
         )
 
 
@@ -128,7 +130,7 @@ def compile_aot(fn: Callable[..., Any], *args: Any, **jit_kwargs: Any) -> AOTRes
             collectives={},
             oom_required_bytes=float(m.group(2)) * _GIB if m else None,
             oom_available_bytes=float(m.group(3)) * _GIB if m else None,
-            oom_message=text.strip().splitlines()[0],
+            oom_message=" ".join(line.strip() for line in text.strip().splitlines()[:2]),
         )
     return AOTResult(
         fits=True,

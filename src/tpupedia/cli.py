@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_doctor)
 
     d = sub.add_parser("dryrun", help="AOT-compile one full-size step for a TPU slice; per-chip memory, collectives, roofline")
-    d.add_argument("model", choices=["cogvideox", "hunyuan", "llama"])
+    d.add_argument("model", choices=["cogvideox", "cogvideox-vae", "hunyuan", "llama"])
     d.add_argument("--topology", default="v6e:2x4", help="TPU slice as libtpu names it (v6e:2x4, v6e:4x4, v5e:2x4, v5p:2x2x2)")
     d.add_argument("--resolution", default="720p", help="720p, 480p or WIDTHxHEIGHT (video models)")
     d.add_argument("--frames", type=int, default=81, help="4n+1 frames (video models)")

@@ -45,7 +45,7 @@ __all__ = [
 
 DEFAULT_RECORDS = "docs/results/dryruns.json"
 
-MODELS = ("cogvideox", "hunyuan", "llama")
+MODELS = ("cogvideox", "cogvideox-vae", "hunyuan", "llama")
 RESOLUTIONS = {"720p": (1280, 720), "480p": (848, 480)}
 CFG_BATCH = 2  # classifier-free guidance: the negative and the positive prompt in one batch
 
@@ -200,7 +200,7 @@ def _validate(model: str, frames: int | None, sharding: str, attention: str, lay
     if model not in MODELS:
         raise DryRunError(f"model {model!r} is not one of {', '.join(MODELS)}")
     strategies = sorted(st for fam, st in sharding_rules.RULES if fam == model)
-    if sharding not in strategies:
+    if model != "cogvideox-vae" and sharding not in strategies:  # the VAE runs whole on one chip
         raise DryRunError(f"sharding {sharding!r} is not one of {', '.join(strategies)} for {model}")
     if attention not in ("reference", "splash"):
         raise DryRunError(f"attention {attention!r} is not one of reference, splash")
@@ -229,6 +229,8 @@ def run(model: str = "cogvideox", topology: str = "v6e:2x4", resolution: str = "
     width = height = None
     if model != "llama":
         width, height = parse_resolution(resolution, 16)
+    if model == "cogvideox-vae":
+        return _vae_report(topology, topo, width, height, frames)
 
     from tpupedia import torchax_utils
 
@@ -399,3 +401,56 @@ def record(report: DryRunReport, path: str = DEFAULT_RECORDS, command: str = "")
         "command": command,
     }
     return bench.merge_record(data, path, key=_record_key)
+
+
+def _vae_report(topology: str, topo, width: int, height: int, frames: int) -> DryRunReport:
+    """One frame batch of the CogVideoX VAE decoder (Flax NNX port, bf16) on one chip."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import SingleDeviceSharding
+
+    from tpupedia.models import cogvideox_vae_convert as convert
+    from tpupedia.models.cogvideox_vae import CogVideoXVAEConfig
+
+    config = CogVideoXVAEConfig()
+    ratio = config.spatial_compression_ratio
+    if width % ratio or height % ratio:
+        raise DryRunError(f"resolution {width}x{height}: the VAE needs multiples of {ratio}")
+    device = devices.tpu_topology(topology)[0]
+    chip_sharding = SingleDeviceSharding(device)
+    model = convert.abstract_vae(config, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    graph, state = nnx.split(model)
+    state = jax.tree.map(lambda a: aot.abstract(a.shape, a.dtype, chip_sharding), state)
+    latents = aot.abstract((1, 2, height // ratio, width // ratio, config.latent_channels), jnp.bfloat16, chip_sharding)
+
+    def decode(st, z):
+        return nnx.merge(graph, st).decode_chunk(z, None)[0]
+
+    def xla_flops(compiled) -> float:
+        cost = compiled.cost_analysis()
+        return float((cost[0] if isinstance(cost, list) else cost)["flops"])
+
+    result = aot.compile_aot(decode, state, latents)
+    if result.fits:
+        total = xla_flops(result.compiled)
+    else:  # convolution FLOPs grow with the pixel count: measure at 16x16 latents and scale
+        small = aot.abstract((1, 2, 16, 16, config.latent_channels), jnp.bfloat16, chip_sharding)
+        total = xla_flops(aot.compile_aot(decode, state, small).compiled) * (height // ratio) * (width // ratio) / 256
+    flops = {"tokens": 2 * (height // ratio) * (width // ratio), "linear": total, "attention": 0.0, "total": total}
+    chip = topo.chip
+    hbm = aot.hbm_budget([device])
+    mem = result.memory
+    weights = sum(a.size * 2 for a in jax.tree.leaves(state))
+    return DryRunReport(
+        model="cogvideox-vae", topology=topology, chip=chip.name, num_chips=1, mesh={"chip": 1},
+        sharding="replicated", attention="none", width=width, height=height, frames=frames,
+        tokens=int(flops["tokens"]), layers_full=1, layers_compiled=1, hbm_bytes=hbm, fits=result.fits,
+        arguments_bytes=mem.arguments if mem else None, temporaries_bytes=mem.temporaries if mem else None,
+        outputs_bytes=mem.outputs if mem else None, oom_required_bytes=result.oom_required_bytes,
+        oom_available_bytes=result.oom_available_bytes, collectives=result.collectives, flops=flops,
+        roofline_seconds=max(flops["total"] / chip.bf16_flops, weights / chip.hbm_bytes_per_s),
+        notes=["one frame batch (2 latent frames -> 8 video frames) of the Flax NNX decoder (notebook 05), "
+               "bf16, untiled, on one chip; FLOPs are XLA's count" + ("" if result.fits else
+               ", scaled by pixel count from a 16x16-latent compile")],
+    )
