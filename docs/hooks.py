@@ -137,7 +137,7 @@ def _results_chart() -> str:
     ax.set_yticks(list(y), names, fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("seconds per denoising step (CFG batch of 2)")
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=2, frameon=False)
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     buf = io.StringIO()

@@ -171,9 +171,11 @@ print(f"reference attention needs {reference.oom_required_bytes / reference.oom_
 
 # %% [markdown]
 # *AOT here: libtpu 0.0.42.1 (from `jax[tpu]==0.10.2`), compiled on a CPU host.* With one
-# layer compiled, the temporaries are those of one layer; layers run one after another and
-# reuse them, so the verdict holds at full depth (the full-depth run from the CLI is on the
-# results page).
+# layer compiled, the temporaries are those of one layer. Layers run one after another and
+# reuse most of their working set, but not all of it: the full-depth compile that
+# `tpupedia dryrun cogvideox --attention reference --record` stored on the results page needs
+# more (39.84 GiB against 35.96 GiB here). A shallow "does not fit" stands; a shallow "fits"
+# close to the limit deserves a full-depth compile.
 #
 # Now the same step with Splash attention (notebook 04): the kernel streams keys and values
 # through on-chip memory block by block and never materialises the score matrix. The dry-run

@@ -93,7 +93,7 @@ def test_shallow_compiles_scale_to_the_same_full_depth_arguments():
     assert one.arguments_bytes == pytest.approx(two.arguments_bytes, rel=1e-5)
     assert one.temporaries_bytes == two.temporaries_bytes  # reused layer after layer
     assert one.collectives.get("all-reduce", 0) >= 1  # row-parallel projections
-    assert "compiled 1 of 42 layers" in one.notes[0]
+    assert "compiled 1 of 42 layers" in one.notes[0] and "full depth may need more" in one.notes[0]
 
 
 @requires_libtpu
@@ -110,3 +110,10 @@ def test_cli_dryrun_writes_json(tmp_path, capsys):
 def test_cli_dryrun_rejects_bad_frames():
     with pytest.raises(SystemExit, match="4n\\+1 frames"):
         cli.main(["dryrun", "cogvideox", "--frames", "80"])
+
+
+def test_vae_dry_run_rejects_bad_sizes_before_building():
+    with pytest.raises(dryrun.DryRunError, match="multiples of 16"):
+        dryrun.run("cogvideox-vae", resolution="1000x700")
+    with pytest.raises(dryrun.DryRunError, match="4n\\+1 frames"):
+        dryrun.run("cogvideox-vae", frames=10)

@@ -88,9 +88,15 @@ def _dryrun(args: argparse.Namespace) -> int:
         raise SystemExit(f"tpupedia dryrun: {err}") from None
     print(report.summary())
     if args.record:
-        command = (f"tpupedia dryrun {args.model} --topology {args.topology} --resolution {args.resolution} "
-                   f"--frames {args.frames} --sharding {args.sharding} --attention {args.attention}"
-                   + (f" --layers {args.layers}" if args.layers else "") + (f" --seq {args.seq}" if args.model == "llama" else ""))
+        command = f"tpupedia dryrun {args.model} --topology {args.topology}"
+        if args.model == "llama":
+            command += f" --seq {args.seq}"
+        else:
+            command += f" --resolution {args.resolution} --frames {args.frames}"
+        if args.model != "cogvideox-vae":  # the VAE runs whole on one chip, without attention
+            command += f" --sharding {args.sharding} --attention {args.attention}"
+        if args.layers:
+            command += f" --layers {args.layers}"
         print(f"  recorded in {dryrun.record(report, args.record, command=command.strip())}")
     if args.json:
         from pathlib import Path
@@ -163,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     from tpupedia import devices
 
     devices.quiet_libtpu()  # no libtpu start-up noise on hosts without a TPU
-    if args.command == "bench":
+    if args.command in ("bench", "dryrun"):
         from tpupedia import session
 
         session.quiet()

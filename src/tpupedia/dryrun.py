@@ -8,10 +8,13 @@ gives per-chip memory against the chip's HBM (or the compiler's out-of-memory fi
 collectives in the compiled program, the step's analytic FLOPs, the roofline lower bound on its
 time, and, given a measured step time, the implied MFU.
 
-`layers=N` compiles a shallower copy. Weights are arguments, so their per-chip bytes are exact
-per layer: the report adds the missing layers' shards analytically. Temporaries are reused
-layer after layer, so a shallow compile measures them as they are at full depth (notebook 09
-checks this by compiling 1 and 2 layers). The report says when it scaled.
+`layers=N` compiles a shallower copy. Weights are arguments, so their per-chip bytes are known
+per layer: the report adds the missing layers' shards from their shapes. Temporaries are
+taken as compiled: layers run one after another and reuse most of their working set, so one
+layer gives the order of magnitude, but the full program can need more (for CogVideoX at 720p
+and 81 frames with reference attention, 35.96 GiB at one layer and 39.84 GiB at 42, both
+measured here). Confirm a shallow "fits" near the limit with a full-depth compile. The report
+says when it scaled.
 
 Introduced in notebook 09 (plan a TPU run without a TPU).
 """
@@ -259,7 +262,7 @@ def run(model: str = "cogvideox", topology: str = "v6e:2x4", resolution: str = "
 
     with torchax_utils.restoring_ops(env):
         if attention == "splash":
-            _install_splash(env, mesh)
+            _install_splash(env, mesh, model)
         result = aot.compile_aot(step, weights, buffers, *inputs)
 
     compiled_layers = full_layers if layers is None else min(layers, full_layers)
@@ -269,7 +272,7 @@ def run(model: str = "cogvideox", topology: str = "v6e:2x4", resolution: str = "
     if extra:
         notes.append(f"compiled {compiled_layers} of {full_layers} layers; arguments include "
                      f"{full_layers - compiled_layers} more layers' weight shards ({extra / 2**30:.2f} GiB per chip, "
-                     "from their shapes), temporaries are per layer and taken as compiled")
+                     "from their shapes); temporaries are as compiled for the shallow copy (full depth may need more)")
     chip = topo.chip
     hbm = aot.hbm_budget(mesh.devices.flat)  # what the compiler lets a program use per chip
     mem = result.memory
@@ -296,12 +299,18 @@ def run(model: str = "cogvideox", topology: str = "v6e:2x4", resolution: str = "
     )
 
 
-def _install_splash(env, mesh) -> None:
+# The mask each model hands to SDPA, declared so that the splash path does not also compile a
+# full-size reference branch for the run-time check (`tpupedia.attention`, mask_structure):
+# HunyuanVideo-1.5 builds valid(q) & valid(k) from its text mask; Llama a causal mask.
+_MASK_STRUCTURE = {"cogvideox": "padding", "hunyuan": "padding", "llama": "causal_padding"}
+
+
+def _install_splash(env, mesh, model: str) -> None:
     """Route SDPA to the compiled (not interpreted) splash kernel, heads split over `tp`."""
     from tpupedia import attention
 
     attention.install_attention(env, mesh=mesh, backend="splash", interpret=False,
-                                batch_axis="dp", head_axis="tp")
+                                mask_structure=_MASK_STRUCTURE[model], batch_axis="dp", head_axis="tp")
 
 
 def _abstract_inputs(mesh, specs):
@@ -427,16 +436,11 @@ def _vae_report(topology: str, topo, width: int, height: int, frames: int) -> Dr
     def decode(st, z):
         return nnx.merge(graph, st).decode_chunk(z, None)[0]
 
-    def xla_flops(compiled) -> float:
-        cost = compiled.cost_analysis()
-        return float((cost[0] if isinstance(cost, list) else cost)["flops"])
-
+    # XLA's FLOP count of the same program lowered for the host (no compile, no data)
+    host = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (state, latents))
+    cost = jax.jit(decode).lower(*host).cost_analysis()
+    total = float((cost[0] if isinstance(cost, list) else cost)["flops"])
     result = aot.compile_aot(decode, state, latents)
-    if result.fits:
-        total = xla_flops(result.compiled)
-    else:  # convolution FLOPs grow with the pixel count: measure at 16x16 latents and scale
-        small = aot.abstract((1, 2, 16, 16, config.latent_channels), jnp.bfloat16, chip_sharding)
-        total = xla_flops(aot.compile_aot(decode, state, small).compiled) * (height // ratio) * (width // ratio) / 256
     flops = {"tokens": 2 * (height // ratio) * (width // ratio), "linear": total, "attention": 0.0, "total": total}
     chip = topo.chip
     hbm = aot.hbm_budget([device])
@@ -451,6 +455,5 @@ def _vae_report(topology: str, topo, width: int, height: int, frames: int) -> Dr
         oom_available_bytes=result.oom_available_bytes, collectives=result.collectives, flops=flops,
         roofline_seconds=max(flops["total"] / chip.bf16_flops, weights / chip.hbm_bytes_per_s),
         notes=["one frame batch (2 latent frames -> 8 video frames) of the Flax NNX decoder (notebook 05), "
-               "bf16, untiled, on one chip; FLOPs are XLA's count" + ("" if result.fits else
-               ", scaled by pixel count from a 16x16-latent compile")],
+               "bf16, untiled, on one chip; FLOPs are XLA's count of the program lowered for the host"],
     )
