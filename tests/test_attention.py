@@ -141,21 +141,24 @@ def test_install_attention_matches_torch_sdpa():
 
     torchax = import_torchax()
     env = torchax.default_env()
-    info = A.install_attention(env, block_sizes=(256, 256))
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 4, 37, 8, generator=g)
-    k = torch.randn(2, 2, 37, 8, generator=g)
-    v = torch.randn(2, 2, 37, 8, generator=g)
-    mask = torch.ones(2, 1, 37, 37, dtype=torch.bool).tril()
-    mask[1, ..., :4] = False  # keys 0-3 of batch 1 are padding; its queries 0-3 see nothing
-    expect = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    expect = torch.where(mask.any(-1, keepdim=True), expect, 0)
-    with env:
-        got = F.scaled_dot_product_attention(q.to("jax"), k.to("jax"), v.to("jax"),
-                                             attn_mask=mask.to("jax"), enable_gqa=True)
-        got_causal = F.scaled_dot_product_attention(q.to("jax"), k.to("jax"), v.to("jax"),
-                                                    is_causal=True, scale=0.3, enable_gqa=True)
-        got, got_causal = got.to("cpu"), got_causal.to("cpu")
+    from tpupedia.torchax_utils import restoring_ops
+
+    with restoring_ops(env):  # the default env is shared by every later test
+        info = A.install_attention(env, block_sizes=(256, 256))
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(2, 4, 37, 8, generator=g)
+        k = torch.randn(2, 2, 37, 8, generator=g)
+        v = torch.randn(2, 2, 37, 8, generator=g)
+        mask = torch.ones(2, 1, 37, 37, dtype=torch.bool).tril()
+        mask[1, ..., :4] = False  # keys 0-3 of batch 1 are padding; its queries 0-3 see nothing
+        expect = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        expect = torch.where(mask.any(-1, keepdim=True), expect, 0)
+        with env:
+            got = F.scaled_dot_product_attention(q.to("jax"), k.to("jax"), v.to("jax"),
+                                                 attn_mask=mask.to("jax"), enable_gqa=True)
+            got_causal = F.scaled_dot_product_attention(q.to("jax"), k.to("jax"), v.to("jax"),
+                                                        is_causal=True, scale=0.3, enable_gqa=True)
+            got, got_causal = got.to("cpu"), got_causal.to("cpu")
     np.testing.assert_allclose(got.numpy(), expect.numpy(), atol=TOL, rtol=0)
     expect_causal = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3, enable_gqa=True)
     np.testing.assert_allclose(got_causal.numpy(), expect_causal.numpy(), atol=TOL, rtol=0)

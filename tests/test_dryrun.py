@@ -76,8 +76,15 @@ def test_bad_requests_fail_before_building(kwargs, message):
 
 @requires_libtpu
 def test_out_of_memory_is_reported_with_the_compilers_figures():
-    r = dryrun.run("cogvideox", resolution="720p", frames=81, attention="reference", layers=1,
-                   measured_step_seconds=2.13)
+    from tpupedia import attention, torchax_utils
+
+    env = torchax_utils.default_env()
+    before = {op: env._ops.get(op) for op in torchax_utils.SDPA_OPS}
+    with torchax_utils.restoring_ops(env):
+        attention.install_attention(env)  # an override left behind by earlier code must not matter
+        r = dryrun.run("cogvideox", resolution="720p", frames=81, attention="reference", layers=1,
+                       measured_step_seconds=2.13)
+        assert all(env._ops.get(op) is not before[op] for op in torchax_utils.SDPA_OPS)  # still installed
     assert not r.fits and r.arguments_bytes is None
     assert r.oom_required_bytes > r.oom_available_bytes == pytest.approx(31.25 * 2**30)
     assert r.mfu == pytest.approx(r.flops["total"] / (2.13 * 8 * 918e12))

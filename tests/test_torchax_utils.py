@@ -255,23 +255,18 @@ def test_install_masked_row_safe_sdpa_replaces_torchax_nan_rows(env):
     q, k, v = _qkv()
     mask = _bool_mask_with_empty_rows()
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    ops = (F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention)
-    saved = {op: env._ops.get(op) for op in ops}
+    ops = tu.SDPA_OPS
+    before = {op: env._ops.get(op) for op in ops}
     from torchax.ops.jtorch import _sdpa_reference  # what torchax 0.0.13 runs for SDPA
 
     with env:
         stock = _sdpa_reference(q.to("jax"), k.to("jax"), v.to("jax"), mask.to("jax"))
-    try:
+    with tu.restoring_ops(env):
         tu.install_masked_row_safe_sdpa(env)
         assert all(env._ops[op].is_user_defined for op in ops)
         with env:
             fixed = F.scaled_dot_product_attention(q.to("jax"), k.to("jax"), v.to("jax"), attn_mask=mask.to("jax"))
-    finally:
-        for op, impl in saved.items():
-            if impl is None:
-                env._ops.pop(op, None)
-            else:
-                env._ops[op] = impl
+    assert all(env._ops.get(op) is before[op] for op in ops)  # restoring_ops put the stock ones back
     assert torch.isnan(stock.torch()[0, :, 2]).all()  # torchax 0.0.13: NaN where PyTorch gives 0
     assert not torch.isnan(fixed.torch()).any()
     _close(fixed, expected)

@@ -260,9 +260,11 @@ def run(model: str = "cogvideox", topology: str = "v6e:2x4", resolution: str = "
             out = call(jm, w, b, *args)
         return env.t2j_iso(out)
 
-    with torchax_utils.restoring_ops(env):
+    with torchax_utils.restoring_ops(env):  # the environment is shared: leave it as found
         if attention == "splash":
             _install_splash(env, mesh, model)
+        else:
+            torchax_utils.stock_ops(env)  # torchax's reference SDPA, whatever was installed before
         result = aot.compile_aot(step, weights, buffers, *inputs)
 
     compiled_layers = full_layers if layers is None else min(layers, full_layers)

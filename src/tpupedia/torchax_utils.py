@@ -41,6 +41,7 @@ __all__ = [
     "install_masked_row_safe_sdpa",
     "SDPA_OPS",
     "restoring_ops",
+    "stock_ops",
 ]
 
 _REGISTERED: set[type] = set()
@@ -211,3 +212,19 @@ def restoring_ops(env, ops=SDPA_OPS):
                 env._ops.pop(op, None)
             else:
                 env._ops[op] = definition
+
+
+def stock_ops(env, ops=SDPA_OPS) -> None:
+    """Put torchax's own definitions of `ops` back into `env` (undoing any override).
+
+    Use inside `restoring_ops` to run a block with the stock implementation, whatever an
+    earlier cell or test installed. Uses torchax 0.0.13's op registry.
+    """
+    from torchax.ops import ops_registry
+
+    for op in ops:
+        stock = ops_registry.all_aten_ops.get(op) or ops_registry.all_torch_functions.get(op)
+        if stock is None:
+            env._ops.pop(op, None)
+        else:
+            env._ops[op] = stock
