@@ -53,7 +53,7 @@ serve: env
 
 lab: env
 	$(BIN)/pip install --quiet "jupyterlab==4.6.6"
-	$(BIN)/jupyter lab --ServerApp.ip=127.0.0.1 --no-browser
+	$(BIN)/jupyter lab --ServerApp.ip=127.0.0.1 --no-browser $$([ "$$(id -u)" = 0 ] && echo --allow-root)
 
 notebooks: env
 	$(BIN)/python -m tpupedia.notebooks execute $(LESSONS)
