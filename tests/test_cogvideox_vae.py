@@ -143,7 +143,7 @@ def test_from_pretrained_roundtrip(tmp_path):
     b = dict(nnx.to_flat_state(nnx.state(direct, nnx.Param)))
     assert len(a) == len(b) == len(tv.state_dict())
     for path, var in a:
-        np.testing.assert_array_equal(np.asarray(var.value), np.asarray(b[path].value))
+        np.testing.assert_array_equal(np.asarray(var.get_value()), np.asarray(b[path].get_value()))
 
 
 def test_weight_mapping_table():

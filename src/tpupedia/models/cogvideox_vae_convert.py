@@ -137,9 +137,9 @@ def from_state_dict(
             f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
         )
     for path, var in flat.items():
-        if weights[path].shape != var.value.shape:
+        if weights[path].shape != var.get_value().shape:
             raise WeightConversionError(
-                f"{'.'.join(map(str, path))}: checkpoint shape {weights[path].shape}, model expects {var.value.shape}"
+                f"{'.'.join(map(str, path))}: checkpoint shape {weights[path].shape}, model expects {var.get_value().shape}"
             )
         var.set_value(weights[path])
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
