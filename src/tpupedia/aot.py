@@ -140,7 +140,7 @@ def compile_aot(fn: Callable[..., Any], *args: Any, **jit_kwargs: Any) -> AOTRes
     )
 
 
-_BUDGETS: dict[tuple[str, int], float] = {}
+_BUDGETS: dict[str, float] = {}
 
 
 def hbm_budget(devices) -> float:
@@ -156,7 +156,7 @@ def hbm_budget(devices) -> float:
     from jax.sharding import PartitionSpec as P
 
     device = list(devices)[0]
-    key = (device.device_kind, 1)
+    key = device.device_kind
     if key not in _BUDGETS:
         mesh = Mesh([device], ("x",))
         q = abstract((131_072, 128), jnp.bfloat16, NamedSharding(mesh, P()))

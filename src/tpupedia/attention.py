@@ -456,7 +456,6 @@ def install_attention(
     (``layout``, ``batch_axis``, ``head_axis``) are passed on. Returns an
     :class:`AttentionOverride` describing what was installed.
     """
-    import torch
 
     from tpupedia.compat import import_torchax
 
@@ -484,8 +483,9 @@ def install_attention(
         return call_jax(jitted, query, key, value, attn_mask, is_causal=bool(is_causal),
                         scale=None if scale is None else float(scale))
 
-    for op in (torch.nn.functional.scaled_dot_product_attention,
-               torch.ops.aten.scaled_dot_product_attention):
+    from tpupedia.torchax_utils import SDPA_OPS
+
+    for op in SDPA_OPS:
         env.override_op_definition(op, sdpa)
     return info
 

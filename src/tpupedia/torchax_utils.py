@@ -46,6 +46,9 @@ __all__ = [
 
 _REGISTERED: set[type] = set()
 
+# The two entry points a torchax environment dispatches scaled-dot-product attention through.
+SDPA_OPS = (torch.nn.functional.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention)
+
 
 def default_env():
     """The torchax environment (imports torchax through the compatibility shim)."""
@@ -183,16 +186,9 @@ def masked_row_safe_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_ca
 
 def install_masked_row_safe_sdpa(env) -> None:
     """Override `F.scaled_dot_product_attention` in `env` with `masked_row_safe_sdpa`."""
-    for op in (torch.nn.functional.scaled_dot_product_attention,
-               torch.ops.aten.scaled_dot_product_attention):
+    for op in SDPA_OPS:
         env.override_op_definition(op, masked_row_safe_sdpa)
 
-
-def _sdpa_ops() -> tuple:
-    return (torch.nn.functional.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention)
-
-
-SDPA_OPS = _sdpa_ops()
 
 
 @contextlib.contextmanager
