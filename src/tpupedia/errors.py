@@ -15,7 +15,14 @@ from __future__ import annotations
 import re
 from typing import Callable
 
-__all__ = ["expect", "clean_message"]
+__all__ = ["TpupediaError", "expect", "clean_message"]
+
+
+class TpupediaError(Exception):
+    """Base of every error this package raises on purpose (bad input, a refused stage file, a
+    plan that cannot be built). Each module's error class derives from it (and from the builtin
+    it specialises, `ValueError` or `RuntimeError`), so the `tpupedia` command catches this one
+    class and prints one clear line instead of a traceback."""
 
 _PATH = re.compile(r"(?:[A-Za-z]:)?(?:/[\w.@+-]+)+/[\w.@+-]+\.py(?::\d+)?")
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]{6,}")
