@@ -109,6 +109,37 @@ def _dryrun(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate_cogvideox(args: argparse.Namespace) -> int:
+    import shlex
+
+    from tpupedia import devices, presets, session
+    from tpupedia.models import cogvideox as family
+    from tpupedia.pipelines import cogvideox as pipeline
+
+    preset = presets.get(args.preset) if args.preset else presets.current()
+    sizes = family.default_request(preset) | {k: v for k, v in (
+        ("frames", args.frames), ("height", args.height), ("width", args.width), ("steps", args.steps),
+        ("guidance", args.guidance), ("seed", args.seed), ("fps", args.fps)) if v is not None}
+    request = pipeline.Request(prompt=args.prompt, negative_prompt=args.negative_prompt, **sizes)
+    options = pipeline.Options(mesh=pipeline.parse_mesh(args.mesh) if args.mesh else None, sharding=args.sharding,
+                               attention=args.attention, vae=args.vae, quiet=args.quiet)
+    pipeline.validate(request, options)  # before JAX starts or any model is loaded
+    if preset.simulated_devices:
+        devices.simulate_cpu_devices(preset.simulated_devices)
+    if args.compilation_cache:
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    session.quiet()
+    workdir = args.workdir or "tpupedia-runs/cogvideox"
+    pipeline.run(request, options, preset=preset, model=args.model, stage=args.stage, workdir=workdir,
+                 out=args.out, force=args.force, command="tpupedia " + shlex.join(sys.argv[1:] if args.argv is None else args.argv),
+                 log=(lambda _: None) if args.quiet else print)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tpupedia",
@@ -161,6 +192,30 @@ def build_parser() -> argparse.ArgumentParser:
     dit.add_argument("--no-torch-compile", action="store_true", help="skip torch.compile (it needs a C++ toolchain)")
     dit.add_argument("--output", default="docs/results/benchmarks.json", help="results file to merge into")
     dit.set_defaults(func=_bench_dit)
+    g = sub.add_parser("generate", help="text-to-video in stages (text, denoise, decode), with resumable stage files")
+    gsub = g.add_subparsers(dest="model_family", required=True)
+    cog = gsub.add_parser("cogvideox", help="CogVideoX (1.5-5B on the full preset): T5 -> transformer -> VAE")
+    source = cog.add_mutually_exclusive_group()
+    source.add_argument("--preset", choices=["tiny", "full"], default=None,
+                        help="tiny: random tiny checkpoint, CPU; full: zai-org/CogVideoX1.5-5B (default: $TPUPEDIA_PRESET)")
+    source.add_argument("--model", default=None, help="a diffusers-format CogVideoX checkpoint directory or hub id")
+    cog.add_argument("--prompt", required=True)
+    cog.add_argument("--negative-prompt", default="")
+    cog.add_argument("--stage", choices=["all", "text", "denoise", "decode"], default="all")
+    cog.add_argument("--workdir", default=None, help="where stage files live (default tpupedia-runs/cogvideox)")
+    cog.add_argument("--out", default=None, help="write the video to this .mp4 (needs the decode stage)")
+    for flag, kind in (("--frames", int), ("--height", int), ("--width", int), ("--steps", int),
+                       ("--guidance", float), ("--seed", int), ("--fps", int)):
+        cog.add_argument(flag, type=kind, default=None, help="default: the preset's (see tpupedia.models.cogvideox)")
+    cog.add_argument("--mesh", default=None, help="dp=N,tp=M (default: dp=2 and tp the rest of the devices)")
+    cog.add_argument("--sharding", choices=["tp", "fsdp", "replicated"], default="tp")
+    cog.add_argument("--attention", choices=["auto", "splash", "reference"], default="auto",
+                     help="auto: splash on TPU, the reference elsewhere")
+    cog.add_argument("--vae", choices=["flax", "torchax"], default="flax")
+    cog.add_argument("--compilation-cache", default=None, help="JAX persistent compilation cache directory")
+    cog.add_argument("--force", action="store_true", help="rerun stages whose files are up to date")
+    cog.add_argument("--quiet", action="store_true", help="no progress bar or per-stage lines")
+    cog.set_defaults(func=_generate_cogvideox, argv=None)
     return parser
 
 
@@ -173,7 +228,13 @@ def main(argv: list[str] | None = None) -> int:
         from tpupedia import session
 
         session.quiet()
-    return args.func(args)
+    from tpupedia.errors import TpupediaError
+
+    try:
+        return args.func(args)
+    except TpupediaError as err:  # bad input or a refused file: one clear line, no traceback
+        print(f"tpupedia {args.command}: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,0 +1,319 @@
+"""CogVideoX: every fact about the family in one place.
+
+Configs (tiny for CPU, full for CogVideoX1.5-5B), the frame and size rules, latent and token
+counts, the analytic FLOPs of one denoising step, how to build the transformer on `meta` for an
+AOT dry-run, and how to write and load a checkpoint. `tpupedia.dryrun`, `tpupedia.bench`, the
+docs and `tpupedia.pipelines.cogvideox` read these; nothing else spells a CogVideoX fact.
+
+Introduced in notebook 06 (CogVideoX text-to-video in three stages); the dry-run of notebook 09
+reads the same facts.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from tpupedia.errors import TpupediaError
+
+__all__ = [
+    "FAMILY", "FULL_ID", "FULL_LAYERS", "TEMPORAL_COMPRESSION", "SPATIAL_COMPRESSION", "PATCH_SIZE",
+    "PATCH_SIZE_T", "TEXT_TOKENS", "CFG_BATCH", "SCHEDULER_CONFIG", "ModelInputError",
+    "full_transformer_config", "tiny_transformer_config", "tiny_vae_config", "tiny_text_encoder_config",
+    "full_text_encoder_config", "default_request", "check_frames", "check_size", "latent_frames",
+    "padded_latent_frames", "video_tokens", "step_flops", "FunctionalRoPEAttnProcessor", "make_jit_friendly",
+    "tiny_checkpoint", "model_source", "component_configs", "load_scheduler", "rotary_embeddings",
+]
+
+FAMILY = "cogvideox"
+FULL_ID = "zai-org/CogVideoX1.5-5B"
+FULL_LAYERS = 42
+TEMPORAL_COMPRESSION = 4  # the VAE keeps the first frame and compresses the rest 4x in time
+SPATIAL_COMPRESSION = 8  # and 8x in height and width
+PATCH_SIZE = 2  # the transformer's 2x2 spatial patches
+PATCH_SIZE_T = 2  # CogVideoX 1.5: 2 latent frames per patch (1.0 has none)
+TEXT_TOKENS = 226  # the T5 text length of the released checkpoints (transformer max_text_seq_length)
+CFG_BATCH = 2  # classifier-free guidance: the negative and the positive prompt in one batch
+
+# The scheduler of the CogVideoX1.5-5B checkpoint (scheduler/scheduler_config.json on the Hub:
+# CogVideoXDPMScheduler, v-prediction, zero-SNR rescaled betas, trailing timesteps).
+SCHEDULER_CONFIG: dict[str, Any] = dict(
+    beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, clip_sample=False,
+    num_train_timesteps=1000, prediction_type="v_prediction", rescale_betas_zero_snr=True,
+    set_alpha_to_one=True, snr_shift_scale=1.0, steps_offset=0, timestep_spacing="trailing",
+)
+
+
+class ModelInputError(TpupediaError, ValueError):
+    """A size, frame count or option this model cannot produce."""
+
+
+def full_transformer_config(layers: int | None = None) -> dict[str, Any]:
+    """CogVideoX1.5-5B transformer (diffusers `CogVideoXTransformer3DModel`), per its public
+    config: 42 layers, 48 heads of 64, patch 2x2 and 2 frames, T5 text width 4096."""
+    return dict(
+        activation_fn="gelu-approximate", attention_bias=True, attention_head_dim=64,
+        in_channels=16, out_channels=16, max_text_seq_length=TEXT_TOKENS, norm_elementwise_affine=True,
+        norm_eps=1e-5, num_attention_heads=48, num_layers=FULL_LAYERS if layers is None else layers,
+        patch_size=PATCH_SIZE, patch_size_t=PATCH_SIZE_T, patch_bias=False, sample_frames=81, sample_height=300,
+        sample_width=300, spatial_interpolation_scale=1.875, temporal_compression_ratio=TEMPORAL_COMPRESSION,
+        temporal_interpolation_scale=1.0, text_embed_dim=4096, time_embed_dim=512,
+        timestep_activation_fn="silu", use_learned_positional_embeddings=False,
+        use_rotary_positional_embeddings=True, flip_sin_to_cos=True, freq_shift=0,
+    )
+
+
+def full_text_encoder_config() -> dict[str, Any]:
+    """The T5 v1.1 XXL encoder CogVideoX uses (`T5Config` fields): 24 layers, width 4096."""
+    return dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+                feed_forward_proj="gated-gelu", relative_attention_num_buckets=32)
+
+
+def tiny_transformer_config() -> dict[str, Any]:
+    """The 1.5 layout at toy width: 2 layers, 4 heads of 16. Head dim 16 is the smallest that
+    diffusers' 3-D RoPE accepts (it splits the head dim 1/4 time, 3/8 height, 3/8 width, each even)."""
+    return dict(
+        num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=4, time_embed_dim=2,
+        text_embed_dim=32, num_layers=2, sample_width=4, sample_height=4, sample_frames=9,
+        patch_size=PATCH_SIZE, patch_size_t=PATCH_SIZE_T, temporal_compression_ratio=TEMPORAL_COMPRESSION,
+        max_text_seq_length=16, use_rotary_positional_embeddings=True, use_learned_positional_embeddings=False,
+    )
+
+
+def tiny_vae_config() -> dict[str, Any]:
+    """A 4-level `AutoencoderKLCogVideoX` (8x spatial, 4x temporal, like the full one) 8 channels wide."""
+    return dict(block_out_channels=(8, 8, 8, 8), latent_channels=4, layers_per_block=1, norm_num_groups=2,
+                temporal_compression_ratio=TEMPORAL_COMPRESSION, down_block_types=("CogVideoXDownBlock3D",) * 4,
+                up_block_types=("CogVideoXUpBlock3D",) * 4)
+
+
+def tiny_text_encoder_config() -> dict[str, Any]:
+    """A 2-layer T5 encoder over the 384-symbol ByT5 byte vocabulary."""
+    return dict(vocab_size=384, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
+
+
+def default_request(preset: Any) -> dict[str, Any]:
+    """Frames, size, steps, guidance, seed and fps a preset generates by default: the tiny
+    preset seconds on a CPU; the full preset upstream's 720p, 81 frames, 50 steps at 16 fps."""
+    if preset.pretrained:
+        return dict(frames=81, height=720, width=1280, steps=50, guidance=6.0, seed=42, fps=16)
+    return dict(frames=9, height=32, width=32, steps=4, guidance=6.0, seed=42, fps=8)
+
+
+def check_frames(frames: int) -> None:
+    """Refuse a frame count the VAE cannot produce: it must be 4n+1."""
+    if not isinstance(frames, int) or frames < 1 or (frames - 1) % TEMPORAL_COMPRESSION:
+        raise ModelInputError(
+            f"frames={frames}: CogVideoX generates 4n+1 frames (the VAE keeps the first frame and "
+            f"compresses the rest 4x in time), e.g. 9, 49, 81. With CogVideoX 1.5 (patch_size_t=2) "
+            f"diffusers pads an odd latent count by one latent frame and drops it after denoising "
+            f"(CogVideoXPipeline.__call__, diffusers 0.42); the model authors recommend 16n+1 frames, n <= 10, for 1.5.")
+
+
+def check_size(width: int, height: int) -> None:
+    """Refuse a size the VAE and the 2x2 patches cannot tile: positive multiples of 16."""
+    multiple = SPATIAL_COMPRESSION * PATCH_SIZE
+    if width <= 0 or height <= 0 or width % multiple or height % multiple:
+        raise ModelInputError(f"size {width}x{height}: width and height must be positive multiples of {multiple} "
+                              f"(the VAE's {SPATIAL_COMPRESSION}x times the {PATCH_SIZE}x{PATCH_SIZE} patches)")
+
+
+def latent_frames(frames: int) -> int:
+    """Latent frames for `frames` video frames: (F - 1) / 4 + 1."""
+    return (frames - 1) // TEMPORAL_COMPRESSION + 1
+
+
+def padded_latent_frames(frames: int, patch_size_t: int | None = PATCH_SIZE_T) -> tuple[int, int]:
+    """`(latent frames the transformer sees, padding frames)`: CogVideoX 1.5 pads to a multiple
+    of `patch_size_t` at the front, as diffusers does, and drops the padding before decoding."""
+    count = latent_frames(frames)
+    padding = (-count) % patch_size_t if patch_size_t else 0
+    return count + padding, padding
+
+
+def video_tokens(width: int, height: int, frames: int, patch_size_t: int | None = PATCH_SIZE_T) -> int:
+    """Video tokens of one sample: temporal patches x (H/16) x (W/16)."""
+    padded, _ = padded_latent_frames(frames, patch_size_t)
+    per = SPATIAL_COMPRESSION * PATCH_SIZE
+    return padded // (patch_size_t or 1) * (height // per) * (width // per)
+
+
+def step_flops(width: int, height: int, frames: int, layers: int = FULL_LAYERS, batch: int = CFG_BATCH,
+               heads: int = 48, head_dim: int = 64, text_tokens: int = TEXT_TOKENS) -> dict[str, float]:
+    """Matmul FLOPs of one transformer step (2 FLOPs per multiply-add).
+
+    Per layer and token: q, k, v, out projections (4 d^2) and a 4x MLP (8 d^2), times 2 FLOPs;
+    attention: QK^T and PV, 2 * 2 * S^2 * d per layer. Embeddings and norms are ignored (<1%).
+    """
+    d = heads * head_dim
+    s = math.ceil(latent_frames(frames) / PATCH_SIZE_T) * (height // 16) * (width // 16) + text_tokens
+    linear = batch * layers * 2 * s * 12 * d * d
+    attention = batch * layers * 4 * s * s * d
+    return {"tokens": s, "linear": float(linear), "attention": float(attention), "total": float(linear + attention)}
+
+
+# --- a jit-friendly attention processor -----------------------------------------------------
+
+class FunctionalRoPEAttnProcessor:
+    """diffusers' `CogVideoXAttnProcessor2_0` with the rotary embedding applied without
+    in-place writes.
+
+    The stock processor writes the rotated video part back into the query and key
+    (`query[:, :, text_len:] = apply_rotary_emb(...)`). Under torchax on a mesh whose `dp` axis
+    splits the guidance batch, that in-place write gave wrong numbers (max abs error ~0.06 on the
+    tiny model, notebook 06); concatenating the text part and the rotated video part gives the
+    same values as PyTorch (6e-7). Everything else is the stock computation.
+    """
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states, attention_mask=None, image_rotary_emb=None):
+        import torch
+        import torch.nn.functional as F
+        from diffusers.models.embeddings import apply_rotary_emb
+
+        if attention_mask is not None:
+            raise ModelInputError("CogVideoX attention takes no mask; got one")
+        text_len = encoder_hidden_states.size(1)
+        x = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+
+        def split_heads(t):
+            return t.unflatten(2, (attn.heads, -1)).transpose(1, 2)
+
+        q, k, v = split_heads(attn.to_q(x)), split_heads(attn.to_k(x)), split_heads(attn.to_v(x))
+        if attn.norm_q is not None:
+            q = attn.norm_q(q)
+        if attn.norm_k is not None:
+            k = attn.norm_k(k)
+        if image_rotary_emb is not None:
+            def rotate_video(t):
+                return torch.cat([t[:, :, :text_len], apply_rotary_emb(t[:, :, text_len:], image_rotary_emb)], dim=2)
+
+            q = rotate_video(q)
+            if not attn.is_cross_attention:
+                k = rotate_video(k)
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False)
+        out = attn.to_out[1](attn.to_out[0](out.transpose(1, 2).flatten(2)))
+        return out[:, text_len:], out[:, :text_len]
+
+
+def make_jit_friendly(transformer):
+    """Install `FunctionalRoPEAttnProcessor` in every attention layer. Returns `transformer`."""
+    transformer.set_attn_processor(FunctionalRoPEAttnProcessor())
+    return transformer
+
+
+# --- weights: tiny checkpoints and loading -------------------------------------------------------
+# One loading path for both presets: `from_pretrained(..., use_safetensors=True)` on a diffusers
+# directory or hub id. The tiny preset writes a random checkpoint with `save_pretrained` first.
+
+ENV_MODEL = "TPUPEDIA_COGVIDEOX"
+"""Environment variable naming a checkpoint (hub id or directory) to use instead of the preset's."""
+
+SCHEDULERS = ("CogVideoXDPMScheduler", "CogVideoXDDIMScheduler")
+_VOLATILE = {"_diffusers_version", "transformers_version", "_name_or_path", "_commit_hash", "_use_default_values"}
+
+
+def _cache_dir() -> "Path":
+    import os
+    from pathlib import Path
+
+    return Path(os.environ.get("TPUPEDIA_CACHE") or Path.home() / ".cache" / "tpupedia")
+
+
+def tiny_checkpoint(directory: "str | os.PathLike | None" = None, seed: int = 0, scheduler: str = "dpm",
+                    patch_size_t: int | None = PATCH_SIZE_T) -> "Path":
+    """Write a whole random CogVideoX pipeline (T5 encoder with the offline ByT5 tokenizer,
+    transformer, VAE, scheduler) with `save_pretrained` (safetensors) and return its directory.
+
+    Default directory: `$TPUPEDIA_CACHE` (or `~/.cache/tpupedia`)/`cogvideox-tiny-...`, reused
+    when it is complete; written to a temporary folder and renamed, so a crash leaves nothing
+    half-written. `patch_size_t=None` gives the CogVideoX 1.0 layout, 2 the 1.5 layout.
+    """
+    import os
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    import torch
+    from diffusers import (AutoencoderKLCogVideoX, CogVideoXDDIMScheduler, CogVideoXDPMScheduler,
+                           CogVideoXPipeline, CogVideoXTransformer3DModel)
+    from transformers import ByT5Tokenizer, T5Config, T5EncoderModel
+
+    classes = {"dpm": CogVideoXDPMScheduler, "ddim": CogVideoXDDIMScheduler}
+    if scheduler not in classes:
+        raise ModelInputError(f"scheduler={scheduler!r} is not one of {', '.join(classes)}")
+    if directory is None:
+        name = f"cogvideox-tiny-{scheduler}-pt{patch_size_t}-seed{seed}"
+        directory = _cache_dir() / name
+    path = Path(directory)
+    if (path / "model_index.json").is_file():
+        return path
+    torch.manual_seed(seed)
+    pipe = CogVideoXPipeline(
+        tokenizer=ByT5Tokenizer(),
+        text_encoder=T5EncoderModel(T5Config(**tiny_text_encoder_config())).eval(),
+        vae=AutoencoderKLCogVideoX(**tiny_vae_config()).eval(),
+        transformer=CogVideoXTransformer3DModel(**(tiny_transformer_config() | {"patch_size_t": patch_size_t})).eval(),
+        scheduler=classes[scheduler](**SCHEDULER_CONFIG),
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+    try:
+        pipe.save_pretrained(tmp, safe_serialization=True)
+        os.replace(tmp, path)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (path / "model_index.json").is_file():  # not a concurrent writer that won the race
+            raise
+    return path
+
+
+def model_source(preset: Any, model: "str | os.PathLike | None" = None) -> tuple[str, str]:
+    """`(where to load from, label for stage files)`: `model` if given, else `$TPUPEDIA_COGVIDEOX`,
+    else the preset's (`FULL_ID` for full; the tiny checkpoint, labelled `preset:tiny`)."""
+    import os
+
+    chosen = model or os.environ.get(ENV_MODEL)
+    if chosen:
+        return str(chosen), str(chosen)
+    if preset.pretrained:
+        return FULL_ID, FULL_ID
+    return str(tiny_checkpoint()), f"preset:{preset.name}"
+
+
+def component_configs(source: str) -> dict[str, dict]:
+    """The checkpoint's component configs (no weights read), minus version and path entries."""
+    from diffusers import AutoencoderKLCogVideoX, CogVideoXDPMScheduler, CogVideoXTransformer3DModel
+    from transformers import T5Config
+
+    configs = {
+        "transformer": CogVideoXTransformer3DModel.load_config(source, subfolder="transformer"),
+        "vae": AutoencoderKLCogVideoX.load_config(source, subfolder="vae"),
+        "scheduler": CogVideoXDPMScheduler.load_config(source, subfolder="scheduler"),
+        "text_encoder": T5Config.from_pretrained(source, subfolder="text_encoder").to_dict(),
+    }
+    return {name: {k: v for k, v in dict(c).items() if k not in _VOLATILE} for name, c in configs.items()}
+
+
+def load_scheduler(source: str):
+    """The checkpoint's scheduler (its `model_index.json` names the class): DPM or DDIM."""
+    import diffusers
+
+    index = diffusers.DiffusionPipeline.load_config(source)
+    name = index["scheduler"][1]
+    if name not in SCHEDULERS:
+        raise ModelInputError(f"scheduler {name!r} in {source}: the pipeline steps {', '.join(SCHEDULERS)}")
+    return getattr(diffusers, name).from_pretrained(source, subfolder="scheduler")
+
+
+def rotary_embeddings(transformer_config: dict, height: int, width: int, latent_frames: int):
+    """RoPE `(cos, sin)` for the video tokens, computed by diffusers' own
+    `CogVideoXPipeline._prepare_rotary_positional_embeddings` (1.0 and 1.5 layouts) on the host."""
+    from types import SimpleNamespace
+
+    from diffusers import CogVideoXPipeline
+
+    owner = SimpleNamespace(transformer=SimpleNamespace(config=SimpleNamespace(**transformer_config)),
+                            vae_scale_factor_spatial=SPATIAL_COMPRESSION)
+    return CogVideoXPipeline._prepare_rotary_positional_embeddings(owner, height, width, latent_frames, "cpu")

@@ -1,0 +1,59 @@
+"""Frames to an mp4 file, written atomically.
+
+Frames are what diffusers returns with `output_type="np"` (float32 `(F, H, W, 3)` in [0, 1])
+and what a decode stage file holds. They are rounded to 8-bit and encoded as H.264 (yuv420p,
+what browsers and players accept) with the ffmpeg binary that the `imageio-ffmpeg` wheel ships.
+
+Introduced in notebook 06 (CogVideoX text-to-video in three stages).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from tpupedia.errors import TpupediaError
+
+__all__ = ["VideoError", "to_uint8", "write_mp4"]
+
+
+class VideoError(TpupediaError, ValueError):
+    """Frames that cannot be written as a video (wrong shape, range or size)."""
+
+
+def to_uint8(frames: np.ndarray) -> np.ndarray:
+    """float (F, H, W, 3) in [0, 1] -> uint8, rounded to the nearest level."""
+    frames = np.asarray(frames)
+    if frames.ndim != 4 or frames.shape[-1] != 3:
+        raise VideoError(f"frames of shape {frames.shape}: expected (frames, height, width, 3)")
+    if not np.isfinite(frames).all() or frames.min() < 0 or frames.max() > 1:
+        raise VideoError(f"frame values must be finite and in [0, 1]; got [{frames.min()}, {frames.max()}]")
+    return np.round(frames * 255).astype(np.uint8)
+
+
+def write_mp4(frames: np.ndarray, path: str | os.PathLike, fps: int = 16) -> Path:
+    """Encode `frames` to `path` (H.264, yuv420p); written to a temporary file, then renamed."""
+    import warnings
+
+    import imageio_ffmpeg
+
+    pixels = to_uint8(frames)
+    _, height, width, _ = pixels.shape
+    if height % 2 or width % 2:
+        raise VideoError(f"{width}x{height}: yuv420p needs an even width and height")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
+    writer = imageio_ffmpeg.write_frames(str(tmp), (width, height), fps=fps, codec="libx264",
+                                         pix_fmt_out="yuv420p", macro_block_size=1, quality=8,
+                                         ffmpeg_log_level="error")
+    with warnings.catch_warnings():  # ffmpeg is exec'd at once: the fork-vs-threads warning does not apply
+        warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called")
+        writer.send(None)
+        for frame in pixels:
+            writer.send(np.ascontiguousarray(frame))
+        writer.close()
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,140 @@
+"""The CogVideoX pipeline (notebook 06): parity with stock diffusers, one compile for all
+steps, stage files that resume and refuse, bad input refused before any model is loaded."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tpupedia import presets
+from tpupedia.models import cogvideox as family
+from tpupedia.pipelines import cogvideox as pipeline
+from tpupedia.pipelines import stages
+
+TINY = presets.get("tiny")
+REQUEST = pipeline.Request(prompt="a panda playing a guitar", negative_prompt="blurry", frames=9, height=32,
+                           width=32, steps=4, guidance=6.0, seed=3, fps=8)
+
+
+def _stock_frames(checkpoint: Path, request: pipeline.Request) -> np.ndarray:
+    from diffusers import CogVideoXPipeline
+
+    pipe = CogVideoXPipeline.from_pretrained(checkpoint, use_safetensors=True)
+    pipe.set_progress_bar_config(disable=True)
+    out = pipe(prompt=request.prompt, negative_prompt=request.negative_prompt, num_frames=request.frames,
+               height=request.height, width=request.width, num_inference_steps=request.steps,
+               guidance_scale=request.guidance, generator=torch.Generator().manual_seed(request.seed),
+               output_type="np", max_sequence_length=pipe.transformer.config.max_text_seq_length)
+    return out.frames[0]
+
+
+@pytest.fixture(scope="module", params=["dpm", "ddim"])
+def checkpoint(request, tmp_path_factory) -> Path:
+    return family.tiny_checkpoint(tmp_path_factory.mktemp(f"ckpt-{request.param}"), scheduler=request.param)
+
+
+def test_frames_match_stock_diffusers(checkpoint, tmp_path):
+    """Same weights, same seed: the staged torchax pipeline gives stock diffusers' frames (fp32, 1e-4)."""
+    expected = _stock_frames(checkpoint, REQUEST)
+    reports = pipeline.run(REQUEST, pipeline.Options(quiet=True), preset=TINY, model=str(checkpoint),
+                           workdir=tmp_path, log=lambda _: None)
+    assert [r.stage for r in reports] == ["text", "denoise", "decode"] and all(r.ran for r in reports)
+    frames = stages.read(tmp_path, "decode", _settings(checkpoint, "decode")).tensors["frames"].numpy()
+    assert frames.dtype == np.float32 and frames.shape == expected.shape == (9, 32, 32, 3)
+    error = float(np.abs(frames - expected).max())
+    print(f"max abs error vs stock diffusers: {error:.2e}")
+    assert error <= 1e-4, error
+    assert frames.std() > 0.01  # not a constant image that would match anything
+
+
+def _settings(checkpoint: Path, stage: str, request: pipeline.Request = REQUEST, vae: str = "flax") -> dict:
+    return pipeline.settings(stage, str(checkpoint), family.component_configs(str(checkpoint)), request, vae)
+
+
+def test_one_compile_for_all_steps_and_stages_resume(tmp_path, monkeypatch):
+    """The denoising step is traced once for all steps; finished stages are skipped; --force reruns."""
+    checkpoint = family.tiny_checkpoint(tmp_path / "ckpt")
+    traces = []
+    real = pipeline.CogVideoX.denoise
+
+    def counting(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        traces.append(self.traces["denoise"])
+        return out
+
+    monkeypatch.setattr(pipeline.CogVideoX, "denoise", counting)
+    options = pipeline.Options(quiet=True)
+    first = pipeline.run(REQUEST, options, preset=TINY, model=str(checkpoint), workdir=tmp_path / "w", log=lambda _: None)
+    assert traces == [1]  # one trace of the step for REQUEST.steps == 4 steps
+    again = pipeline.run(REQUEST, options, preset=TINY, model=str(checkpoint), workdir=tmp_path / "w", log=lambda _: None)
+    assert [r.ran for r in again] == [False, False, False]
+    forced = pipeline.run(REQUEST, options, preset=TINY, model=str(checkpoint), stage="decode", force=True,
+                          workdir=tmp_path / "w", log=lambda _: None)
+    assert [(r.stage, r.ran) for r in forced] == [("decode", True)]
+    timings = stages.read(tmp_path / "w", "denoise", _settings(checkpoint, "denoise")).meta["extra"]["timings"]
+    assert timings["steps"] == 4 and timings["first_s"] > 0 and timings["steady_s"] > 0
+    assert first[1].timings["padding_frames"] == 1  # 9 frames -> 3 latent frames, padded to 4 for patch_size_t=2
+
+
+def test_a_stage_refuses_input_made_for_another_request(tmp_path):
+    checkpoint = family.tiny_checkpoint(tmp_path / "ckpt")
+    options = pipeline.Options(quiet=True)
+    pipeline.run(REQUEST, options, preset=TINY, model=str(checkpoint), stage="text", workdir=tmp_path, log=lambda _: None)
+    other = pipeline.Request(**{**REQUEST.__dict__, "prompt": "a cat on a skateboard"})
+    with pytest.raises(stages.StageError, match="prompt") as err:
+        pipeline.run(other, options, preset=TINY, model=str(checkpoint), stage="denoise", workdir=tmp_path,
+                     log=lambda _: None)
+    assert "a cat on a skateboard" in str(err.value) and REQUEST.prompt in str(err.value)
+    with pytest.raises(stages.StageError, match="denoise"):  # decode before denoise ran
+        pipeline.run(REQUEST, options, preset=TINY, model=str(checkpoint), stage="decode", workdir=tmp_path,
+                     log=lambda _: None)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"prompt": "  "}, "prompt is empty"),
+    ({"frames": 10}, "frames=10"),
+    ({"height": 40}, "32x40"),
+    ({"steps": 0}, "steps=0"),
+    ({"guidance": float("nan")}, "guidance=nan"),
+])
+def test_bad_requests_are_refused_before_any_model_loads(change, message, monkeypatch, tmp_path):
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded before the request was validated")
+
+    monkeypatch.setattr(family, "model_source", no_loading)
+    request = pipeline.Request(**{**REQUEST.__dict__, **change})
+    with pytest.raises(pipeline.TpupediaError, match=message):
+        pipeline.run(request, pipeline.Options(), preset=TINY, workdir=tmp_path, log=lambda _: None)
+
+
+def test_mesh_must_match_the_devices(monkeypatch, tmp_path):
+    monkeypatch.setattr(family, "model_source", lambda *a, **k: pytest.fail("loaded a model"))
+    with pytest.raises(pipeline.PipelineError, match="needs 9 devices, but 8 are available"):
+        pipeline.run(REQUEST, pipeline.Options(mesh=(3, 3)), preset=TINY, workdir=tmp_path, log=lambda _: None)
+    for text in ("dp=2", "dp=2,tp=x", "dp=2,sp=4", "dp=0,tp=8"):
+        with pytest.raises(pipeline.PipelineError, match="mesh"):
+            pipeline.parse_mesh(text)
+    assert pipeline.parse_mesh("dp=2,tp=4") == (2, 4)
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**__import__("os").environ, "TPUPEDIA_PRESET": "tiny", "JAX_PLATFORMS": "cpu", "TPUPEDIA_CACHE": str(cwd / "cache")}
+    return subprocess.run([sys.executable, "-m", "tpupedia.cli", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_cli_generates_a_video_and_refuses_bad_frames_in_one_line(tmp_path):
+    done = _cli("generate", "cogvideox", "--preset", "tiny", "--prompt", "a panda", "--out", "panda.mp4",
+                "--workdir", "w", "--quiet", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    video = tmp_path / "panda.mp4"
+    assert video.stat().st_size > 1000 and video.read_bytes()[4:8] == b"ftyp"  # an ISO-BMFF (mp4) file
+    bad = _cli("generate", "cogvideox", "--preset", "tiny", "--prompt", "a panda", "--frames", "10", cwd=tmp_path)
+    assert bad.returncode == 2
+    lines = bad.stderr.strip().splitlines()
+    assert len(lines) == 1 and "frames=10" in lines[0] and "Traceback" not in bad.stderr
