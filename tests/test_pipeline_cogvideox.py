@@ -52,8 +52,10 @@ def test_frames_match_stock_diffusers(checkpoint, tmp_path):
     assert frames.std() > 0.01  # not a constant image that would match anything
 
 
-def _settings(checkpoint: Path, stage: str, request: pipeline.Request = REQUEST, vae: str = "flax") -> dict:
-    return pipeline.settings(stage, str(checkpoint), family.component_configs(str(checkpoint)), request, vae)
+def _settings(checkpoint: Path, stage: str, request: pipeline.Request = REQUEST, vae: str = "flax",
+              dtype: str = "float32") -> dict:
+    return pipeline.settings(stage, str(checkpoint), family.component_configs(str(checkpoint)), request, vae=vae,
+                             dtype=dtype)
 
 
 def test_one_compile_for_all_steps_and_stages_resume(tmp_path, monkeypatch):
@@ -138,3 +140,30 @@ def test_cli_generates_a_video_and_refuses_bad_frames_in_one_line(tmp_path):
     assert bad.returncode == 2
     lines = bad.stderr.strip().splitlines()
     assert len(lines) == 1 and "frames=10" in lines[0] and "Traceback" not in bad.stderr
+
+
+def test_bfloat16_as_the_full_preset_runs_it(tmp_path):
+    """The released checkpoints run in bf16: the same code path, every stage, on the tiny model."""
+    checkpoint = family.tiny_checkpoint(tmp_path / "ckpt")
+    options = pipeline.Options(quiet=True, dtype="bfloat16", vae="torchax")
+    pipeline.run(REQUEST, options, preset=TINY, model=str(checkpoint), workdir=tmp_path / "w", log=lambda _: None)
+    text = stages.read(tmp_path / "w", "text", _settings(checkpoint, "text", dtype="bfloat16"))
+    latents = stages.read(tmp_path / "w", "denoise", _settings(checkpoint, "denoise", dtype="bfloat16"))
+    frames = stages.read(tmp_path / "w", "decode", _settings(checkpoint, "decode", vae="torchax", dtype="bfloat16"))
+    assert text.tensors["prompt_embeds"].dtype == latents.tensors["latents"].dtype == torch.bfloat16
+    frames = frames.tensors["frames"]
+    assert frames.dtype == torch.float32 and frames.shape == (9, 32, 32, 3) and torch.isfinite(frames).all()
+    expected = _stock_frames_bf16(checkpoint)
+    assert float((frames - torch.from_numpy(expected)).abs().mean()) < 0.05  # bf16: close on average, not bitwise
+
+
+def _stock_frames_bf16(checkpoint: Path) -> np.ndarray:
+    from diffusers import CogVideoXPipeline
+
+    pipe = CogVideoXPipeline.from_pretrained(checkpoint, dtype=torch.bfloat16, use_safetensors=True)
+    pipe.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        return pipe(prompt=REQUEST.prompt, negative_prompt=REQUEST.negative_prompt, num_frames=REQUEST.frames,
+                    height=REQUEST.height, width=REQUEST.width, num_inference_steps=REQUEST.steps,
+                    guidance_scale=REQUEST.guidance, generator=torch.Generator().manual_seed(REQUEST.seed),
+                    output_type="np", max_sequence_length=16).frames[0]

@@ -122,7 +122,7 @@ def _generate_cogvideox(args: argparse.Namespace) -> int:
         ("guidance", args.guidance), ("seed", args.seed), ("fps", args.fps)) if v is not None}
     request = pipeline.Request(prompt=args.prompt, negative_prompt=args.negative_prompt, **sizes)
     options = pipeline.Options(mesh=pipeline.parse_mesh(args.mesh) if args.mesh else None, sharding=args.sharding,
-                               attention=args.attention, vae=args.vae, quiet=args.quiet)
+                               attention=args.attention, vae=args.vae, quiet=args.quiet, dtype=args.dtype)
     pipeline.validate(request, options)  # before JAX starts or any model is loaded
     if preset.simulated_devices:
         devices.simulate_cpu_devices(preset.simulated_devices)
@@ -212,6 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     cog.add_argument("--attention", choices=["auto", "splash", "reference"], default="auto",
                      help="auto: splash on TPU, the reference elsewhere")
     cog.add_argument("--vae", choices=["flax", "torchax"], default="flax")
+    cog.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                     help="auto: bfloat16 for checkpoints, float32 on the tiny preset")
     cog.add_argument("--compilation-cache", default=None, help="JAX persistent compilation cache directory")
     cog.add_argument("--force", action="store_true", help="rerun stages whose files are up to date")
     cog.add_argument("--quiet", action="store_true", help="no progress bar or per-stage lines")

@@ -30,6 +30,7 @@ KNOWN_NOISE = (
     "IProgress not found",
     ".*is_gradient_checkpointing. is deprecated",
     "Guiders are .* experimental",
+    r"os\.fork\(\) was called",  # imageio-ffmpeg starts ffmpeg with fork + exec: no JAX code runs in the child
 )
 
 

@@ -35,8 +35,6 @@ def to_uint8(frames: np.ndarray) -> np.ndarray:
 
 def write_mp4(frames: np.ndarray, path: str | os.PathLike, fps: int = 16) -> Path:
     """Encode `frames` to `path` (H.264, yuv420p); written to a temporary file, then renamed."""
-    import warnings
-
     import imageio_ffmpeg
 
     pixels = to_uint8(frames)
@@ -49,11 +47,9 @@ def write_mp4(frames: np.ndarray, path: str | os.PathLike, fps: int = 16) -> Pat
     writer = imageio_ffmpeg.write_frames(str(tmp), (width, height), fps=fps, codec="libx264",
                                          pix_fmt_out="yuv420p", macro_block_size=1, quality=8,
                                          ffmpeg_log_level="error")
-    with warnings.catch_warnings():  # ffmpeg is exec'd at once: the fork-vs-threads warning does not apply
-        warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called")
-        writer.send(None)
-        for frame in pixels:
-            writer.send(np.ascontiguousarray(frame))
-        writer.close()
+    writer.send(None)
+    for frame in pixels:
+        writer.send(np.ascontiguousarray(frame))
+    writer.close()
     os.replace(tmp, path)
     return path

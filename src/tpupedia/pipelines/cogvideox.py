@@ -50,6 +50,7 @@ __all__ = [
 
 ATTENTION = ("auto", "splash", "reference")
 VAES = ("flax", "torchax")
+DTYPES = ("auto", "bfloat16", "float32")
 SHARDINGS = ("tp", "fsdp", "replicated")
 
 
@@ -84,6 +85,9 @@ class Options:
     quiet: bool = False
     matmul_precision: str | None = None
     """`"highest"` for parity checks (a TPU runs float32 matmuls in bf16 passes by default)."""
+    dtype: str = "auto"
+    """`auto`: bfloat16 on the full preset (as the checkpoints are released), float32 on the tiny
+    preset (exact parity with stock diffusers); or `bfloat16` / `float32`."""
 
 
 def validate(request: Request, options: Options, device_count: int | None = None) -> None:
@@ -103,6 +107,8 @@ def validate(request: Request, options: Options, device_count: int | None = None
         raise PipelineError(f"sharding={options.sharding!r} is not one of {', '.join(SHARDINGS)}")
     if options.attention not in ATTENTION:
         raise PipelineError(f"attention={options.attention!r} is not one of {', '.join(ATTENTION)}")
+    if options.dtype not in DTYPES:
+        raise PipelineError(f"dtype={options.dtype!r} is not one of {', '.join(DTYPES)}")
     if options.vae not in VAES:
         raise PipelineError(f"vae={options.vae!r} is not one of {', '.join(VAES)}")
     if options.mesh is not None and device_count is not None and math.prod(options.mesh) != device_count:
@@ -134,14 +140,15 @@ def _config_fingerprint(config: dict) -> str:
     return stages.fingerprint({k: v for k, v in dict(config).items() if not k.startswith("_")})
 
 
-def settings(stage: str, source_label: str, configs: dict[str, dict], request: Request, vae: str = "flax") -> dict:
+def settings(stage: str, source_label: str, configs: dict[str, dict], request: Request, *, vae: str = "flax",
+             dtype: str = "float32") -> dict:
     """Every setting that changes the tensors of `stage` (and of the stages before it).
 
     `configs` holds the checkpoint's component configs (`text_encoder`, `transformer`,
     `scheduler`, `vae`); their fingerprints stand for the model, `source_label` for where the
     weights came from. Attention backend, sharding and mesh change speed, not the video.
     """
-    out = {"model": family.FAMILY, "source": source_label,
+    out = {"model": family.FAMILY, "source": source_label, "dtype": dtype,
            "text_encoder": _config_fingerprint(configs["text_encoder"]),
            "prompt": request.prompt, "negative_prompt": request.negative_prompt}
     if stage in ("denoise", "decode"):
@@ -186,6 +193,8 @@ class CogVideoX:
         self.env = torchax_utils.default_env()
         torchax_utils.register_common_outputs()
         self.configs = family.component_configs(source)
+        self.plans: dict[str, Any] = {}
+        """The sharding plan each component was placed with (`tpupedia.sharding.ShardingPlan`)."""
         self.traces = {"text": 0, "denoise": 0}
         """How many times each stage's compiled function was traced (one per distinct shape)."""
 
@@ -196,17 +205,19 @@ class CogVideoX:
         p = self.options.matmul_precision
         return jax.default_matmul_precision(p) if p else contextlib.nullcontext()
 
-    def _to_jax(self, module, rules=None):
-        """Move a torch module into the torchax environment, sharded by `rules` (or replicated)."""
+    def _to_jax(self, name: str, module, rules=None):
+        """Move a torch module into the torchax environment, sharded by `rules` (or replicated);
+        the plan is kept in `self.plans[name]` for inspection."""
         from tpupedia import sharding
 
         with self.env:
             module.to("jax")
-            sharding.apply_rules(module, rules or [], self.mesh)
+            self.plans[name] = sharding.apply_rules(module, rules or [], self.mesh)
         return module
 
     def settings(self, stage: str, request: Request) -> dict:
-        return settings(stage, self.source_label, self.configs, request, self.options.vae)
+        return settings(stage, self.source_label, self.configs, request, vae=self.options.vae,
+                        dtype=str(self.dtype).removeprefix("torch."))
 
     # -- stage 1 ---------------------------------------------------------------------------
     def encode_text(self, request: Request) -> tuple[dict, dict]:
@@ -221,7 +232,7 @@ class CogVideoX:
         tokenizer = AutoTokenizer.from_pretrained(self.source, subfolder="tokenizer")
         encoder = T5EncoderModel.from_pretrained(self.source, subfolder="text_encoder", dtype=self.dtype,
                                                  use_safetensors=True).eval()
-        self._to_jax(encoder)
+        self._to_jax("text_encoder", encoder)
         jm = JittableModule(encoder)
         env = self.env
 
@@ -247,9 +258,11 @@ class CogVideoX:
         return results, {"first_s": times[0], "steady_s": times[1]}
 
     # -- stage 2 ---------------------------------------------------------------------------
-    def denoise(self, request: Request, embeds: dict, progress: Callable[[int], None] | None = None) -> tuple[dict, dict]:
+    def denoise(self, request: Request, embeds: dict, on_step: Callable[[int, Any], None] | None = None) -> tuple[dict, dict]:
         """All denoising steps through one compiled step. Returns `{"latents": (1, F', C, h, w)}`
-        (the padded latent frames included, as diffusers' `output_type="latent"`)."""
+        (the padded latent frames included, as diffusers' `output_type="latent"`).
+        `on_step(i, latents)` is called after each step with its output, a jax array valid only during
+        the call (the next step donates its buffer)."""
         import jax
         import jax.numpy as jnp
         import numpy as np
@@ -284,7 +297,7 @@ class CogVideoX:
         strategy = self.options.sharding
         axis = ("dp", "tp") if strategy == "fsdp" else "tp"
         rules = sharding.rules("cogvideox", strategy, axis=axis) if strategy != "replicated" else []
-        self._to_jax(transformer, rules)
+        self._to_jax("transformer", transformer, rules)
         jm = JittableModule(transformer)
         env, mesh = self.env, self.mesh
         batch = NamedSharding(mesh, P("dp")) if guided else NamedSharding(mesh, P())
@@ -334,8 +347,8 @@ class CogVideoX:
                                      jnp.float32(request.guidance), jnp.asarray(noise)),
                     jax.block_until_ready)
                 step_times.append(seconds)
-                if progress:
-                    progress(i)
+                if on_step:
+                    on_step(i, x)
         del transformer, jm
         steady = float(np.median(step_times[1:])) if len(step_times) > 1 else step_times[0]
         return {"latents": _to_torch(x).to(self.dtype)}, {"first_s": step_times[0], "steady_s": steady,
@@ -363,7 +376,7 @@ class CogVideoX:
             else:
                 from tpupedia import torchax_utils
 
-                self._to_jax(vae)
+                self._to_jax("vae", vae)
                 with self.env:
                     vae.decoder = torchax_utils.JitModule(vae.decoder)
                     video = vae.decode(z.to("jax")).sample
@@ -446,7 +459,7 @@ def run(request: Request, options: Options, *, preset: Any, model: str | None = 
     validate(request, options, count)
     shape = options.mesh or default_mesh_shape(count)
     source, label = family.model_source(preset, model)
-    dtype = torch.bfloat16 if preset.pretrained else torch.float32
+    dtype = torch_dtype(options, preset)
     mesh = devices.make_mesh(shape, ("dp", "tp"))
     pipe = CogVideoX(source, label, dtype, mesh, options)
     workdir = Path(workdir)
@@ -465,7 +478,7 @@ def run(request: Request, options: Options, *, preset: Any, model: str | None = 
             inputs = stages.read(workdir, previous, pipe.settings(previous, request)).tensors
             if name == "denoise":
                 bar = _progress(request.steps, options.quiet)
-                tensors, timings = pipe.denoise(request, inputs, progress=lambda i: bar.update(1))
+                tensors, timings = pipe.denoise(request, inputs, on_step=lambda i, x: bar.update(1))
                 bar.close()
             else:
                 tensors, timings = pipe.decode(request, inputs["latents"])
@@ -480,6 +493,16 @@ def run(request: Request, options: Options, *, preset: Any, model: str | None = 
         frames = stages.read(workdir, "decode", pipe.settings("decode", request)).tensors["frames"]
         log(f"video: wrote {video.write_mp4(frames.numpy(), out, fps=request.fps)}")
     return reports
+
+
+def torch_dtype(options: Options, preset: Any):
+    """The dtype the models run in: `options.dtype`, or for `auto` bf16 on the full preset and
+    float32 on the tiny one."""
+    import torch
+
+    if options.dtype == "auto":
+        return torch.bfloat16 if preset.pretrained else torch.float32
+    return getattr(torch, options.dtype)
 
 
 def _describe(timings: dict) -> str:

@@ -1,0 +1,450 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: notebooks///ipynb,lessons///py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 06 · CogVideoX text-to-video in three stages
+#
+# Everything so far was a part: a model under torchax (01), a mesh (02), the pitfalls (03), the
+# attention kernel (04), the VAE in Flax (05). This lesson puts them together and generates a
+# video. The stock `diffusers.CogVideoXPipeline` is one Python loop that calls a text encoder, a
+# transformer 50 times, a scheduler and a VAE, op by op. On a TPU we want three compiled
+# programs instead, with a file between each:
+#
+# | stage | what runs | compiled as | writes |
+# |---|---|---|---|
+# | `text` | T5 encoder, prompt and negative prompt | one jitted forward | `text.safetensors` |
+# | `denoise` | transformer + guidance + scheduler, every step | **one** program for all steps | `denoise.safetensors` |
+# | `decode` | the VAE of notebook 05 | its per-frame-batch body | `decode.safetensors` (frames) |
+#
+# Stages let you rerun only what changed, run each stage on the machine that suits it, and
+# survive a crash: a stage file is written atomically and checked when read.
+#
+# 1. the model's facts and rules; 2. stage 1, text; 3. the scheduler as a pure function;
+# 4. stage 2, denoise on a mesh; 5. stage 3, decode and look at the video; 6. parity with stock
+# diffusers; 7. the stage-file contract; 8. the full model planned without a TPU.
+#
+# *Budget: about 1 minute on a 2-core CPU (tiny preset: a random 2-layer checkpoint, 8
+# simulated devices). Full preset: `zai-org/CogVideoX1.5-5B` (about 22 GB of bf16 weights:
+# T5-XXL 9.5 GB, transformer 10.6 GB, VAE 0.4 GB) on a TPU v6e-8; the upstream project reports
+# about 107 s for 50 steps at 720p once compiled (TPU v6e-8), and section 8 compiles the step
+# live instead of reading the record (a few minutes on a CPU host).*
+
+# %%
+# %xmode Minimal
+from tpupedia import session
+
+preset = session.start()  # preset, simulated devices, known warnings silenced (notebook 01)
+preset.name
+
+# %% [markdown]
+# ## 1. One home for the model's facts
+#
+# Every fact about CogVideoX (its configs, the frame and size rules, latent and token counts,
+# the FLOPs of a step) lives in `tpupedia.models.cogvideox`. The pipeline, the dry-run of
+# notebook 09 and the docs all read it, so a rule is written once. The preset decides the
+# default request: seconds on a CPU for `tiny`, the upstream project's 720p, 81 frames and 50
+# steps for `full`.
+
+# %%
+from tpupedia.models import cogvideox as family
+from tpupedia.pipelines import cogvideox as pipeline
+
+defaults = family.default_request(preset)
+request = pipeline.Request(prompt="A panda, dressed in a small red jacket, plays an acoustic guitar in a bamboo forest.",
+                           negative_prompt="blurry, low quality", **defaults)
+request
+
+# %% [markdown]
+# The VAE keeps the first frame and compresses the rest 4x in time, so a video has `4n + 1`
+# frames and `(F - 1) / 4 + 1` latent frames. CogVideoX 1.5 then packs 2 latent frames into
+# each patch (`patch_size_t = 2`); an odd latent count gets one padding latent frame at the
+# front, which diffusers drops before decoding. So 81 frames are 21 latent frames, padded to
+# 22, which make 11 temporal patches.
+
+# %%
+print(f"{'frames':>6} {'latent':>6} {'padded':>6} {'padding':>7} {'tokens at 720p':>15}")
+for frames in (9, 49, 81, 85):
+    padded, padding = family.padded_latent_frames(frames)
+    print(f"{frames:>6} {family.latent_frames(frames):>6} {padded:>6} {padding:>7} "
+          f"{family.video_tokens(1280, 720, frames):>15,}")
+
+# %%
+assert family.padded_latent_frames(81) == (22, 1) and family.padded_latent_frames(85) == (22, 0)
+assert family.video_tokens(1280, 720, 81) == 11 * 45 * 80 == 39_600
+
+# %% [markdown]
+# A count the model cannot produce is refused before anything is loaded, with the rule and
+# where it comes from:
+
+# %%
+from tpupedia.errors import expect
+
+expect(lambda: pipeline.validate(pipeline.Request(**{**request.__dict__, "frames": 80}), pipeline.Options()),
+       family.ModelInputError, max_lines=1)
+_ = expect(lambda: pipeline.validate(pipeline.Request(**{**request.__dict__, "width": 1000}), pipeline.Options()),
+           family.ModelInputError)
+
+# %% [markdown]
+# ## 2. The checkpoint, and stage 1: text
+#
+# Both presets load through the same `from_pretrained(..., use_safetensors=True)`. The tiny
+# preset first writes a random CogVideoX 1.5-layout checkpoint with `save_pretrained` (a T5
+# encoder over the byte-level ByT5 vocabulary, a 2-layer transformer, a 4-level VAE, the
+# 1.5-5B scheduler configuration), so CI runs the loading code a TPU VM runs. The component
+# configs are read without touching weights; their fingerprints go into every stage file.
+
+# %%
+import jax
+import torch
+
+from tpupedia import devices
+
+source, label = family.model_source(preset)
+dtype = torch.bfloat16 if preset.pretrained else torch.float32
+mesh = devices.make_mesh(pipeline.default_mesh_shape(jax.device_count()), ("dp", "tp"))
+pipe = pipeline.CogVideoX(source, label, dtype, mesh, pipeline.Options(quiet=True))
+t = pipe.configs["transformer"]
+print(f"{label}: {t['num_layers']} layers, {t['num_attention_heads']} heads of {t['attention_head_dim']}, "
+      f"text length {t['max_text_seq_length']}, scheduler {pipe.configs['scheduler']['_class_name']}")
+print("mesh", dict(mesh.shape), "on", jax.device_count(), jax.devices()[0].platform, "devices")
+
+# %% [markdown]
+# Stage 1 tokenizes on the host exactly as diffusers' `_get_t5_prompt_embeds` does (pad to the
+# checkpoint's text length, truncate, add the end token) and runs the encoder as one jitted
+# function that returns only the embeddings. The negative and the positive prompt have the
+# same shape, so the second call reuses the first call's program.
+
+# %%
+embeds, text_timings = pipe.encode_text(request)
+for name, value in embeds.items():
+    print(f"{name:24} {tuple(value.shape)} {value.dtype}")
+print("traced", pipe.traces["text"], "time(s) for 2 prompts")
+
+# %% [markdown]
+# The same embeddings as diffusers' own `encode_prompt`, on PyTorch:
+
+# %%
+from diffusers import CogVideoXPipeline
+
+stock = CogVideoXPipeline.from_pretrained(source, dtype=dtype, use_safetensors=True)
+stock.set_progress_bar_config(disable=True)
+with torch.no_grad():
+    positive, negative = stock.encode_prompt(request.prompt, request.negative_prompt, True, device="cpu",
+                                             max_sequence_length=t["max_text_seq_length"])
+text_error = max(float((embeds["prompt_embeds"] - positive).abs().max()),
+                 float((embeds["negative_prompt_embeds"] - negative).abs().max()))
+print(f"max abs difference from diffusers: {text_error:.0e}")
+
+# %%
+assert pipe.traces["text"] == 1
+assert text_error <= (1e-5 if dtype == torch.float32 else 2e-2)
+
+# %% [markdown]
+# ## 3. The scheduler as a pure function
+#
+# `CogVideoXDPMScheduler.step` cannot go inside `jax.jit` as written: it branches in Python on
+# `prev_timestep >= 0`, indexes `alphas_cumprod` with the timestep, keeps the previous
+# prediction as Python state, and draws noise from the pipeline's generator. Every per-step
+# number is known on the host once the step count is set, so `tpupedia.pipelines.schedulers`
+# computes them with the scheduler's own methods and stacks them into arrays indexed by the step
+# `i`. The branch becomes a table column (`second_order`), the state an argument, the noise an
+# argument drawn on the host in the order the stock step draws it.
+
+# %%
+import numpy as np
+
+from tpupedia.pipelines import schedulers
+
+scheduler = family.load_scheduler(source)
+scheduler.set_timesteps(request.steps)
+tables = schedulers.cogvideox_tables(scheduler)
+columns = ["timesteps", "sqrt_alpha", "mult1", "mult2", "mult_noise", "second_order"]
+print(" ".join(f"{c:>12}" for c in ["step"] + columns))
+for i in range(min(request.steps, 6)):
+    print(" ".join([f"{i:>12}"] + [f"{tables[c][i]:>12.4g}" for c in columns]))
+
+# %% [markdown]
+# One jitted function then serves every step: `i` is traced, so the program does not depend on
+# which step it runs. Against the stock `step` on the same model outputs and generator:
+
+# %%
+import jax.numpy as jnp
+
+device_tables = {k: jnp.asarray(v) for k, v in tables.items()}
+pure_step = jax.jit(lambda i, x, out, old, noise: schedulers.dpm_step(device_tables, i, x, out, old, noise))
+shape = (1, 2, 4, 4, 4)
+outputs = torch.randn((request.steps, *shape), generator=torch.Generator().manual_seed(0))
+x_stock = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+x_pure, old_stock, old_pure = jnp.asarray(x_stock.numpy()), None, jnp.zeros(shape)
+g_stock, g_pure = torch.Generator().manual_seed(2), torch.Generator().manual_seed(2)
+reference = family.load_scheduler(source)
+reference.set_timesteps(request.steps)
+step_errors = []
+for i, timestep in enumerate(reference.timesteps):
+    x_stock, old_stock = reference.step(outputs[i], old_stock, timestep, reference.timesteps[i - 1] if i else None,
+                                        x_stock, generator=g_stock, return_dict=False)
+    noise = schedulers.dpm_noise(g_pure, shape, torch.float32, tables, i)
+    x_pure, old_pure = pure_step(jnp.int32(i), x_pure, jnp.asarray(outputs[i].numpy()), old_pure, jnp.asarray(noise))
+    step_errors.append(float(np.abs(np.asarray(x_pure) - x_stock.numpy()).max()))
+print("max abs difference per step:", " ".join(f"{e:.0e}" for e in step_errors))
+
+# %%
+assert type(scheduler).__name__ == "CogVideoXDPMScheduler" and max(step_errors) <= 1e-5
+assert pure_step._cache_size() == 1  # one compiled program for all steps
+
+# %% [markdown]
+# ## 4. Stage 2: denoise on a mesh
+#
+# The denoising step does four things in one program:
+#
+# 1. classifier-free guidance's two halves (negative, positive) as **one batch of 2**, placed on
+#    the mesh's `dp` axis, so each half runs on its own half of the chips;
+# 2. the transformer, its attention and MLP weights split over `tp` by the Megatron table of
+#    notebook 02 (column-parallel `to_q/to_k/to_v/ff.net.0`, row-parallel `to_out/ff.net.2`);
+# 3. the guidance combination `uncond + g * (cond - uncond)`, with `g` traced;
+# 4. the pure scheduler step of section 3.
+#
+# The initial latents are drawn on the host from `torch.Generator(seed)` with diffusers' own
+# `randn_tensor`, in its dtype, so the same seed starts from the same noise as the stock
+# pipeline. The latents and the solver state are donated: XLA updates them in place.
+
+# %%
+stds = []
+latents, denoise_timings = pipe.denoise(request, embeds, on_step=lambda i, x: stds.append(float(jnp.std(x))))
+print("latents", tuple(latents["latents"].shape), latents["latents"].dtype,
+      "| traced", pipe.traces["denoise"], "time(s) for", request.steps, "steps")
+print("latent std after each step:", " ".join(f"{s:.3f}" for s in stds))
+
+# %% [markdown]
+# Where the transformer's weights went (the first block; the other blocks repeat it):
+
+# %%
+from IPython.display import Markdown
+
+plan = pipe.plans["transformer"]
+Markdown(plan.table(r"^transformer_blocks\.0\.(attn1\.to_(q|out\.0)|ff\.net\.(0\.proj|2))\.weight$"))
+
+# %%
+assert pipe.traces["denoise"] == 1  # one program for every step
+assert plan["transformer_blocks.0.attn1.to_q.weight"].spec == jax.sharding.PartitionSpec("tp", None)
+assert plan["transformer_blocks.0.ff.net.2.weight"].spec == jax.sharding.PartitionSpec(None, "tp")
+assert latents["latents"].shape[1] == family.padded_latent_frames(request.frames)[0]
+
+# %% [markdown]
+# The timings of the first call (trace and compile) and of the later steps (the program alone).
+# On a 2-core CPU the tiny model says little about a TPU; the shape of the numbers is the point:
+# compilation is paid once.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+print(f"text    first {text_timings['first_s']:.2f} s, second {text_timings['steady_s'] * 1e3:.1f} ms")
+print(f"denoise first {denoise_timings['first_s']:.2f} s, steady {denoise_timings['steady_s'] * 1e3:.1f} ms/step")
+
+# %% [markdown]
+# ## 5. Stage 3: decode, and look at the video
+#
+# The padding latent frame is dropped, the latents are divided by the VAE's scaling factor and
+# decoded by the Flax NNX port of notebook 05 (`--vae torchax` runs diffusers' VAE under torchax
+# instead). Frames come out as diffusers' `output_type="np"` returns them: float32
+# `(frames, height, width, 3)` in [0, 1]. Random weights make a random video; the shapes, the
+# value range and the parity below are what this preset proves.
+
+# %%
+decoded, decode_timings = pipe.decode(request, latents["latents"])
+frames = decoded["frames"].numpy()
+print("frames", frames.shape, frames.dtype, f"range [{frames.min():.2f}, {frames.max():.2f}]")
+
+# %%
+import matplotlib.pyplot as plt
+
+picks = np.linspace(0, len(frames) - 1, 5).astype(int)
+fig, axes = plt.subplots(1, len(picks), figsize=(2 * len(picks), 2.2))
+for ax, k in zip(axes, picks):
+    ax.imshow(frames[k])
+    ax.set_title(f"frame {k}", fontsize=9)
+    ax.axis("off")
+fig.suptitle(f"{label}: {request.frames} frames at {request.width}x{request.height}", fontsize=10)
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# The mp4 is written from the same array (8-bit, H.264) by `tpupedia.video.write_mp4`, to a
+# temporary file that is renamed into place. Reading it back gives the frame count and size:
+
+# %%
+import tempfile
+from pathlib import Path
+
+import imageio.v3 as iio
+
+from tpupedia import video
+
+scratch = Path(tempfile.mkdtemp(prefix="tpupedia-06-"))
+movie = video.write_mp4(frames, scratch / "panda.mp4", fps=request.fps)
+read_back = np.stack(list(iio.imiter(movie, plugin="FFMPEG")))
+print(movie.name, read_back.shape, read_back.dtype)
+
+# %%
+assert frames.shape == (request.frames, request.height, request.width, 3) and frames.dtype == np.float32
+assert 0.0 <= frames.min() and frames.max() <= 1.0
+assert read_back.shape == frames.shape
+
+# %% [markdown]
+# ## 6. Parity with stock diffusers
+#
+# The strongest check of the whole pipeline: the stock `CogVideoXPipeline`, eager PyTorch on the
+# CPU, given the same checkpoint, prompt and seed. Float32 on both sides (tiny preset); a TPU
+# would run float32 matmuls in bf16 passes unless asked for full precision, so the
+# comparison requests the highest matmul precision, which the CPU has anyway.
+
+# %%
+with torch.no_grad():
+    expected = stock(prompt=request.prompt, negative_prompt=request.negative_prompt, num_frames=request.frames,
+                     height=request.height, width=request.width, num_inference_steps=request.steps,
+                     guidance_scale=request.guidance, generator=torch.Generator().manual_seed(request.seed),
+                     output_type="np", max_sequence_length=t["max_text_seq_length"]).frames[0]
+video_error = float(np.abs(frames - expected).max())
+print(f"frames: max abs difference from stock diffusers {video_error:.0e} (pixel scale 1; one 8-bit level is 4e-03)")
+
+# %%
+assert expected.shape == frames.shape
+assert video_error <= (1e-4 if dtype == torch.float32 else 5e-2)
+
+# %% [markdown]
+# ## 7. The stage-file contract
+#
+# `pipeline.run` is what `tpupedia generate cogvideox` calls: it validates the request, then for
+# each stage either skips it (its file exists and was made for this request) or runs it and
+# writes the file. A stage reads its input only through `stages.read`, which checks the JSON
+# twin, the settings fingerprint, the tensor file's checksum, and every shape and dtype.
+
+# %%
+from tpupedia.pipelines import stages
+
+workdir = scratch / "run"
+options = pipeline.Options(quiet=True)
+log = []
+pipeline.run(request, options, preset=preset, workdir=workdir, log=log.append)
+pipeline.run(request, options, preset=preset, workdir=workdir, log=log.append)  # again: nothing to do
+print("\n".join(line.split(" (")[0].replace(str(workdir), "WORKDIR") for line in log))
+
+# %% [markdown]
+# A later stage refuses an input made for another request and says which setting differs.
+# Here the decode stage is asked for seed 7 while `denoise.safetensors` was made with seed 42:
+
+# %%
+other = pipeline.Request(**{**request.__dict__, "seed": 7})
+refused = expect(lambda: pipeline.run(other, options, preset=preset, stage="decode", workdir=workdir),
+                 stages.StageError, max_lines=1)
+
+# %% [markdown]
+# A truncated file (a copy interrupted, a disk that filled up) is refused, never half-used:
+
+# %%
+tensor_file = stages.path(workdir, "denoise")
+tensor_file.write_bytes(tensor_file.read_bytes()[:100])
+truncated = expect(lambda: pipeline.run(request, options, preset=preset, stage="decode", force=True, workdir=workdir),
+                   stages.StageError)
+
+# %%
+assert [line.split(":")[1].strip().split(" ")[0] for line in log] == ["wrote"] * 3 + ["up"] * 3
+assert "seed=42 in the file, seed=7 in this run" in str(refused)
+assert "checksum" in str(truncated)
+
+# %% [markdown]
+# ## 8. The full model, planned without a TPU
+#
+# Notebook 09's dry-run compiles the full 42-layer CogVideoX1.5-5B step (batch 2, 720p, 81
+# frames, `dp=2, tp=4`) for a `v6e:2x4` slice on a CPU host. With the full preset this notebook
+# compiles it live; the tiny preset reads the recorded result (`tpupedia dryrun ... --record`).
+
+# %%
+import json
+
+from tpupedia import dryrun
+
+records = json.loads((Path("..") / dryrun.DEFAULT_RECORDS).read_text())["records"]
+
+
+def recorded(attention):
+    return next(r for r in records if r["model"] == "cogvideox" and r["attention"] == attention
+                and (r["width"], r["height"], r["frames"], r["layers_compiled"]) == (1280, 720, 81, 42))
+
+
+if preset.pretrained:  # a few minutes of compiling on a CPU host
+    plans = {a: dryrun.run("cogvideox", "v6e:2x4", "720p", 81, attention=a).as_dict() for a in ("splash", "reference")}
+else:
+    plans = {a: recorded(a) for a in ("splash", "reference")}
+g = 2**30
+splash, reference = plans["splash"], plans["reference"]
+print(f"splash:    fits, {splash['arguments_bytes'] / g:.2f} GiB arguments + {splash['temporaries_bytes'] / g:.2f} GiB "
+      f"temporaries per chip of {splash['hbm_bytes'] / g:.2f} GiB")
+print(f"reference: does not fit, needs {reference['oom_required_bytes'] / g:.2f} GiB of temporaries per chip")
+
+# %% [markdown]
+# A budget for the whole pipeline, per chip. The stages run one after another and each frees
+# its model, so the peak is the largest stage, not the sum:
+
+# %%
+from transformers import T5Config, T5EncoderModel
+
+with torch.device("meta"):
+    t5 = T5EncoderModel(T5Config(**family.full_text_encoder_config()))
+t5_bytes = sum(p.numel() for p in t5.parameters()) * 2  # bf16, replicated on every chip
+vae_record = next(r for r in records if r["model"] == "cogvideox-vae")
+budget = [("text (T5-XXL, replicated)", t5_bytes, "parameter count x 2 bytes"),
+          ("denoise (transformer, tp=4)", splash["arguments_bytes"] + splash["temporaries_bytes"], "AOT, all 42 layers"),
+          ("decode (VAE, one frame batch, 1360x768)", vae_record["arguments_bytes"] + vae_record["temporaries_bytes"], "AOT, notebook 05")]
+for name, size, how in budget:
+    print(f"{name:42} {size / g:6.2f} GiB  ({how})")
+
+# %%
+assert splash["fits"] and not reference["fits"]
+assert all(size < splash["hbm_bytes"] for _, size, _ in budget)
+
+# %% [markdown]
+# How fast could it be? The step's FLOPs over the slice's bf16 peak give the roofline floor.
+# The upstream project reports 106.47 s for a whole 50-step 720p run with the torchax VAE on a
+# TPU v6e-8, which it divides by 50 and calls 2.13 s/step (the whole run, text and VAE included,
+# not a step time; yangwhale/gpu-tpu-pedia, commit 3fa9ce1, CogVideoX README in `tpu/`). A
+# whole-run average overstates the step time, so the MFU it implies is a lower bound.
+
+# %%
+from tpupedia import hardware
+
+flops = family.step_flops(1280, 720, 81)["total"]
+floor = flops / (8 * hardware.chip("v6e").bf16_flops)
+print(f"one step: {flops:.3e} FLOPs -> roofline floor {floor:.2f} s on a v6e-8")
+print(f"reported upstream, TPU v6e-8: 106.47 s / 50 = 2.13 s per step -> MFU of at least {floor / 2.13:.0%}")
+
+# %%
+assert 0.3 < floor < 0.35
+
+# %% [markdown]
+# ## Takeaways
+#
+# - A diffusers pipeline becomes three compiled programs with files between them. The
+#   denoising program is compiled once for all steps because the step index is an argument and
+#   the scheduler's numbers are tables.
+# - Randomness stays on the host, drawn from the same `torch.Generator` in the same order as
+#   diffusers, so the TPU pipeline reproduces the stock pipeline frame for frame (float32,
+#   section 6).
+# - The guidance pair is a batch of 2 on the `dp` axis. The stock attention processor's
+#   in-place RoPE write gave wrong numbers once that batch was sharded; the family module
+#   installs a processor that concatenates instead (`family.make_jit_friendly`).
+# - Stage files make a long job restartable and auditable: written atomically, refused when
+#   they belong to another request, checked against a checksum.
+# - `tpupedia generate cogvideox` runs all of this from the command line, and the
+#   [CogVideoX on a TPU VM](../guides/cogvideox-tpu-vm.md) guide gives the full-size commands.
