@@ -12,6 +12,7 @@ from tpupedia import bench, hardware
 _RESULTS = Path(__file__).parent / "results" / "benchmarks.json"
 _DRYRUNS = Path(__file__).parent / "results" / "dryruns.json"
 _UPSTREAM = Path(__file__).parent / "results" / "upstream.json"
+_PIPELINES = Path(__file__).parent / "results" / "pipelines.json"
 
 _COLUMNS = [
     "chip",
@@ -60,6 +61,24 @@ def _bench_table() -> str:
             f"{r['torchax_jit']['first_s']:.2f} s | {_ms(r['torchax_jit']['steady_s'])} | "
             f"{r['ratio_jit_over_eager']:.2f} | {mfu} | {r['max_abs_diff']:.1e} | {r['measured_at']} | `{r['command']}` |"
         )
+    return "\n".join(lines)
+
+
+def _pipeline_table() -> str:
+    records = bench.load_results(_PIPELINES)
+    if not records:
+        return "*No pipeline run has been recorded yet.*"
+    lines = ["| pipeline | request | measured on | text (first / steady) | denoise (first call / steady per step) | decode | whole run | date | command |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        c, m, st = r["config"], r["machine"], r["stages"]
+        request = (f"{c['frames']} frames, {c['width']}x{c['height']}, {c['steps']} steps, {c['dtype']}, "
+                   f"{c['attention']} attention, {c['vae']} VAE, {c['source']}")
+        where = f"{m['devices']} x {m['device_kind']} ({m['platform']}, {m['cpu_count']} CPUs), jax {m['versions']['jax']}"
+        lines.append(
+            f"| {r['bench']} | {request} | {where} | {st['text']['first_s']:.2f} s / {_ms(st['text']['steady_s'])} | "
+            f"{st['denoise']['first_s']:.2f} s / {_ms(st['denoise']['steady_s'])} | {st['decode']['first_s']:.2f} s | "
+            f"{r['total_s']:.1f} s | {r['measured_at']} | `{r['command']}` |")
     return "\n".join(lines)
 
 
@@ -154,6 +173,8 @@ def on_page_markdown(markdown, page, config, files):  # noqa: ARG001 - mkdocs ho
         markdown = markdown.replace("{{ bench_table }}", _bench_table())
     if "{{ results_table }}" in markdown:
         markdown = markdown.replace("{{ results_table }}", _results_table())
+    if "{{ pipeline_table }}" in markdown:
+        markdown = markdown.replace("{{ pipeline_table }}", _pipeline_table())
     if "{{ results_chart }}" in markdown:
         markdown = markdown.replace("{{ results_chart }}", _results_chart())
     return markdown

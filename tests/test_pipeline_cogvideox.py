@@ -167,3 +167,15 @@ def _stock_frames_bf16(checkpoint: Path) -> np.ndarray:
                     height=REQUEST.height, width=REQUEST.width, num_inference_steps=REQUEST.steps,
                     guidance_scale=REQUEST.guidance, generator=torch.Generator().manual_seed(REQUEST.seed),
                     output_type="np", max_sequence_length=16).frames[0]
+
+
+def test_bench_generate_records_per_stage_timings(tmp_path):
+    from tpupedia import bench
+
+    record = bench.bench_generate_cogvideox(TINY, REQUEST, pipeline.Options(quiet=True))
+    assert record["bench"] == "generate-cogvideox" and set(record["stages"]) == {"text", "denoise", "decode"}
+    assert record["stages"]["denoise"]["steps"] == REQUEST.steps and record["total_s"] > 0
+    assert record["config"]["attention"] == "reference"  # what `auto` meant on this CPU
+    path = bench.merge_record(record, tmp_path / "pipelines.json", key=bench._pipeline_key)
+    bench.merge_record(record, path, key=bench._pipeline_key)  # the same run again replaces its row
+    assert len(bench.load_results(path)) == 1

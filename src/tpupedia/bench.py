@@ -30,6 +30,8 @@ __all__ = [
     "load_results",
     "bench_llama",
     "bench_dit",
+    "DEFAULT_PIPELINE_RESULTS",
+    "bench_generate_cogvideox",
 ]
 
 DEFAULT_RESULTS = Path("docs/results/benchmarks.json")
@@ -260,3 +262,40 @@ def bench_dit(layers: int = 2, heads: int = 8, head_dim: int = 64, frames: int =
                     f"--height {height} --width {width} --text-tokens {text_tokens} --repeat {repeat}"),
     }
     return _with_peak(record)
+
+
+DEFAULT_PIPELINE_RESULTS = Path("docs/results/pipelines.json")
+
+
+def _pipeline_key(record: dict[str, Any]) -> tuple:
+    m = record["machine"]
+    return (record["bench"], json.dumps(record["config"], sort_keys=True), m["device_kind"], m["devices"])
+
+
+def bench_generate_cogvideox(preset: Any, request: Any, options: Any, model: str | None = None) -> dict[str, Any]:
+    """Run the three CogVideoX stages once, in a temporary work directory, and return a results
+    record with each stage's first-call and steady timings, the whole run's wall time and where
+    it ran. Introduced with notebook 06; `tpupedia bench generate cogvideox` writes the record."""
+    import tempfile
+
+    from tpupedia.pipelines import cogvideox as pipeline
+
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="tpupedia-bench-") as workdir:
+        reports = pipeline.run(request, options, preset=preset, model=model, workdir=workdir, force=True,
+                               log=lambda _: None)
+    total = time.perf_counter() - start
+    config = {k: v for k, v in asdict(request).items() if k not in ("prompt", "negative_prompt")}
+    config |= {"source": model or f"preset:{preset.name}", "attention": pipeline.attention_backend(options.attention),
+               "vae": options.vae,
+               "sharding": options.sharding, "dtype": str(pipeline.torch_dtype(options, preset)).removeprefix("torch.")}
+    return {
+        "bench": "generate-cogvideox",
+        "config": config,
+        "machine": machine(),
+        "stages": {r.stage: r.timings for r in reports},
+        "total_s": total,
+        "measured_at": _dt.date.today().isoformat(),
+        "command": (f"tpupedia bench generate cogvideox --preset {preset.name}" if model is None
+                    else f"tpupedia bench generate cogvideox --model {model}"),
+    }

@@ -109,9 +109,10 @@ def _dryrun(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate_cogvideox(args: argparse.Namespace) -> int:
-    import shlex
-
+def _cogvideox_setup(args: argparse.Namespace):
+    """Preset, request and options from the command line, validated before JAX starts or any
+    model loads; then the preset's devices and the compilation cache. Shared by `generate` and
+    `bench generate`."""
     from tpupedia import devices, presets, session
     from tpupedia.models import cogvideox as family
     from tpupedia.pipelines import cogvideox as pipeline
@@ -123,7 +124,7 @@ def _generate_cogvideox(args: argparse.Namespace) -> int:
     request = pipeline.Request(prompt=args.prompt, negative_prompt=args.negative_prompt, **sizes)
     options = pipeline.Options(mesh=pipeline.parse_mesh(args.mesh) if args.mesh else None, sharding=args.sharding,
                                attention=args.attention, vae=args.vae, quiet=args.quiet, dtype=args.dtype)
-    pipeline.validate(request, options)  # before JAX starts or any model is loaded
+    pipeline.validate(request, options)
     if preset.simulated_devices:
         devices.simulate_cpu_devices(preset.simulated_devices)
     if args.compilation_cache:
@@ -133,11 +134,60 @@ def _generate_cogvideox(args: argparse.Namespace) -> int:
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     session.quiet()
-    workdir = args.workdir or "tpupedia-runs/cogvideox"
-    pipeline.run(request, options, preset=preset, model=args.model, stage=args.stage, workdir=workdir,
-                 out=args.out, force=args.force, command="tpupedia " + shlex.join(sys.argv[1:] if args.argv is None else args.argv),
+    return preset, request, options
+
+
+def _generate_cogvideox(args: argparse.Namespace) -> int:
+    import shlex
+
+    from tpupedia.pipelines import cogvideox as pipeline
+
+    preset, request, options = _cogvideox_setup(args)
+    pipeline.run(request, options, preset=preset, model=args.model, stage=args.stage, workdir=args.workdir,
+                 out=args.out, force=args.force, command="tpupedia " + shlex.join(args.argv),
                  log=(lambda _: None) if args.quiet else print)
     return 0
+
+
+def _bench_generate_cogvideox(args: argparse.Namespace) -> int:
+    from tpupedia import bench
+
+    preset, request, options = _cogvideox_setup(args)
+    record = bench.bench_generate_cogvideox(preset, request, options, model=args.model)
+    path = bench.merge_record(record, args.output, key=bench._pipeline_key)
+    m = record["machine"]
+    print(f"generate cogvideox on {m['device_kind']} x{m['devices']} ({m['cpu_count']} CPUs): {record['total_s']:.1f} s in all")
+    for stage, t in record["stages"].items():
+        steady = f", steady {t['steady_s'] * 1e3:.1f} ms" if "steady_s" in t else ""
+        print(f"  {stage:8} first call {t['first_s']:.2f} s{steady}")
+    print(f"  written to {path}")
+    return 0
+
+
+def _add_cogvideox_arguments(cog: argparse.ArgumentParser, *, stages: bool) -> None:
+    source = cog.add_mutually_exclusive_group()
+    source.add_argument("--preset", choices=["tiny", "full"], default=None,
+                        help="tiny: random tiny checkpoint, CPU; full: zai-org/CogVideoX1.5-5B (default: $TPUPEDIA_PRESET)")
+    source.add_argument("--model", default=None, help="a diffusers-format CogVideoX checkpoint directory or hub id")
+    cog.add_argument("--prompt", required=stages, default="A panda plays an acoustic guitar in a bamboo forest.")
+    cog.add_argument("--negative-prompt", default="")
+    if stages:
+        cog.add_argument("--stage", choices=["all", "text", "denoise", "decode"], default="all")
+        cog.add_argument("--workdir", default="tpupedia-runs/cogvideox", help="where stage files live")
+        cog.add_argument("--out", default=None, help="write the video to this .mp4 (needs the decode stage)")
+        cog.add_argument("--force", action="store_true", help="rerun stages whose files are up to date")
+    for flag, kind in (("--frames", int), ("--height", int), ("--width", int), ("--steps", int),
+                       ("--guidance", float), ("--seed", int), ("--fps", int)):
+        cog.add_argument(flag, type=kind, default=None, help="default: the preset's (tpupedia.models.cogvideox)")
+    cog.add_argument("--mesh", default=None, help="dp=N,tp=M (default: dp=2 and tp the rest of the devices)")
+    cog.add_argument("--sharding", choices=["tp", "fsdp", "replicated"], default="tp")
+    cog.add_argument("--attention", choices=["auto", "splash", "reference"], default="auto",
+                     help="auto: splash on TPU, the reference elsewhere")
+    cog.add_argument("--vae", choices=["flax", "torchax"], default="flax")
+    cog.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                     help="auto: bfloat16 on the full preset, float32 on the tiny one")
+    cog.add_argument("--compilation-cache", default=None, help="JAX persistent compilation cache directory")
+    cog.add_argument("--quiet", action="store_true", help="no progress bar or per-stage lines")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -195,34 +245,21 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="text-to-video in stages (text, denoise, decode), with resumable stage files")
     gsub = g.add_subparsers(dest="model_family", required=True)
     cog = gsub.add_parser("cogvideox", help="CogVideoX (1.5-5B on the full preset): T5 -> transformer -> VAE")
-    source = cog.add_mutually_exclusive_group()
-    source.add_argument("--preset", choices=["tiny", "full"], default=None,
-                        help="tiny: random tiny checkpoint, CPU; full: zai-org/CogVideoX1.5-5B (default: $TPUPEDIA_PRESET)")
-    source.add_argument("--model", default=None, help="a diffusers-format CogVideoX checkpoint directory or hub id")
-    cog.add_argument("--prompt", required=True)
-    cog.add_argument("--negative-prompt", default="")
-    cog.add_argument("--stage", choices=["all", "text", "denoise", "decode"], default="all")
-    cog.add_argument("--workdir", default=None, help="where stage files live (default tpupedia-runs/cogvideox)")
-    cog.add_argument("--out", default=None, help="write the video to this .mp4 (needs the decode stage)")
-    for flag, kind in (("--frames", int), ("--height", int), ("--width", int), ("--steps", int),
-                       ("--guidance", float), ("--seed", int), ("--fps", int)):
-        cog.add_argument(flag, type=kind, default=None, help="default: the preset's (see tpupedia.models.cogvideox)")
-    cog.add_argument("--mesh", default=None, help="dp=N,tp=M (default: dp=2 and tp the rest of the devices)")
-    cog.add_argument("--sharding", choices=["tp", "fsdp", "replicated"], default="tp")
-    cog.add_argument("--attention", choices=["auto", "splash", "reference"], default="auto",
-                     help="auto: splash on TPU, the reference elsewhere")
-    cog.add_argument("--vae", choices=["flax", "torchax"], default="flax")
-    cog.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
-                     help="auto: bfloat16 for checkpoints, float32 on the tiny preset")
-    cog.add_argument("--compilation-cache", default=None, help="JAX persistent compilation cache directory")
-    cog.add_argument("--force", action="store_true", help="rerun stages whose files are up to date")
-    cog.add_argument("--quiet", action="store_true", help="no progress bar or per-stage lines")
-    cog.set_defaults(func=_generate_cogvideox, argv=None)
+    _add_cogvideox_arguments(cog, stages=True)
+    cog.set_defaults(func=_generate_cogvideox)
+    bg = bsub.add_parser("generate", help="the whole text-to-video pipeline, per-stage first-call and steady timings")
+    bgsub = bg.add_subparsers(dest="model_family", required=True)
+    bcog = bgsub.add_parser("cogvideox", help="CogVideoX: text, denoise and decode in a temporary work directory")
+    _add_cogvideox_arguments(bcog, stages=False)
+    bcog.add_argument("--output", default="docs/results/pipelines.json", help="results file to merge into")
+    bcog.set_defaults(func=_bench_generate_cogvideox)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # the command line, recorded in stage files and results
     from tpupedia import devices
 
     devices.quiet_libtpu()  # no libtpu start-up noise on hosts without a TPU

@@ -336,7 +336,7 @@ class CogVideoX:
         old = jax.device_put(jnp.zeros(shape, jnp.float32), replicated)
         noise_shape = (2, *shape) if dpm else (0,)
         step_times = []
-        backend = _attention_backend(self.options.attention)
+        backend = attention_backend(self.options.attention)
         with torchax_utils.restoring_ops(env), self._precision():
             _install_attention(env, mesh, backend)
             for i in range(len(timesteps)):
@@ -387,7 +387,7 @@ class CogVideoX:
         return {"frames": torch.from_numpy(frames.astype("float32"))}, {"first_s": seconds}
 
 
-def _attention_backend(choice: str) -> str:
+def attention_backend(choice: str) -> str:
     """`auto`: the splash kernel on a TPU, the reference elsewhere (interpret mode is for
     correctness, not speed); `splash`/`reference` as asked."""
     if choice != "auto":
