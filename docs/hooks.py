@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tpupedia import bench, hardware
+from tpupedia import hardware, results
 
 _RESULTS = Path(__file__).parent / "results" / "benchmarks.json"
 _DRYRUNS = Path(__file__).parent / "results" / "dryruns.json"
@@ -41,7 +41,7 @@ def _ms(seconds: float) -> str:
 
 
 def _bench_table() -> str:
-    records = bench.load_results(_RESULTS)
+    records = results.load(_RESULTS)
     if not records:
         return "*No benchmark has been recorded yet.*"
     lines = [
@@ -65,7 +65,7 @@ def _bench_table() -> str:
 
 
 def _pipeline_table() -> str:
-    records = bench.load_results(_PIPELINES)
+    records = results.load(_PIPELINES)
     if not records:
         return "*No pipeline run has been recorded yet.*"
     lines = ["| pipeline | request | measured on | text (first / steady) | denoise (first call / steady per step) | decode | whole run | date | command |",
@@ -83,9 +83,9 @@ def _pipeline_table() -> str:
 
 
 def _step_flops(model: str, width: int, height: int, frames: int) -> float:
-    from tpupedia import dryrun
+    from tpupedia.models import cogvideox, hunyuan
 
-    counter = {"cogvideox": dryrun.cogvideox_step_flops, "hunyuan": dryrun.hunyuan_step_flops}[model]
+    counter = {"cogvideox": cogvideox.step_flops, "hunyuan": hunyuan.step_flops}[model]
     return counter(width, height, frames)["total"]
 
 
@@ -109,7 +109,7 @@ def _results_table() -> str:
             f"| {r['name']} | {r['width']}x{r['height']} | {r['frames']} | {r['steps']} | {r['chips']} x {chip.name} ({r['mesh']}) | "
             f"{r['first_run'] or '—'} | {r['step_s']:.2f} s/step | {r['memory'] or '—'} | {mfu:.0%} | reported upstream: {r['source']} |"
         )
-    for r in (bench.load_results(_DRYRUNS) if _DRYRUNS.exists() else []):
+    for r in (results.load(_DRYRUNS) if _DRYRUNS.exists() else []):
         size = f"{r['width']}x{r['height']}" if r["width"] else f"{r['tokens']} tokens"
         if r["fits"]:
             memory = f"fits: {r['arguments_bytes'] / g:.2f} GiB args + {r['temporaries_bytes'] / g:.2f} GiB temp of {r['hbm_bytes'] / g:.2f}"
@@ -121,7 +121,7 @@ def _results_table() -> str:
             f"{r['topology']} ({r['num_chips']} x {r['chip']}), mesh {r['mesh']} | — | ≥ {r['roofline_seconds']:.2f} s/step (roofline) | "
             f"{memory} | — | AOT here (libtpu {r['libtpu']}, {depth} layers): `{r['command']}` |"
         )
-    for r in bench.load_results(_RESULTS):
+    for r in results.load(_RESULTS):
         c, m = r["config"], r["machine"]
         size = f"{c['width']}x{c['height']}" if "width" in c else f"seq {c['seq']} x batch {c['batch']}"
         mfu = r.get("mfu_torchax_jit")

@@ -82,8 +82,8 @@ else:
 print(f"{len(devs)} devices, platform {devs[0].platform!r}, kind {devs[0].device_kind!r}")
 
 # %%
-if preset.name == "tiny":
-    assert len(devs) == 8 and devices.platform() == "cpu"
+if preset.simulated_devices:
+    assert len(devs) == preset.simulated_devices and devices.platform() == "cpu"
 
 # %% [markdown]
 # ## 3. The chip we are targeting: TPU v6e (Trillium)

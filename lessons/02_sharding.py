@@ -186,7 +186,7 @@ sharding.plan(padded_vocab, sharding.rules("llama", "tp"), mesh)
 #
 # For each we shard a fresh copy of the model with `apply_rules` (in place, inside the torchax
 # environment), run it through `JitModule` (lesson 01), and compile the same forward with
-# `sharding.FunctionalModule`, which exposes the pure JAX function torchax jits. With it,
+# `torchax_utils.FunctionalModule`, which exposes the pure JAX function torchax jits. With it,
 # `jax.jit(f).lower(params, buffers, ids).compile().as_text()` is the partitioned program, and
 # counting its collectives (`aot.collective_counts`) shows what each layout costs in
 # communication.
@@ -215,7 +215,7 @@ def run(strategy):
         plan = sharding.apply_rules(m, sharding.rules("llama", strategy), the_mesh)
         ids_jax = jax.device_put(jnp.asarray(ids.numpy()), NamedSharding(the_mesh, batch_spec))
         logits = torchax_utils.JitModule(m)(env.j2t_iso(ids_jax)).logits.jax()
-        hlo = sharding.FunctionalModule(m, return_dict=False).hlo(ids_jax)
+        hlo = torchax_utils.FunctionalModule(m, return_dict=False).hlo(ids_jax)
     return {"plan": plan, "described": sharding.describe(m), "logits": logits,
             "collectives": aot.collective_counts(hlo)}
 
@@ -355,7 +355,7 @@ import time
 
 start = time.perf_counter()
 with env:
-    big_forward = sharding.FunctionalModule(big, return_dict=False)
+    big_forward = torchax_utils.FunctionalModule(big, return_dict=False)
     params, buffers = big_forward.abstract_state(big_plan)
     compiled = aot.compile_aot(big_forward, params, buffers, tokens)
 print(f"AOT compile for v6e:2x4 on this host: {time.perf_counter() - start:.0f} s")

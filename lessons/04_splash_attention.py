@@ -444,7 +444,7 @@ COG_TOKENS, COG_HEADS, COG_DIM = 39_826, 48, 64
 qkv_abstract = aot.abstract((2, COG_HEADS, COG_TOKENS, COG_DIM), jnp.bfloat16,
                             NamedSharding(tpu_mesh, P("dp", "tp")))
 grid = [(512, 512, 512), (1024, 1024, 512), (1024, 1024, 1024), (3328, 2816, 256)]
-if preset.name == "full":  # minutes of compile on a 2-core CPU; it overflows VMEM
+if preset.compile_full_size:  # minutes of compile on a 2-core CPU; it overflows VMEM
     grid.append((4096, 4096, 512))
 
 

@@ -429,7 +429,7 @@ from pathlib import Path
 
 from tpupedia import dryrun
 
-if preset.name == "full":
+if preset.compile_full_size:
     vae_report = dryrun.run("cogvideox-vae", topology="v6e:2x4", resolution="1360x768", frames=81).as_dict()
     source_note = "compiled here"
 else:

@@ -112,7 +112,7 @@ import torch
 from tpupedia import devices
 
 source, label = family.model_source(preset)
-dtype = torch.bfloat16 if preset.pretrained else torch.float32
+dtype = getattr(torch, preset.dtype)
 mesh = devices.make_mesh(pipeline.default_mesh_shape(jax.device_count()), ("dp", "tp"))
 pipe = pipeline.CogVideoX(source, label, dtype, mesh, pipeline.Options(quiet=True))
 t = pipe.configs["transformer"]
@@ -383,7 +383,7 @@ def recorded(attention):
                 and (r["width"], r["height"], r["frames"], r["layers_compiled"]) == (1280, 720, 81, 42))
 
 
-if preset.pretrained:  # a few minutes of compiling on a CPU host
+if preset.compile_full_size:  # a few minutes of compiling on a CPU host
     plans = {a: dryrun.run("cogvideox", "v6e:2x4", "720p", 81, attention=a).as_dict() for a in ("splash", "reference")}
 else:
     plans = {a: recorded(a) for a in ("splash", "reference")}

@@ -45,7 +45,7 @@
 from tpupedia import session
 
 preset = session.start()  # preset, simulated devices, known warnings silenced (notebook 01)
-FRAME_HW = (360, 640) if preset.name == "tiny" else (1080, 1920)
+FRAME_HW = preset.frame_size
 print(preset.name, FRAME_HW)
 
 # %% [markdown]

@@ -39,7 +39,7 @@
 from tpupedia import session
 
 preset = session.start()
-layers = 1 if preset.name == "tiny" else None  # None: all 42 layers
+layers = None if preset.compile_full_size else 1  # None: all 42 layers
 print(preset.name, "| layers compiled:", layers or "all")
 
 # %% [markdown]
@@ -54,12 +54,13 @@ print(preset.name, "| layers compiled:", layers or "all")
 
 # %%
 from tpupedia import dryrun, hardware
+from tpupedia.models import cogvideox, hunyuan
 
 v6e = hardware.chip("v6e")
 rows = []
 for label, (width, height) in [("480p", (848, 480)), ("720p", (1280, 720))]:
     for frames in (49, 81):
-        f = dryrun.cogvideox_step_flops(width, height, frames)
+        f = cogvideox.step_flops(width, height, frames)
         floor = f["total"] / (8 * v6e.bf16_flops)
         rows.append((label, frames, f["tokens"], f["total"], f["attention"] / f["total"], floor))
 print(f"{'size':>5} {'frames':>6} {'tokens':>7} {'FLOPs/step':>11} {'attention':>9} {'v6e-8 floor':>11}")
@@ -95,7 +96,7 @@ plt.show()
 shares = {(label, frames): sh for label, frames, _, _, sh, _ in rows}
 assert shares[("720p", 81)] > shares[("720p", 49)] > shares[("480p", 49)]
 assert shares[("720p", 81)] > 0.5  # at 720p and 81 frames, attention is most of the work
-assert dryrun.cogvideox_step_flops(1280, 720, 81)["tokens"] == 39_600 + 226
+assert cogvideox.step_flops(1280, 720, 81)["tokens"] == 39_600 + 226
 
 # %% [markdown]
 # ## 2. Memory per chip, by plan
@@ -113,13 +114,13 @@ from diffusers import CogVideoXTransformer3DModel
 from tpupedia import devices, sharding
 
 with torch.device("meta"):
-    cogvideox = CogVideoXTransformer3DModel(**dryrun.cogvideox_config()).to(torch.bfloat16)
+    transformer = CogVideoXTransformer3DModel(**cogvideox.full_transformer_config()).to(torch.bfloat16)
 tpu_mesh = devices.topology_mesh("v6e:2x4", (2, 4), ("dp", "tp"))
-n_params = sum(p.numel() for p in cogvideox.parameters())
+n_params = sum(p.numel() for p in transformer.parameters())
 plans = {
-    "replicated": sharding.plan(cogvideox, sharding.rules("cogvideox", "replicated"), tpu_mesh),
-    "tp (over 4)": sharding.plan(cogvideox, sharding.rules("cogvideox", "tp"), tpu_mesh),
-    "fsdp (over 8)": sharding.plan(cogvideox, sharding.rules("cogvideox", "fsdp", axis=("dp", "tp")), tpu_mesh),
+    "replicated": sharding.plan(transformer, sharding.rules("cogvideox", "replicated"), tpu_mesh),
+    "tp (over 4)": sharding.plan(transformer, sharding.rules("cogvideox", "tp"), tpu_mesh),
+    "fsdp (over 8)": sharding.plan(transformer, sharding.rules("cogvideox", "fsdp", axis=("dp", "tp")), tpu_mesh),
 }
 print(f"CogVideoX1.5-5B transformer: {n_params / 1e9:.2f} B parameters, bf16")
 for name, p in plans.items():
@@ -244,8 +245,8 @@ assert strategies["fsdp"].collectives.get("all-gather", 0) >= 1
 
 # %%
 reported = {
-    "CogVideoX1.5-5B, 720p, 81 frames": (dryrun.cogvideox_step_flops(1280, 720, 81), 2.13),
-    "HunyuanVideo-1.5, 720p, 121 frames": (dryrun.hunyuan_step_flops(1280, 720, 121), 7.29),
+    "CogVideoX1.5-5B, 720p, 81 frames": (cogvideox.step_flops(1280, 720, 81), 2.13),
+    "HunyuanVideo-1.5, 720p, 121 frames": (hunyuan.step_flops(1280, 720, 121), 7.29),
 }
 peak = 8 * v6e.bf16_flops
 for name, (f, seconds) in reported.items():

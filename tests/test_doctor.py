@@ -1,6 +1,6 @@
 import json
 
-from tpupedia import cli, devices, doctor
+from tpupedia import cli, devices, doctor, results
 from test_devices import requires_libtpu
 
 
@@ -31,8 +31,8 @@ def test_doctor_without_libtpu_says_unavailable_and_how_to_get_it(monkeypatch):
 
 
 def test_doctor_survives_missing_packages(monkeypatch):
-    real = doctor._version
-    monkeypatch.setattr(doctor, "_version", lambda d: None if d in ("flax", "torchax") else real(d))
+    real = results.version
+    monkeypatch.setattr(results, "version", lambda d: None if d in ("flax", "torchax") else real(d))
     checks = _checks(doctor.run())
     assert not checks["flax"].ok and checks["flax"].value == "not installed"
     assert "pip install 'flax" in checks["flax"].hint

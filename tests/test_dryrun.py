@@ -5,14 +5,15 @@ import jax.numpy as jnp
 import pytest
 import torch
 
-from tpupedia import cli, dryrun, torchax_utils
+from tpupedia import cli, devices, dryrun, torchax_utils
+from tpupedia.models import cogvideox, hunyuan, llama
 from tpupedia.compat import import_torchax
 from test_devices import requires_libtpu
 
 
 def test_cogvideox_flops_by_hand():
     # 1280x720, 81 frames: 21 latent frames -> 11 temporal patches x 45 x 80 = 39,600 video tokens + 226 text
-    f = dryrun.cogvideox_step_flops(1280, 720, 81)
+    f = cogvideox.step_flops(1280, 720, 81)
     s, d = 39_600 + 226, 3072
     assert f["tokens"] == s
     assert f["linear"] == 2 * 42 * 2 * s * 12 * d * d
@@ -21,9 +22,9 @@ def test_cogvideox_flops_by_hand():
 
 
 def test_hunyuan_and_llama_flops_by_hand():
-    h = dryrun.hunyuan_step_flops(1280, 720, 121)
+    h = hunyuan.step_flops(1280, 720, 121)
     assert h["tokens"] == 31 * 45 * 80 + 1256  # 112,856, as the upstream notes count
-    ll = dryrun.llama_forward_flops(seq=12, layers=1, hidden=8, mlp=16, vocab=10)
+    ll = llama.forward_flops(seq=12, layers=1, hidden=8, mlp=16, vocab=10)
     assert ll["linear"] == 2 * 12 * (4 * 64 + 3 * 8 * 16 + 8 * 10)
     assert ll["attention"] == 4 * 12 * 12 * 8
 
@@ -34,7 +35,7 @@ def test_flop_counter_agrees_with_xla_cost_analysis():
     from diffusers.models.embeddings import get_3d_rotary_pos_embed
 
     heads, hd, layers, frames, size, text = 4, 64, 2, 9, 128, 16
-    cfg = dryrun.cogvideox_config(layers)
+    cfg = cogvideox.full_transformer_config(layers)
     cfg.update(num_attention_heads=heads, attention_head_dim=hd, text_embed_dim=256,
                max_text_seq_length=text, sample_height=size // 8, sample_width=size // 8)
     torch.manual_seed(0)
@@ -55,7 +56,7 @@ def test_flop_counter_agrees_with_xla_cost_analysis():
 
     cost = jax.jit(step).lower(weights, x, c, t, r).compile().cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    analytic = dryrun.cogvideox_step_flops(size, size, frames, layers=layers, heads=heads, head_dim=hd, text_tokens=text)
+    analytic = cogvideox.step_flops(size, size, frames, layers=layers, heads=heads, head_dim=hd, text_tokens=text)
     assert 1.0 <= cost["flops"] / analytic["total"] <= 1.10
 
 
@@ -114,9 +115,14 @@ def test_cli_dryrun_writes_json(tmp_path, capsys):
     assert data["fits"] and data["layers_compiled"] == 1 and data["layers_full"] == 32
 
 
-def test_cli_dryrun_rejects_bad_frames():
-    with pytest.raises(SystemExit, match="4n\\+1 frames"):
-        cli.main(["dryrun", "cogvideox", "--frames", "80"])
+def test_cli_dryrun_rejects_bad_input_in_one_line(capsys, monkeypatch):
+    assert cli.main(["dryrun", "cogvideox", "--frames", "80"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tpupedia dryrun: frames=80") and "4n+1 frames" in err and len(err.strip().splitlines()) == 1
+    monkeypatch.setattr(devices, "has_libtpu", lambda: False)  # a host without libtpu: one line, no traceback
+    assert cli.main(["dryrun", "llama", "--layers", "1", "--seq", "128"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tpupedia dryrun: ") and "pip install 'jax[tpu]" in err and "Traceback" not in err
 
 
 def test_vae_dry_run_rejects_bad_sizes_before_building():

@@ -170,7 +170,7 @@ def _stock_frames_bf16(checkpoint: Path) -> np.ndarray:
 
 
 def test_bench_generate_records_per_stage_timings(tmp_path):
-    from tpupedia import bench
+    from tpupedia import bench, results
 
     record = bench.bench_generate_cogvideox(TINY, REQUEST, pipeline.Options(quiet=True))
     assert record["bench"] == "generate-cogvideox" and set(record["stages"]) == {"text", "denoise", "decode"}
@@ -178,4 +178,4 @@ def test_bench_generate_records_per_stage_timings(tmp_path):
     assert record["config"]["attention"] == "reference"  # what `auto` meant on this CPU
     path = bench.merge_record(record, tmp_path / "pipelines.json", key=bench._pipeline_key)
     bench.merge_record(record, path, key=bench._pipeline_key)  # the same run again replaces its row
-    assert len(bench.load_results(path)) == 1
+    assert len(results.load(path)) == 1

@@ -165,7 +165,7 @@ def test_functional_module_hlo_counts_megatron_all_reduces(qwen2, env, mesh):
     ids = jax.device_put(jnp.zeros((4, 8), jnp.int32), NamedSharding(mesh, P("dp")))
     with env:
         sharding.apply_rules(model, sharding.rules("qwen2", "tp"), mesh)
-        fm = sharding.FunctionalModule(model, return_dict=False)
+        fm = torchax_utils.FunctionalModule(model, return_dict=False)
         counts = aot.collective_counts(fm.hlo(ids))
         params, buffers = fm.abstract_state(sharding.describe(model), mesh)
     assert counts.get("all-reduce", 0) >= 2 * 2  # o_proj and down_proj in each of 2 layers

@@ -43,6 +43,8 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import splash_attention as sa
 from jax.sharding import PartitionSpec as P
 
+from tpupedia.errors import TpupediaError
+
 __all__ = [
     "AttentionError",
     "AttentionLayoutWarning",
@@ -67,7 +69,7 @@ BACKENDS = ("auto", "splash", "reference")
 _MASK_STRUCTURES = ("check", "padding", "causal_padding")
 
 
-class AttentionError(ValueError):
+class AttentionError(TpupediaError, ValueError):
     """Inputs or settings that attention cannot honour; the message names the value and the rule."""
 
 

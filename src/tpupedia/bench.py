@@ -11,23 +11,23 @@ Introduced with `tpupedia bench llama` (notebook 01's model at a mid size); note
 from __future__ import annotations
 
 import datetime as _dt
-import importlib.metadata as md
 import json
 import os
-import platform as _platform
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from tpupedia import results
+from tpupedia.models import cogvideox
+from tpupedia.results import machine
+
 __all__ = [
     "DEFAULT_RESULTS",
     "Timing",
     "time_call",
-    "machine",
     "merge_record",
-    "load_results",
     "bench_llama",
     "bench_dit",
     "DEFAULT_PIPELINE_RESULTS",
@@ -61,39 +61,6 @@ def time_call(fn: Callable[[], Any], sync: Callable[[Any], Any] = lambda x: x, r
     return Timing(first, statistics.median(samples), repeat, tuple(samples))
 
 
-def _version(dist: str) -> str | None:
-    try:
-        return md.version(dist)
-    except md.PackageNotFoundError:
-        return None
-
-
-def machine() -> dict[str, Any]:
-    """Where a measurement was taken: platform, device kind and count, CPU count, versions."""
-    import jax
-
-    devs = jax.devices()
-    return {
-        "platform": devs[0].platform,
-        "device_kind": devs[0].device_kind,
-        "devices": len(devs),
-        "cpu_count": os.cpu_count(),
-        "python": _platform.python_version(),
-        "versions": {d: _version(d) for d in ("torch", "jax", "jaxlib", "torchax", "transformers")},
-    }
-
-
-def load_results(path: str | os.PathLike = DEFAULT_RESULTS) -> list[dict[str, Any]]:
-    """The records in a results file (empty if the file does not exist)."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    data = json.loads(path.read_text())
-    if not isinstance(data, dict) or not isinstance(data.get("records"), list):
-        raise ValueError(f"{path} is not a tpupedia results file (expected {{'records': [...]}})")
-    return data["records"]
-
-
 def _key(record: dict[str, Any]) -> tuple:
     m = record["machine"]
     return (record["bench"], json.dumps(record["config"], sort_keys=True), m["device_kind"], m["cpu_count"])
@@ -101,18 +68,9 @@ def _key(record: dict[str, Any]) -> tuple:
 
 def merge_record(record: dict[str, Any], path: str | os.PathLike = DEFAULT_RESULTS,
                  key: Callable[[dict[str, Any]], tuple] | None = None) -> Path:
-    """Add `record` to the results file, replacing an earlier record with the same `key`
-    (default: same bench, config and machine). Written atomically (temporary file + rename)."""
-    key = key or _key
-    path = Path(path)
-    records = [r for r in load_results(path) if key(r) != key(record)]
-    records.append(record)
-    records.sort(key=lambda r: json.dumps(key(r)))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps({"records": records}, indent=2) + "\n")
-    tmp.replace(path)
-    return path
+    """Merge `record` into a results file (`tpupedia.results.merge`), by default replacing an
+    earlier record of the same bench, config and machine."""
+    return results.merge(record, path, key or _key)
 
 
 def _with_peak(record: dict[str, Any]) -> dict[str, Any]:
@@ -194,19 +152,18 @@ def bench_dit(layers: int = 2, heads: int = 8, head_dim: int = 64, frames: int =
     import torch
     from diffusers import CogVideoXTransformer3DModel
 
-    from tpupedia import dryrun, torchax_utils
+    from tpupedia import torchax_utils
 
-    if (frames - 1) % 4 or height % 16 or width % 16:
-        raise ValueError(f"frames must be 4n+1 and height/width multiples of 16; got {frames}, {height}x{width}")
+    cogvideox.check_frames(frames)
+    cogvideox.check_size(width, height)
     config = dict(layers=layers, heads=heads, head_dim=head_dim, frames=frames, height=height, width=width,
                   text_tokens=text_tokens, batch=2, dtype="float32")
-    full = dryrun.cogvideox_config(layers)
+    full = cogvideox.full_transformer_config(layers)
     full.update(num_attention_heads=heads, attention_head_dim=head_dim, text_embed_dim=4 * heads * head_dim // 3 or 64,
                 max_text_seq_length=text_tokens, sample_height=height // 8, sample_width=width // 8, sample_frames=frames)
     torch.manual_seed(seed)
     model = CogVideoXTransformer3DModel(**full).eval()
-    latent_frames = (frames - 1) // 4 + 1
-    latent_frames += latent_frames % 2
+    latent_frames, _ = cogvideox.padded_latent_frames(frames)
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(2, latent_frames, 16, height // 8, width // 8, generator=g)
     text = torch.randn(2, text_tokens, full["text_embed_dim"], generator=g)
@@ -245,7 +202,7 @@ def bench_dit(layers: int = 2, heads: int = 8, head_dim: int = 64, frames: int =
 
         jit = time_call(jit_step, sync=lambda out: jax.block_until_ready(out.jax()), repeat=repeat)
         got = jit_step().to("cpu")
-    flops = dryrun.cogvideox_step_flops(width, height, frames, layers=layers, heads=heads, head_dim=head_dim,
+    flops = cogvideox.step_flops(width, height, frames, layers=layers, heads=heads, head_dim=head_dim,
                                         text_tokens=text_tokens)
     record = {
         "bench": "dit",

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from tpupedia import __version__
+from tpupedia.errors import TpupediaError
 
 __all__ = ["main", "build_parser"]
 
@@ -18,10 +19,14 @@ def _doctor(args: argparse.Namespace) -> int:
     return 0 if all(c.ok for c in report.checks) else 1
 
 
-def _positive(command: str, **values: int) -> None:
+class CommandLineError(TpupediaError, ValueError):
+    """A flag value the command cannot use (printed as one line, exit status 2)."""
+
+
+def _positive(**values: int) -> None:
     for name, value in values.items():
         if value < 1:
-            raise SystemExit(f"tpupedia bench {command}: --{name.replace('_', '-')} must be a positive integer, got {value}")
+            raise CommandLineError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
 
 
 def _report_bench(record: dict, output: str) -> int:
@@ -49,9 +54,9 @@ def _report_bench(record: dict, output: str) -> int:
 def _bench_llama(args: argparse.Namespace) -> int:
     from tpupedia import bench
 
-    _positive("llama", layers=args.layers, hidden=args.hidden, seq=args.seq, batch=args.batch, repeat=args.repeat)
+    _positive(layers=args.layers, hidden=args.hidden, seq=args.seq, batch=args.batch, repeat=args.repeat)
     if args.hidden % 64:
-        raise SystemExit(f"tpupedia bench llama: --hidden must be a multiple of 64 (head dim 64), got {args.hidden}")
+        raise CommandLineError(f"--hidden must be a multiple of 64 (head dim 64), got {args.hidden}")
     record = bench.bench_llama(layers=args.layers, hidden=args.hidden, seq=args.seq,
                                batch=args.batch, repeat=args.repeat)
     return _report_bench(record, args.output)
@@ -59,13 +64,12 @@ def _bench_llama(args: argparse.Namespace) -> int:
 
 def _bench_dit(args: argparse.Namespace) -> int:
     from tpupedia import bench
+    from tpupedia.models import cogvideox
 
-    _positive("dit", layers=args.layers, heads=args.heads, head_dim=args.head_dim, frames=args.frames,
+    _positive(layers=args.layers, heads=args.heads, head_dim=args.head_dim, frames=args.frames,
               height=args.height, width=args.width, text_tokens=args.text_tokens, repeat=args.repeat)
-    if (args.frames - 1) % 4:
-        raise SystemExit(f"tpupedia bench dit: --frames must be 4n+1 (e.g. 9, 49, 81), got {args.frames}")
-    if args.height % 16 or args.width % 16:
-        raise SystemExit(f"tpupedia bench dit: --height and --width must be multiples of 16, got {args.height}x{args.width}")
+    cogvideox.check_frames(args.frames)
+    cogvideox.check_size(args.width, args.height)
     record = bench.bench_dit(layers=args.layers, heads=args.heads, head_dim=args.head_dim, frames=args.frames,
                              height=args.height, width=args.width, text_tokens=args.text_tokens,
                              repeat=args.repeat, torch_compile=not args.no_torch_compile)
@@ -73,19 +77,13 @@ def _bench_dit(args: argparse.Namespace) -> int:
 
 
 def _dryrun(args: argparse.Namespace) -> int:
-    import json
+    from tpupedia import dryrun, results
 
-    from tpupedia import dryrun, hardware
-
-    try:
-        hardware.parse_topology(args.topology)
-        report = dryrun.run(
-            model=args.model, topology=args.topology, resolution=args.resolution, frames=args.frames,
-            sharding=args.sharding, attention=args.attention, layers=args.layers, seq=args.seq,
-            measured_step_seconds=args.measured_step_seconds,
-        )
-    except (dryrun.DryRunError, hardware.HardwareError) as err:
-        raise SystemExit(f"tpupedia dryrun: {err}") from None
+    report = dryrun.run(
+        model=args.model, topology=args.topology, resolution=args.resolution, frames=args.frames,
+        sharding=args.sharding, attention=args.attention, layers=args.layers, seq=args.seq,
+        measured_step_seconds=args.measured_step_seconds,
+    )
     print(report.summary())
     if args.record:
         command = f"tpupedia dryrun {args.model} --topology {args.topology}"
@@ -99,13 +97,7 @@ def _dryrun(args: argparse.Namespace) -> int:
             command += f" --layers {args.layers}"
         print(f"  recorded in {dryrun.record(report, args.record, command=command.strip())}")
     if args.json:
-        from pathlib import Path
-
-        path = Path(args.json)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(report.as_dict(), indent=2) + "\n")
-        tmp.replace(path)
-        print(f"  written to {path}")
+        print(f"  written to {results.write_json_atomic(args.json, report.as_dict())}")
     return 0
 
 
@@ -267,8 +259,6 @@ def main(argv: list[str] | None = None) -> int:
         from tpupedia import session
 
         session.quiet()
-    from tpupedia.errors import TpupediaError
-
     try:
         return args.func(args)
     except TpupediaError as err:  # bad input or a refused file: one clear line, no traceback

@@ -20,12 +20,14 @@ import importlib
 import sys
 from types import ModuleType
 
+from tpupedia.errors import TpupediaError
+
 __all__ = ["import_torchax", "missing_overloads", "TorchaxImportError"]
 
 _MISSING: list[str] = []
 
 
-class TorchaxImportError(ImportError):
+class TorchaxImportError(TpupediaError, ImportError):
     """torchax is not installed, or could not be imported even with the shim."""
 
 

@@ -23,7 +23,8 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from tpupedia.hardware import parse_topology
+from tpupedia.errors import TpupediaError
+from tpupedia.hardware import Topology, parse_topology
 
 if TYPE_CHECKING:  # pragma: no cover
     import jax
@@ -43,15 +44,15 @@ __all__ = [
 ]
 
 
-class DeviceSetupError(RuntimeError):
+class DeviceSetupError(TpupediaError, RuntimeError):
     """Devices were requested after JAX had already fixed its device set."""
 
 
-class MeshShapeError(ValueError):
+class MeshShapeError(TpupediaError, ValueError):
     """A mesh shape whose product does not match the number of devices."""
 
 
-class AOTUnavailableError(RuntimeError):
+class AOTUnavailableError(TpupediaError, RuntimeError):
     """TPU ahead-of-time compilation needs libtpu, which is not installed."""
 
 
@@ -171,15 +172,16 @@ def make_mesh(
     return Mesh(grid, axis_names, axis_types=auto)
 
 
-def tpu_topology(name: str = "v6e:2x4") -> list[jax.Device]:
+def tpu_topology(name: str | Topology = "v6e:2x4") -> list[jax.Device]:
     """The devices of a TPU slice such as `"v6e:2x4"`, for ahead-of-time compilation.
 
     Works on any host with libtpu installed, TPU or not: the devices are descriptions that
     `jax.jit(f).lower(...).compile()` can target, not chips you can run on. Raises
     `AOTUnavailableError` (with the install command) when libtpu is missing, and
-    `tpupedia.hardware.HardwareError` for a malformed name.
+    `tpupedia.hardware.HardwareError` for a malformed name. Takes the name or a parsed
+    `tpupedia.hardware.Topology`.
     """
-    parse_topology(name)  # validate before touching libtpu
+    topo = name if isinstance(name, Topology) else parse_topology(name)  # validate before touching libtpu
     if not has_libtpu():
         raise AOTUnavailableError(
             "TPU ahead-of-time compilation needs libtpu: pip install 'jax[tpu]==0.10.2' "
@@ -188,15 +190,12 @@ def tpu_topology(name: str = "v6e:2x4") -> list[jax.Device]:
     quiet_libtpu()
     from jax.experimental import topologies
 
-    return list(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
+    return list(topologies.get_topology_desc(platform="tpu", topology_name=topo.name).devices)
 
 
 def topology_mesh(
-    name: str, shape: Sequence[int] | None, axis_names: Sequence[str]
+    name: str | Topology, shape: Sequence[int] | None, axis_names: Sequence[str]
 ) -> jax.sharding.Mesh:
     """An Auto-axis mesh over the devices of TPU slice `name` (default shape: the slice's)."""
-    devices = tpu_topology(name)
-    topo_shape = parse_topology(name).shape
-    if shape is None:
-        shape = topo_shape
-    return make_mesh(shape, axis_names, devices=devices)
+    topo = name if isinstance(name, Topology) else parse_topology(name)
+    return make_mesh(topo.shape if shape is None else shape, axis_names, devices=tpu_topology(topo))

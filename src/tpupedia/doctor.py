@@ -6,13 +6,12 @@ missing and how to install it, never a crash. Introduced in notebook 00 (start h
 
 from __future__ import annotations
 
-import importlib.metadata as md
 import json
 import os
 import platform as _platform
 from dataclasses import dataclass, field
 
-from tpupedia import devices, presets
+from tpupedia import devices, presets, results
 
 __all__ = ["PACKAGES", "Check", "Report", "run", "format_report"]
 
@@ -51,13 +50,6 @@ class Report:
         return json.dumps(self.as_dict(), indent=2)
 
 
-def _version(dist: str) -> str | None:
-    try:
-        return md.version(dist)
-    except md.PackageNotFoundError:
-        return None
-
-
 def _probe_preset(report: Report) -> None:
     try:
         p = presets.current()
@@ -68,13 +60,13 @@ def _probe_preset(report: Report) -> None:
 
 def _probe_versions(report: Report) -> None:
     for dist, hint in PACKAGES.items():
-        v = _version(dist)
+        v = results.version(dist)
         optional = dist == "libtpu"
         report.add(dist, v is not None or optional, v or "not installed", "" if v else hint)
 
 
 def _probe_torchax(report: Report) -> None:
-    if _version("torchax") is None or _version("torch") is None:
+    if results.version("torchax") is None or results.version("torch") is None:
         return
     try:
         from tpupedia import compat
@@ -88,7 +80,7 @@ def _probe_torchax(report: Report) -> None:
 
 
 def _probe_devices(report: Report) -> None:
-    if _version("jax") is None or _version("jaxlib") is None:
+    if results.version("jax") is None or results.version("jaxlib") is None:
         report.add("devices", False, "jax is not installed", PACKAGES["jax"])
         return
     try:

@@ -26,20 +26,16 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tpupedia import aot, devices, hardware
+from tpupedia import aot, devices, hardware, results
 from tpupedia import sharding as sharding_rules
+from tpupedia.errors import TpupediaError
+from tpupedia.models import cogvideox, hunyuan, llama
 
 __all__ = [
     "DryRunError",
     "MODELS",
     "RESOLUTIONS",
     "parse_resolution",
-    "cogvideox_config",
-    "hunyuan_config",
-    "llama_config",
-    "cogvideox_step_flops",
-    "hunyuan_step_flops",
-    "llama_forward_flops",
     "DryRunReport",
     "run",
     "DEFAULT_RECORDS",
@@ -50,10 +46,10 @@ DEFAULT_RECORDS = "docs/results/dryruns.json"
 
 MODELS = ("cogvideox", "cogvideox-vae", "hunyuan", "llama")
 RESOLUTIONS = {"720p": (1280, 720), "480p": (848, 480)}
-CFG_BATCH = 2  # classifier-free guidance: the negative and the positive prompt in one batch
+FAMILIES = {"cogvideox": cogvideox, "hunyuan": hunyuan, "llama": llama}
 
 
-class DryRunError(ValueError):
+class DryRunError(TpupediaError, ValueError):
     """A dry-run request that cannot describe a valid step (bad model, size, frames, mesh)."""
 
 
@@ -70,75 +66,6 @@ def parse_resolution(value: str, multiple: int) -> tuple[int, int]:
     if width % multiple or height % multiple or width <= 0 or height <= 0:
         raise DryRunError(f"resolution {width}x{height}: width and height must be positive multiples of {multiple}")
     return width, height
-
-
-# --- model configurations (full size) ---------------------------------------------------------
-
-def cogvideox_config(layers: int | None = None) -> dict[str, Any]:
-    """CogVideoX1.5-5B transformer (diffusers `CogVideoXTransformer3DModel`), per its public
-    config: 42 layers, 48 heads of 64, patch 2x2 and 2 frames, T5 text width 4096."""
-    return dict(
-        activation_fn="gelu-approximate", attention_bias=True, attention_head_dim=64,
-        in_channels=16, out_channels=16, max_text_seq_length=226, norm_elementwise_affine=True,
-        norm_eps=1e-5, num_attention_heads=48, num_layers=42 if layers is None else layers,
-        patch_size=2, patch_size_t=2, patch_bias=False, sample_frames=81, sample_height=300,
-        sample_width=300, spatial_interpolation_scale=1.875, temporal_compression_ratio=4,
-        temporal_interpolation_scale=1.0, text_embed_dim=4096, time_embed_dim=512,
-        timestep_activation_fn="silu", use_learned_positional_embeddings=False,
-        use_rotary_positional_embeddings=True, flip_sin_to_cos=True, freq_shift=0,
-    )
-
-
-def hunyuan_config(layers: int | None = None) -> dict[str, Any]:
-    """HunyuanVideo-1.5 720p text-to-video transformer: diffusers' defaults (54 layers, 16 heads
-    of 128, MLP ratio 4, Qwen2.5-VL text width 3584, ByT5 width 1472), task `t2v`."""
-    return dict(num_layers=54 if layers is None else layers, task_type="t2v")
-
-
-def llama_config(layers: int | None = None) -> dict[str, Any]:
-    """Llama-2-7B: 32 layers, hidden 4096, 32 heads, MLP 11008, vocabulary 32000."""
-    return dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
-                num_hidden_layers=32 if layers is None else layers, num_attention_heads=32,
-                num_key_value_heads=32, max_position_embeddings=4096, use_cache=False)
-
-
-# --- analytic FLOPs ----------------------------------------------------------------------------
-
-def cogvideox_step_flops(width: int, height: int, frames: int, layers: int = 42, batch: int = CFG_BATCH,
-                         heads: int = 48, head_dim: int = 64, text_tokens: int = 226) -> dict[str, float]:
-    """Matmul FLOPs of one CogVideoX1.5 transformer step (2 FLOPs per multiply-add).
-
-    Per layer and token: q, k, v, out projections (4 d^2) and a 4x MLP (8 d^2), times 2 FLOPs;
-    attention: QK^T and PV, 2 * 2 * S^2 * d per layer. Embeddings and norms are ignored (<1%).
-    """
-    d = heads * head_dim
-    latent_frames = (frames - 1) // 4 + 1
-    video_tokens = math.ceil(latent_frames / 2) * (height // 16) * (width // 16)
-    s = video_tokens + text_tokens
-    linear = batch * layers * 2 * s * 12 * d * d
-    attention = batch * layers * 4 * s * s * d
-    return {"tokens": s, "linear": float(linear), "attention": float(attention), "total": float(linear + attention)}
-
-
-def hunyuan_step_flops(width: int, height: int, frames: int, layers: int = 54, batch: int = CFG_BATCH,
-                       heads: int = 16, head_dim: int = 128, text_tokens: int = 1256, mlp_ratio: float = 4.0) -> dict[str, float]:
-    """Matmul FLOPs of one HunyuanVideo-1.5 step: dual-stream blocks, so every token (video and
-    text) goes through q, k, v, out (4 d^2) and the MLP (2 * mlp_ratio * d^2) once per layer."""
-    d = heads * head_dim
-    latent_frames = (frames - 1) // 4 + 1
-    s = latent_frames * (height // 16) * (width // 16) + text_tokens
-    linear = batch * layers * 2 * s * (4 + 2 * mlp_ratio) * d * d
-    attention = batch * layers * 4 * s * s * d
-    return {"tokens": s, "linear": float(linear), "attention": float(attention), "total": float(linear + attention)}
-
-
-def llama_forward_flops(seq: int, batch: int = 1, layers: int = 32, hidden: int = 4096,
-                        mlp: int = 11008, vocab: int = 32000) -> dict[str, float]:
-    """Matmul FLOPs of one Llama forward over `batch x seq` tokens (causal attention counted full)."""
-    tokens = batch * seq
-    linear = 2 * tokens * (layers * (4 * hidden * hidden + 3 * hidden * mlp) + hidden * vocab)
-    attention = batch * layers * 4 * seq * seq * hidden
-    return {"tokens": tokens, "linear": float(linear), "attention": float(attention), "total": float(linear + attention)}
 
 
 # --- the report --------------------------------------------------------------------------------
@@ -207,7 +134,7 @@ def _validate(model: str, frames: int | None, sharding: str, attention: str, lay
         raise DryRunError(f"sharding {sharding!r} is not one of {', '.join(strategies)} for {model}")
     if attention not in ("reference", "splash"):
         raise DryRunError(f"attention {attention!r} is not one of reference, splash")
-    if model != "llama" and (frames is None or frames < 1 or (frames - 1) % 4):
+    if model != "llama" and (frames is None or frames < 1 or (frames - 1) % cogvideox.TEMPORAL_COMPRESSION):
         raise DryRunError(f"frames={frames}: video models need 4n+1 frames (the VAE compresses time by 4), e.g. 49, 81, 121")
     if layers is not None and layers < 1:
         raise DryRunError(f"layers={layers} must be a positive integer")
@@ -223,7 +150,7 @@ def run(model: str = "cogvideox", topology: str = "v6e:2x4", resolution: str = "
     chips, for LLMs `dp=1`. Bad arguments raise `DryRunError` before anything is built.
     """
     _validate(model, frames, sharding, attention, layers)
-    topo = hardware.parse_topology(topology)
+    topo = hardware.parse_topology(topology)  # parsed once; the parsed slice is passed on
     n = topo.num_chips
     if mesh_shape is None:
         mesh_shape = (1, n) if model == "llama" or n == 1 else (2, n // 2)
@@ -233,15 +160,23 @@ def run(model: str = "cogvideox", topology: str = "v6e:2x4", resolution: str = "
     if model != "llama":
         width, height = parse_resolution(resolution, 16)
     if model == "cogvideox-vae":
-        return _vae_report(topology, topo, width, height, frames)
+        return _vae_report(topo, width, height, frames)
 
     from tpupedia import torchax_utils
 
     env = torchax_utils.default_env()
     torchax_utils.register_common_outputs()
-    mesh = devices.topology_mesh(topology, mesh_shape, ("dp", "tp"))
-    builder = {"cogvideox": _cogvideox, "hunyuan": _hunyuan, "llama": _llama}[model]
-    full_layers, module, inputs, call, flops = builder(layers, width, height, frames, seq, mesh)
+    mesh = devices.topology_mesh(topo, mesh_shape, ("dp", "tp"))
+    family = FAMILIES[model]
+    full_layers = family.FULL_LAYERS
+    module = family.build(layers)
+    if model == "llama":
+        specs, call = family.step_inputs(seq)
+        flops = family.forward_flops(seq)
+    else:
+        specs, call = family.step_inputs(width, height, frames)
+        flops = family.step_flops(width, height, frames)
+    inputs = _abstract_inputs(mesh, specs)
 
     axis = "tp" if sharding.startswith("tp") else ("dp", "tp")  # FSDP shards over every chip
     table = sharding_rules.rules(model, sharding, axis=axis)
@@ -249,16 +184,13 @@ def run(model: str = "cogvideox", topology: str = "v6e:2x4", resolution: str = "
         the_plan = sharding_rules.plan(module, table, mesh)
     except sharding_rules.ShardingError as err:
         raise DryRunError(str(err)) from None
-    functional = sharding_rules.FunctionalModule(module)
+    method = hunyuan.static_forward if model == "hunyuan" else "forward"
+    functional = torchax_utils.FunctionalModule(module, method)
     weights, buffers = functional.abstract_state(the_plan)
-    jm = functional._jm
     notes = []
 
     def step(w, b, *args):
-        w, b, args = env.j2t_iso((w, b, args))
-        with env:
-            out = call(jm, w, b, *args)
-        return env.t2j_iso(out)
+        return call(functional, w, b, *args)
 
     with torchax_utils.restoring_ops(env):  # the environment is shared: leave it as found
         if attention == "splash":
@@ -289,7 +221,7 @@ def run(model: str = "cogvideox", topology: str = "v6e:2x4", resolution: str = "
     if measured_step_seconds:
         mfu = flops["total"] / (measured_step_seconds * n * chip.bf16_flops)
     return DryRunReport(
-        model=model, topology=topology, chip=chip.name, num_chips=n, mesh=dict(mesh.shape),
+        model=model, topology=topo.name, chip=chip.name, num_chips=n, mesh=dict(mesh.shape),
         sharding=sharding, attention=attention, width=width, height=height,
         frames=frames if model != "llama" else None, tokens=int(flops["tokens"]),
         layers_full=full_layers, layers_compiled=compiled_layers, hbm_bytes=hbm, fits=fits,
@@ -321,79 +253,6 @@ def _abstract_inputs(mesh, specs):
     return [aot.abstract(shape, dtype, NamedSharding(mesh, spec)) for shape, dtype, spec in specs]
 
 
-def _cogvideox(layers, width, height, frames, seq, mesh):
-    import jax.numpy as jnp
-    import torch
-    from diffusers import CogVideoXTransformer3DModel
-    from jax.sharding import PartitionSpec as P
-
-    config = cogvideox_config(layers)
-    with torch.device("meta"):
-        module = CogVideoXTransformer3DModel(**config).to(torch.bfloat16)
-    latent_frames = (frames - 1) // 4 + 1
-    latent_frames += latent_frames % 2  # the pipeline pads to a multiple of patch_size_t
-    video_tokens = (latent_frames // 2) * (height // 16) * (width // 16)
-    inputs = _abstract_inputs(mesh, [
-        ((CFG_BATCH, latent_frames, 16, height // 8, width // 8), jnp.bfloat16, P("dp")),
-        ((CFG_BATCH, 226, 4096), jnp.bfloat16, P("dp")),
-        ((CFG_BATCH,), jnp.int32, P("dp")),
-        ((video_tokens, 64), jnp.float32, P()),
-        ((video_tokens, 64), jnp.float32, P()),
-    ])
-
-    def call(jm, w, b, x, text, t, cos, sin):
-        return jm.functional_call("forward", w, b, hidden_states=x, encoder_hidden_states=text, timestep=t,
-                                  image_rotary_emb=(cos, sin), return_dict=False)[0]
-
-    flops = cogvideox_step_flops(width, height, frames, layers=42)
-    return 42, module, inputs, call, flops
-
-
-def _hunyuan(layers, width, height, frames, seq, mesh):
-    import jax.numpy as jnp
-    import torch
-    from diffusers import HunyuanVideo15Transformer3DModel
-    from jax.sharding import PartitionSpec as P
-
-    from tpupedia.models.hunyuan_static import static_forward
-
-    with torch.device("meta"):
-        module = HunyuanVideo15Transformer3DModel(**hunyuan_config(layers)).to(torch.bfloat16)
-    t = (frames - 1) // 4 + 1
-    inputs = _abstract_inputs(mesh, [
-        ((CFG_BATCH, 65, t, height // 16, width // 16), jnp.bfloat16, P("dp")),
-        ((CFG_BATCH,), jnp.int32, P("dp")),
-        ((CFG_BATCH, 1000, 3584), jnp.bfloat16, P("dp")),
-        ((CFG_BATCH, 1000), jnp.int32, P("dp")),
-        ((CFG_BATCH, 256, 1472), jnp.bfloat16, P("dp")),
-        ((CFG_BATCH, 256), jnp.int32, P("dp")),
-        ((CFG_BATCH, 729, 1152), jnp.bfloat16, P("dp")),
-    ])
-
-    def call(jm, w, b, x, ts, text, mask, text2, mask2, image):
-        return jm.functional_call(static_forward, w, b, x, ts, text, mask, encoder_hidden_states_2=text2,
-                                  encoder_attention_mask_2=mask2, image_embeds=image, return_dict=False)[0]
-
-    flops = hunyuan_step_flops(width, height, frames, layers=54)
-    return 54, module, inputs, call, flops
-
-
-def _llama(layers, width, height, frames, seq, mesh):
-    import jax.numpy as jnp
-    import torch
-    from jax.sharding import PartitionSpec as P
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    with torch.device("meta"):
-        module = LlamaForCausalLM(LlamaConfig(**llama_config(layers))).to(torch.bfloat16)
-    inputs = _abstract_inputs(mesh, [((1, seq), jnp.int32, P())])
-
-    def call(jm, w, b, ids):
-        return jm.functional_call("forward", w, b, ids, return_dict=False)[0]
-
-    return 32, module, inputs, call, llama_forward_flops(seq)
-
-
 def _record_key(r: dict[str, Any]) -> tuple:
     return (r["model"], r["topology"], r["width"], r["height"], r["frames"], r["tokens"], r["sharding"],
             r["attention"], r["layers_compiled"], tuple(sorted(r["mesh"].items())))
@@ -402,19 +261,16 @@ def _record_key(r: dict[str, Any]) -> tuple:
 def record(report: DryRunReport, path: str = DEFAULT_RECORDS, command: str = "") -> Any:
     """Merge `report` into the dry-run results file the docs' results page renders."""
     import datetime as _dt
-    import importlib.metadata as md
-
-    from tpupedia import bench
 
     data = report.as_dict() | {
         "compiled_at": _dt.date.today().isoformat(),
-        "libtpu": md.version("libtpu") if devices.has_libtpu() else None,
+        "libtpu": results.version("libtpu") if devices.has_libtpu() else None,
         "command": command,
     }
-    return bench.merge_record(data, path, key=_record_key)
+    return results.merge(data, path, key=_record_key)
 
 
-def _vae_report(topology: str, topo, width: int, height: int, frames: int) -> DryRunReport:
+def _vae_report(topo, width: int, height: int, frames: int) -> DryRunReport:
     """One frame batch of the CogVideoX VAE decoder (Flax NNX port, bf16) on one chip."""
     import jax
     import jax.numpy as jnp
@@ -428,7 +284,7 @@ def _vae_report(topology: str, topo, width: int, height: int, frames: int) -> Dr
     ratio = config.spatial_compression_ratio
     if width % ratio or height % ratio:
         raise DryRunError(f"resolution {width}x{height}: the VAE needs multiples of {ratio}")
-    device = devices.tpu_topology(topology)[0]
+    device = devices.tpu_topology(topo)[0]
     chip_sharding = SingleDeviceSharding(device)
     model = convert.abstract_vae(config, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
     graph, state = nnx.split(model)
@@ -449,7 +305,7 @@ def _vae_report(topology: str, topo, width: int, height: int, frames: int) -> Dr
     mem = result.memory
     weights = sum(a.size * 2 for a in jax.tree.leaves(state))
     return DryRunReport(
-        model="cogvideox-vae", topology=topology, chip=chip.name, num_chips=1, mesh={"chip": 1},
+        model="cogvideox-vae", topology=topo.name, chip=chip.name, num_chips=1, mesh={"chip": 1},
         sharding="replicated", attention="none", width=width, height=height, frames=frames,
         tokens=int(flops["tokens"]), layers_full=1, layers_compiled=1, hbm_bytes=hbm, fits=result.fits,
         arguments_bytes=mem.arguments if mem else None, temporaries_bytes=mem.temporaries if mem else None,

@@ -13,6 +13,8 @@ import math
 import re
 from dataclasses import asdict, dataclass
 
+from tpupedia.errors import TpupediaError
+
 __all__ = [
     "Chip",
     "CHIPS",
@@ -36,7 +38,7 @@ _H200 = "https://www.nvidia.com/en-us/data-center/h200/"
 _B200 = "https://www.nvidia.com/en-us/data-center/hgx/"
 
 
-class HardwareError(ValueError):
+class HardwareError(TpupediaError, ValueError):
     """An unknown chip or a topology name that cannot be parsed."""
 
 

@@ -17,6 +17,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from tpupedia.models import llama
 from tpupedia.presets import Preset
 
 __all__ = [
@@ -29,7 +30,7 @@ __all__ = [
     "load_causal_lm",
 ]
 
-FULL_MODEL_ID = "meta-llama/Llama-2-7b-hf"
+FULL_MODEL_ID = llama.FULL_ID  # the family's facts live in tpupedia.models.llama
 ENV_MODEL = "TPUPEDIA_LLM"
 
 _CHAT_TEMPLATE = (

@@ -15,13 +15,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from tpupedia.errors import TpupediaError
+
 __all__ = ["Preset", "PRESETS", "PresetError", "ENV_VAR", "DEFAULT", "get", "current"]
 
 ENV_VAR = "TPUPEDIA_PRESET"
 DEFAULT = "tiny"
 
 
-class PresetError(ValueError):
+class PresetError(TpupediaError, ValueError):
     """An unknown preset name."""
 
 
@@ -37,6 +39,14 @@ class Preset:
     """Load real checkpoints with `from_pretrained` (`True`) or build random tiny models."""
     interpret_kernels: bool
     """Run Pallas kernels in interpret mode (needed off-TPU)."""
+    dtype: str
+    """The dtype models run in: `float32` on the tiny preset (exact parity checks), `bfloat16`
+    on the full one (how the checkpoints are released and TPUs run them)."""
+    compile_full_size: bool
+    """Compile full-size programs for a TPU slice live (minutes on a CPU host), or read the
+    recorded dry-runs (`tpupedia dryrun ... --record`) instead."""
+    frame_size: tuple[int, int]
+    """(height, width) of the video frames the image lessons process."""
 
 
 PRESETS: dict[str, Preset] = {
@@ -46,6 +56,9 @@ PRESETS: dict[str, Preset] = {
         simulated_devices=8,
         pretrained=False,
         interpret_kernels=True,
+        dtype="float32",
+        compile_full_size=False,
+        frame_size=(360, 640),
     ),
     "full": Preset(
         name="full",
@@ -53,6 +66,9 @@ PRESETS: dict[str, Preset] = {
         simulated_devices=None,
         pretrained=True,
         interpret_kernels=False,
+        dtype="bfloat16",
+        compile_full_size=True,
+        frame_size=(1080, 1920),
     ),
 }
 

@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from tpupedia.errors import TpupediaError
+
 __all__ = [
     "ShardingError",
     "RULES",
@@ -51,7 +53,6 @@ __all__ = [
     "plan",
     "apply_rules",
     "describe",
-    "FunctionalModule",
 ]
 
 SpecTuple = tuple[Any, ...]
@@ -136,7 +137,7 @@ _DEFAULT_AXIS = {"tp": "tp", "tp_transposed": "tp", "tp_fc2_replicated": "tp", "
 _FAMILY_ALIASES = {"qwen2": "llama", "mistral": "llama"}
 
 
-class ShardingError(ValueError):
+class ShardingError(TpupediaError, ValueError):
     """A spec that cannot be applied: it does not divide a dimension, names an unknown mesh
     axis, or has more entries than the tensor has dimensions."""
 
@@ -398,71 +399,3 @@ def describe(module: torch.nn.Module) -> ShardingPlan:
                       _itemsize(t), rule=None)
         )
     return ShardingPlan(placements, mesh, from_rules=False)
-
-
-class FunctionalModule:
-    """A torch module as a pure JAX function `fn(params, buffers, *args)`.
-
-    This is what `torchax`'s jit wraps internally, exposed so that you can call
-    `jax.jit(f).lower(...)` yourself: read the compiled HLO (`hlo`), or compile ahead of time
-    against abstract, sharded arguments (`abstract_state`). Static keyword arguments
-    (`return_dict=False`) are baked in. Call it, and lower it, inside `with env:`.
-    """
-
-    def __init__(self, module: torch.nn.Module, method: str = "forward", **static_kwargs: Any):
-        from torchax.interop import JittableModule
-
-        from tpupedia.compat import import_torchax
-
-        import_torchax()
-        self.module = module
-        self._jm = JittableModule(module)
-        self._method = method
-        self._static = static_kwargs
-
-    def __call__(self, params: dict, buffers: dict, *args: Any) -> Any:
-        from torchax.interop import jax_view, torch_view
-
-        out = self._jm.functional_call(
-            self._method, torch_view(params), torch_view(buffers), *torch_view(args), **self._static
-        )
-        return jax_view(out)
-
-    def state(self) -> tuple[dict, dict]:
-        """The module's current `(params, buffers)` as dicts of (sharded) `jax.Array`s."""
-        from torchax.interop import jax_view
-
-        return jax_view(dict(self._jm.params)), jax_view(dict(self._jm.buffers))
-
-    def abstract_state(self, the_plan: ShardingPlan | None = None, mesh: Any = None) -> tuple[dict, dict]:
-        """`(params, buffers)` as `jax.ShapeDtypeStruct`s with the plan's shardings, no data.
-
-        Works for a module built on the `meta` device. Names the plan does not know (and all of
-        them when there is no plan) are replicated over `mesh` (default: the plan's mesh).
-        """
-        import jax
-        from jax.sharding import NamedSharding, PartitionSpec as P
-        from torchax.ops.mappings import t2j_dtype
-
-        mesh = mesh if mesh is not None else (the_plan.mesh if the_plan else None)
-        specs = the_plan.specs() if the_plan else {}
-
-        def one(name, t):
-            sharding = NamedSharding(mesh, specs.get(name) or P()) if mesh is not None else None
-            return jax.ShapeDtypeStruct(tuple(t.shape), t2j_dtype(t.dtype), sharding=sharding)
-
-        return (
-            {n: one(n, t) for n, t in self._jm.params.items()},
-            {n: one(n, t) for n, t in self._jm.buffers.items()},
-        )
-
-    def lower(self, *args: Any, state: tuple[dict, dict] | None = None, **jit_kwargs: Any):
-        """`jax.jit(self, **jit_kwargs).lower(params, buffers, *args)` (default: current state)."""
-        import jax
-
-        params, buffers = state if state is not None else self.state()
-        return jax.jit(self, **jit_kwargs).lower(params, buffers, *args)
-
-    def hlo(self, *args: Any, **jit_kwargs: Any) -> str:
-        """The compiled (post-partitioning) HLO text for `args`: where the collectives are."""
-        return self.lower(*args, **jit_kwargs).compile().as_text()

@@ -36,6 +36,7 @@ __all__ = [
     "register_output_pytree",
     "register_common_outputs",
     "JitModule",
+    "FunctionalModule",
     "move_tensors",
     "masked_row_safe_sdpa",
     "install_masked_row_safe_sdpa",
@@ -160,6 +161,76 @@ class JitModule(torch.nn.Module):
     @property
     def __class__(self):  # noqa: D105 - let pipelines' isinstance checks see the wrapped class
         return self.__dict__["_jm"]._model.__class__
+
+
+class FunctionalModule:
+    """A torch module as a pure JAX function `fn(params, buffers, *args, **kwargs)`.
+
+    This is what torchax's jit wraps internally, exposed so that you can call
+    `jax.jit(f).lower(...)` yourself: read the compiled HLO (`hlo`), or compile ahead of time
+    against abstract, sharded arguments (`abstract_state`). `method` is the method name to call
+    or a function `f(module, *args, **kwargs)` traced in its place (a jit-friendly forward such as
+    `tpupedia.models.hunyuan.static_forward`). Static keyword arguments (`return_dict=False`)
+    are baked in. Arguments and results are JAX arrays (pytrees of them).
+
+    Introduced in notebook 02 (distributed sharding); `tpupedia.dryrun` compiles through it.
+    """
+
+    def __init__(self, module: torch.nn.Module, method: Any = "forward", **static_kwargs: Any):
+        from torchax.interop import JittableModule
+
+        import_torchax()
+        self.module = module
+        self._jm = JittableModule(module)
+        self._method = method
+        self._static = static_kwargs
+
+    def __call__(self, params: dict, buffers: dict, *args: Any, **kwargs: Any) -> Any:
+        from torchax.interop import jax_view, torch_view
+
+        env = default_env()
+        with env:
+            out = self._jm.functional_call(self._method, torch_view(params), torch_view(buffers), *torch_view(args),
+                                           **torch_view(kwargs), **self._static)
+        return jax_view(out)
+
+    def state(self) -> tuple[dict, dict]:
+        """The module's current `(params, buffers)` as dicts of (sharded) `jax.Array`s."""
+        from torchax.interop import jax_view
+
+        return jax_view(dict(self._jm.params)), jax_view(dict(self._jm.buffers))
+
+    def abstract_state(self, the_plan: Any = None, mesh: Any = None) -> tuple[dict, dict]:
+        """`(params, buffers)` as `jax.ShapeDtypeStruct`s with the shardings of `the_plan` (a
+        `tpupedia.sharding.ShardingPlan`), no data. Works for a module built on `meta`. Names the
+        plan does not know (all of them without a plan) are replicated over `mesh` (default: the
+        plan's mesh)."""
+        import jax
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        from torchax.ops.mappings import t2j_dtype
+
+        mesh = mesh if mesh is not None else (the_plan.mesh if the_plan else None)
+        specs = the_plan.specs() if the_plan else {}
+
+        def one(name, t):
+            sharding = NamedSharding(mesh, specs.get(name) or P()) if mesh is not None else None
+            return jax.ShapeDtypeStruct(tuple(t.shape), t2j_dtype(t.dtype), sharding=sharding)
+
+        return (
+            {n: one(n, t) for n, t in self._jm.params.items()},
+            {n: one(n, t) for n, t in self._jm.buffers.items()},
+        )
+
+    def lower(self, *args: Any, state: tuple[dict, dict] | None = None, **jit_kwargs: Any):
+        """`jax.jit(self, **jit_kwargs).lower(params, buffers, *args)` (default: current state)."""
+        import jax
+
+        params, buffers = state if state is not None else self.state()
+        return jax.jit(self, **jit_kwargs).lower(params, buffers, *args)
+
+    def hlo(self, *args: Any, **jit_kwargs: Any) -> str:
+        """The compiled (post-partitioning) HLO text for `args`: where the collectives are."""
+        return self.lower(*args, **jit_kwargs).compile().as_text()
 
 
 def move_tensors(obj: Any, device: str = "jax") -> Any:

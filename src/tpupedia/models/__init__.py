@@ -1,7 +1,9 @@
-"""Model ports used by the course.
+"""One module per model family, holding every fact about it, and the ports.
 
-* `cogvideox_vae`: the CogVideoX VAE in Flax NNX (notebook 05);
-  `cogvideox_vae_convert`: its weight conversion and layer-by-layer comparison;
-* `hunyuan_static`: a jit-friendly forward for diffusers' HunyuanVideo-1.5 transformer (used by
-  the dry-run planner of notebook 09).
+* `cogvideox`: CogVideoX configs, frame and size rules, token counts, step FLOPs, checkpoints
+  (notebook 06; the dry-run of notebook 09 reads it);
+* `hunyuan`: HunyuanVideo-1.5 facts and a jit-friendly transformer forward (notebook 09, lesson 07);
+* `llama`: Llama-2-7B facts (notebook 01);
+* `cogvideox_vae`: the CogVideoX VAE in Flax NNX (notebook 05); `cogvideox_vae_convert`: its
+  weight conversion and layer-by-layer comparison.
 """

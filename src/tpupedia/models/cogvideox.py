@@ -23,7 +23,8 @@ __all__ = [
     "PATCH_SIZE_T", "TEXT_TOKENS", "CFG_BATCH", "SCHEDULER_CONFIG", "ModelInputError",
     "full_transformer_config", "tiny_transformer_config", "tiny_vae_config", "tiny_text_encoder_config",
     "full_text_encoder_config", "default_request", "check_frames", "check_size", "latent_frames",
-    "padded_latent_frames", "video_tokens", "step_flops", "FunctionalRoPEAttnProcessor", "make_jit_friendly",
+    "padded_latent_frames", "video_tokens", "step_flops", "build", "step_inputs", "FunctionalRoPEAttnProcessor",
+    "make_jit_friendly",
     "tiny_checkpoint", "model_source", "component_configs", "load_scheduler", "rotary_embeddings",
 ]
 
@@ -152,6 +153,42 @@ def step_flops(width: int, height: int, frames: int, layers: int = FULL_LAYERS, 
     linear = batch * layers * 2 * s * 12 * d * d
     attention = batch * layers * 4 * s * s * d
     return {"tokens": s, "linear": float(linear), "attention": float(attention), "total": float(linear + attention)}
+
+
+def build(layers: int | None = None, device: str = "meta", dtype: Any = None):
+    """The full-size transformer (shapes only on `meta`), bf16 by default, with the attention
+    processor the pipeline runs (`make_jit_friendly`)."""
+    import torch
+    from diffusers import CogVideoXTransformer3DModel
+
+    with torch.device(device):
+        module = CogVideoXTransformer3DModel(**full_transformer_config(layers)).to(dtype or torch.bfloat16)
+    return make_jit_friendly(module)
+
+
+def step_inputs(width: int, height: int, frames: int, batch: int = CFG_BATCH) -> tuple[list, Any]:
+    """`(input specs, call)` for one denoising step of the full model in the dry-run: latents
+    (padded latent frames), T5 embeddings and timesteps with the guidance batch on `dp`, RoPE
+    tables replicated."""
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    padded, _ = padded_latent_frames(frames)
+    tokens = video_tokens(width, height, frames)
+    head_dim = full_transformer_config()["attention_head_dim"]
+    specs = [
+        ((batch, padded, 16, height // SPATIAL_COMPRESSION, width // SPATIAL_COMPRESSION), jnp.bfloat16, P("dp")),
+        ((batch, TEXT_TOKENS, 4096), jnp.bfloat16, P("dp")),
+        ((batch,), jnp.int32, P("dp")),
+        ((tokens, head_dim), jnp.float32, P()),
+        ((tokens, head_dim), jnp.float32, P()),
+    ]
+
+    def call(fm, w, b, x, text, t, cos, sin):
+        return fm(w, b, hidden_states=x, encoder_hidden_states=text, timestep=t, image_rotary_emb=(cos, sin),
+                  return_dict=False)[0]
+
+    return specs, call
 
 
 # --- a jit-friendly attention processor -----------------------------------------------------

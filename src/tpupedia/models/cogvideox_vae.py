@@ -32,6 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from tpupedia.errors import TpupediaError
+
 __all__ = [
     "CogVideoXVAEConfig",
     "VAEInputError",
@@ -58,11 +60,11 @@ __all__ = [
 Cache = dict[str, Any] | None
 
 
-class VAEInputError(ValueError):
+class VAEInputError(TpupediaError, ValueError):
     """An input the VAE cannot process: wrong rank, channel count or frame count."""
 
 
-class VAEConfigError(ValueError):
+class VAEConfigError(TpupediaError, ValueError):
     """A configuration the port does not support (or that diffusers itself would reject)."""
 
 

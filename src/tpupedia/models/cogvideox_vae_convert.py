@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from tpupedia.errors import TpupediaError
 from tpupedia.models import cogvideox_vae as vae_mod
 from tpupedia.models.cogvideox_vae import AutoencoderKLCogVideoX, CogVideoXVAEConfig
 
@@ -43,7 +44,7 @@ __all__ = [
 ]
 
 
-class WeightConversionError(ValueError):
+class WeightConversionError(TpupediaError, ValueError):
     """A state dict that does not match the NNX model: missing, unexpected or mis-shaped tensors."""
 
 

@@ -449,8 +449,7 @@ def run(request: Request, options: Options, *, preset: Any, model: str | None = 
     import jax
     import torch
 
-    from tpupedia import devices
-    from tpupedia import bench as results  # TEMP until tpupedia.results lands
+    from tpupedia import devices, results
 
     wanted = STAGE_ORDER if stage == "all" else (stage,)
     if stage != "all" and stage not in STAGE_ORDER:
@@ -496,13 +495,10 @@ def run(request: Request, options: Options, *, preset: Any, model: str | None = 
 
 
 def torch_dtype(options: Options, preset: Any):
-    """The dtype the models run in: `options.dtype`, or for `auto` bf16 on the full preset and
-    float32 on the tiny one."""
+    """The dtype the models run in: `options.dtype`, or for `auto` the preset's."""
     import torch
 
-    if options.dtype == "auto":
-        return torch.bfloat16 if preset.pretrained else torch.float32
-    return getattr(torch, options.dtype)
+    return getattr(torch, preset.dtype if options.dtype == "auto" else options.dtype)
 
 
 def _describe(timings: dict) -> str:

@@ -4,16 +4,12 @@ import pytest
 import torch
 from diffusers import HunyuanVideo15Transformer3DModel
 
-from tpupedia.models.hunyuan_static import make_static, static_forward
+from tpupedia.models.hunyuan import make_static, static_forward, tiny_transformer_config
 
 
 def _tiny():
     torch.manual_seed(0)
-    return HunyuanVideo15Transformer3DModel(
-        in_channels=9, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=2,
-        num_refiner_layers=1, mlp_ratio=2.0, patch_size=1, patch_size_t=1, text_embed_dim=16,
-        text_embed_2_dim=32, image_embed_dim=12, rope_axes_dim=(2, 2, 4), target_size=16, task_type="t2v",
-    ).eval()
+    return HunyuanVideo15Transformer3DModel(**tiny_transformer_config()).eval()
 
 
 @pytest.mark.parametrize("padded", [False, True])
