@@ -105,7 +105,7 @@ def _cogvideox_setup(args: argparse.Namespace):
     """Preset, request and options from the command line, validated before JAX starts or any
     model loads; then the preset's devices and the compilation cache. Shared by `generate` and
     `bench generate`."""
-    from tpupedia import devices, presets, session
+    from tpupedia import devices, distributed, presets, session
     from tpupedia.models import cogvideox as family
     from tpupedia.pipelines import cogvideox as pipeline
 
@@ -117,8 +117,12 @@ def _cogvideox_setup(args: argparse.Namespace):
     options = pipeline.Options(mesh=pipeline.parse_mesh(args.mesh) if args.mesh else None, sharding=args.sharding,
                                attention=args.attention, vae=args.vae, quiet=args.quiet, dtype=args.dtype)
     pipeline.validate(request, options)
-    if preset.simulated_devices:
+    if distributed.requested():  # one process of a `tpupedia launch` job (notebook 10)
+        distributed.initialize()
+    elif preset.simulated_devices:
         devices.simulate_cpu_devices(preset.simulated_devices)
+    else:
+        distributed.initialize()  # joins the slice on a multi-host TPU VM; a no-op on one host
     if args.compilation_cache:
         import jax
 
@@ -154,6 +158,13 @@ def _bench_generate_cogvideox(args: argparse.Namespace) -> int:
         print(f"  {stage:8} first call {t['first_s']:.2f} s{steady}")
     print(f"  written to {path}")
     return 0
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from tpupedia import distributed
+
+    command = args.tpupedia_command[1:] if args.tpupedia_command[:1] == ["--"] else args.tpupedia_command
+    return distributed.launch(command, args.local_processes, args.devices_per_process)
 
 
 def _add_cogvideox_arguments(cog: argparse.ArgumentParser, *, stages: bool) -> None:
@@ -245,6 +256,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_cogvideox_arguments(bcog, stages=False)
     bcog.add_argument("--output", default="docs/results/pipelines.json", help="results file to merge into")
     bcog.set_defaults(func=_bench_generate_cogvideox)
+
+    la = sub.add_parser("launch", help="run a tpupedia command as N local processes of one multi-controller JAX job")
+    la.add_argument("--local-processes", type=int, default=2)
+    la.add_argument("--devices-per-process", type=int, default=4, help="simulated CPU devices in each process")
+    la.add_argument("tpupedia_command", nargs=argparse.REMAINDER, help="-- then the tpupedia command, e.g. -- generate cogvideox ...")
+    la.set_defaults(func=_launch)
     return parser
 
 

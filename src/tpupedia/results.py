@@ -46,6 +46,7 @@ def machine() -> dict[str, Any]:
         "platform": devs[0].platform,
         "device_kind": devs[0].device_kind,
         "devices": len(devs),
+        "processes": jax.process_count(),
         "cpu_count": os.cpu_count(),
         "python": _platform.python_version(),
         "versions": {d: version(d) for d in ("torch", "jax", "jaxlib", "torchax", "transformers")},

@@ -205,14 +205,16 @@ class CogVideoX:
         p = self.options.matmul_precision
         return jax.default_matmul_precision(p) if p else contextlib.nullcontext()
 
-    def _to_jax(self, name: str, module, rules=None):
-        """Move a torch module into the torchax environment, sharded by `rules` (or replicated);
-        the plan is kept in `self.plans[name]` for inspection."""
+    def _to_jax(self, name: str, module, rules=None, *, on_mesh: bool = True):
+        """Move a torch module into the torchax environment, sharded over the mesh by `rules`
+        (or replicated), the plan kept in `self.plans[name]`; `on_mesh=False` leaves it on this
+        process's default device (the VAE: every process decodes its own copy)."""
         from tpupedia import sharding
 
         with self.env:
             module.to("jax")
-            self.plans[name] = sharding.apply_rules(module, rules or [], self.mesh)
+            if on_mesh:
+                self.plans[name] = sharding.apply_rules(module, rules or [], self.mesh)
         return module
 
     def settings(self, stage: str, request: Request) -> dict:
@@ -225,6 +227,7 @@ class CogVideoX:
         computes them (padding to the checkpoint's text length, truncation, special tokens)."""
         import jax
         import torch
+        from jax.sharding import NamedSharding, PartitionSpec as P
         from torchax.interop import JittableModule, jax_view
         from transformers import AutoTokenizer, T5EncoderModel
 
@@ -243,14 +246,15 @@ class CogVideoX:
                 out = jm.functional_call("forward", w, b, input_ids=ids, return_dict=False)[0]
             return env.t2j_iso(out)
 
-        compiled = jax.jit(embed)
+        replicated = NamedSharding(self.mesh, P())
+        compiled = jax.jit(embed, out_shardings=replicated)  # readable by every process
         weights, buffers = jax_view(dict(jm.params)), jax_view(dict(jm.buffers))
         results, times = {}, []
         with self._precision():
             for name, text in (("negative_prompt_embeds", request.negative_prompt), ("prompt_embeds", request.prompt)):
                 ids = tokenizer([text], padding="max_length", max_length=length, truncation=True,
                                 add_special_tokens=True, return_tensors="pt").input_ids
-                out, seconds = _timed(lambda: compiled(weights, buffers, jax.numpy.asarray(ids.numpy())),
+                out, seconds = _timed(lambda: compiled(weights, buffers, jax.device_put(ids.numpy(), replicated)),
                                       jax.block_until_ready)
                 results[name] = _to_torch(out).to(self.dtype)
                 times.append(seconds)
@@ -342,9 +346,9 @@ class CogVideoX:
             for i in range(len(timesteps)):
                 noise = (schedulers.dpm_noise(generator, shape, self.dtype, host_tables, i)
                          if dpm else np.zeros(noise_shape, np.float32))
-                (x, old), seconds = _timed(
-                    lambda: compiled(weights, buffers, x, old, text, cos, sin, jnp.int32(i),
-                                     jnp.float32(request.guidance), jnp.asarray(noise)),
+                (x, old), seconds = _timed(  # host scalars and noise: replicated inputs on every process
+                    lambda: compiled(weights, buffers, x, old, text, cos, sin, np.int32(i),
+                                     np.float32(request.guidance), noise),
                     jax.block_until_ready)
                 step_times.append(seconds)
                 if on_step:
@@ -376,7 +380,7 @@ class CogVideoX:
             else:
                 from tpupedia import torchax_utils
 
-                self._to_jax("vae", vae)
+                self._to_jax("vae", vae, on_mesh=False)
                 with self.env:
                     vae.decoder = torchax_utils.JitModule(vae.decoder)
                     video = vae.decode(z.to("jax")).sample
@@ -445,11 +449,14 @@ def run(request: Request, options: Options, *, preset: Any, model: str | None = 
     request is skipped unless `force`; a stage's input is read only if its stage file is valid
     and was made for this request (`tpupedia.pipelines.stages.read`). With `out`, the mp4 is
     written from the decode stage file.
+
+    In a multi-process job (`tpupedia.distributed`, notebook 10) every process runs the same
+    stages over one global mesh; process 0 alone writes the stage files and the video, and the
+    others wait for it at a barrier before reading them.
     """
     import jax
-    import torch
 
-    from tpupedia import devices, results
+    from tpupedia import devices, distributed, results
 
     wanted = STAGE_ORDER if stage == "all" else (stage,)
     if stage != "all" and stage not in STAGE_ORDER:
@@ -459,9 +466,12 @@ def run(request: Request, options: Options, *, preset: Any, model: str | None = 
     shape = options.mesh or default_mesh_shape(count)
     source, label = family.model_source(preset, model)
     dtype = torch_dtype(options, preset)
-    mesh = devices.make_mesh(shape, ("dp", "tp"))
+    mesh = devices.make_mesh(shape, ("dp", "tp"))  # over jax.devices(): every process's devices
     pipe = CogVideoX(source, label, dtype, mesh, options)
     workdir = Path(workdir)
+    leader = distributed.is_leader()
+    if not leader:
+        log = lambda _: None  # noqa: E731 - one voice per job
     reports = []
     for name in wanted:
         wanted_settings = pipe.settings(name, request)
@@ -476,21 +486,23 @@ def run(request: Request, options: Options, *, preset: Any, model: str | None = 
             previous = STAGE_ORDER[STAGE_ORDER.index(name) - 1]
             inputs = stages.read(workdir, previous, pipe.settings(previous, request)).tensors
             if name == "denoise":
-                bar = _progress(request.steps, options.quiet)
+                bar = _progress(request.steps, options.quiet or not leader)
                 tensors, timings = pipe.denoise(request, inputs, on_step=lambda i, x: bar.update(1))
                 bar.close()
             else:
                 tensors, timings = pipe.decode(request, inputs["latents"])
         extra = {"command": command, "machine": results.machine(), "timings": timings,
                  "options": dataclasses.asdict(options), "mesh": dict(mesh.shape)}
-        path = stages.write(workdir, name, tensors, wanted_settings, extra=extra)
+        path = stages.write(workdir, name, tensors, wanted_settings, extra=extra) if leader else stages.path(workdir, name)
+        distributed.barrier(f"stage {name} written")
         reports.append(StageReport(name, True, path, timings))
         log(f"{name}: wrote {path} ({_describe(timings)})")
-    if out is not None:
+    if out is not None and leader:
         from tpupedia import video
 
         frames = stages.read(workdir, "decode", pipe.settings("decode", request)).tensors["frames"]
         log(f"video: wrote {video.write_mp4(frames.numpy(), out, fps=request.fps)}")
+    distributed.barrier("run done")
     return reports
 
 

@@ -1,0 +1,184 @@
+"""Beyond one host: JAX's multi-controller runtime, and a local launcher that imitates a slice.
+
+A multi-host TPU slice (v6e-16 and up) runs one copy of the same program on every host; each
+process sees its own chips (`jax.local_devices()`) and, after `jax.distributed.initialize()`,
+all of them (`jax.devices()`), so a mesh built from `jax.devices()` spans the slice and a jitted
+function runs as one SPMD program with collectives between hosts. This module is that set-up,
+and nothing hand-made on top of it:
+
+* `initialize()`: on a TPU slice, `jax.distributed.initialize()` with no arguments (the TPU
+  environment supplies coordinator, count and rank); locally, from `TPUPEDIA_COORDINATOR`,
+  `TPUPEDIA_NUM_PROCESSES`, `TPUPEDIA_PROCESS_ID` and `TPUPEDIA_DEVICES_PER_PROCESS`, with
+  CPU collectives over gloo; otherwise a no-op describing one process.
+* `launch(...)`: `tpupedia launch --local-processes N --devices-per-process D -- COMMAND`
+  starts N local processes with those variables, so one CPU host runs a real multi-controller
+  job (each process's output prefixed with its id); a failing process stops the others.
+* `is_leader()`, `barrier(name)`: process 0 writes shared outputs; everyone waits for it.
+
+Introduced in notebook 10 (beyond one host); `tpupedia generate` calls `initialize()`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from tpupedia.errors import TpupediaError
+
+__all__ = [
+    "ENV_COORDINATOR", "ENV_NUM_PROCESSES", "ENV_PROCESS_ID", "ENV_DEVICES_PER_PROCESS",
+    "DistributedError", "Processes", "requested", "initialize", "is_leader", "barrier", "free_port", "launch",
+]
+
+ENV_COORDINATOR = "TPUPEDIA_COORDINATOR"
+ENV_NUM_PROCESSES = "TPUPEDIA_NUM_PROCESSES"
+ENV_PROCESS_ID = "TPUPEDIA_PROCESS_ID"
+ENV_DEVICES_PER_PROCESS = "TPUPEDIA_DEVICES_PER_PROCESS"
+
+
+class DistributedError(TpupediaError, RuntimeError):
+    """A multi-process set-up that cannot start (bad variables, JAX already running, a failed process)."""
+
+
+@dataclass(frozen=True)
+class Processes:
+    """What this process sees after `initialize()`."""
+
+    process_id: int
+    num_processes: int
+    local_devices: int
+    global_devices: int
+
+
+def requested() -> bool:
+    """Whether the local multi-process variables are set (by `launch` or by hand)."""
+    return ENV_COORDINATOR in os.environ
+
+
+def _on_multihost_tpu() -> bool:
+    hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
+    return "," in hosts or "MEGASCALE_COORDINATOR_ADDRESS" in os.environ
+
+
+def _describe() -> Processes:
+    import jax
+
+    return Processes(jax.process_index(), jax.process_count(), jax.local_device_count(), jax.device_count())
+
+
+def initialize() -> Processes:
+    """Join the multi-controller job this process belongs to (see the module docstring).
+
+    Must run before JAX starts a backend; raises `DistributedError` naming what is wrong.
+    """
+    import jax
+
+    from tpupedia import devices
+
+    if not requested() and not _on_multihost_tpu():
+        return _describe()
+    if devices._backends_initialized():
+        raise DistributedError("JAX already started its devices; call distributed.initialize() first "
+                               "(before any array, jit or jax.devices())")
+    if _on_multihost_tpu() and not requested():
+        jax.distributed.initialize()  # the TPU environment names the coordinator, count and rank
+        return _describe()
+    try:
+        count = int(os.environ[ENV_NUM_PROCESSES])
+        rank = int(os.environ[ENV_PROCESS_ID])
+        per_process = int(os.environ.get(ENV_DEVICES_PER_PROCESS, "1"))
+    except (KeyError, ValueError) as err:
+        raise DistributedError(f"{ENV_COORDINATOR} is set, so {ENV_NUM_PROCESSES} and {ENV_PROCESS_ID} must be "
+                               f"integers ({type(err).__name__}: {err})") from None
+    if not (count >= 1 and 0 <= rank < count and per_process >= 1):
+        raise DistributedError(f"process {rank} of {count} with {per_process} devices each: need 0 <= id < count")
+    devices.quiet_libtpu()
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", per_process)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=os.environ[ENV_COORDINATOR], num_processes=count, process_id=rank)
+    return _describe()
+
+
+def is_leader() -> bool:
+    """True in process 0, the one that writes shared outputs (stage files, videos, manifests)."""
+    import jax
+
+    return jax.process_index() == 0
+
+
+def barrier(name: str) -> None:
+    """Wait until every process reaches `barrier(name)` (a no-op in a one-process job)."""
+    import jax
+
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _relay(stream, prefix: str, out) -> None:
+    for line in iter(stream.readline, ""):
+        out.write(f"{prefix}{line}")
+        out.flush()
+
+
+def launch(command: Sequence[str], processes: int, devices_per_process: int, grace_s: float = 10.0,
+           out=None) -> int:
+    """Run `python -m tpupedia.cli COMMAND` as `processes` local processes of one JAX job.
+
+    Each line of output is prefixed with `[pN] `. Returns 0 when every process succeeds;
+    otherwise stops the others (a multi-controller job cannot finish without all of them) and
+    raises `DistributedError` naming the first process that failed and its exit status.
+    """
+    if processes < 1 or devices_per_process < 1:
+        raise DistributedError(f"--local-processes {processes} and --devices-per-process {devices_per_process} "
+                               "must be positive")
+    if not command:
+        raise DistributedError("nothing to launch: give the tpupedia command after --")
+    out = out or sys.stdout
+    port = free_port()
+    children, relays = [], []
+    for rank in range(processes):
+        env = dict(os.environ, **{ENV_COORDINATOR: f"127.0.0.1:{port}", ENV_NUM_PROCESSES: str(processes),
+                                  ENV_PROCESS_ID: str(rank), ENV_DEVICES_PER_PROCESS: str(devices_per_process)})
+        child = subprocess.Popen([sys.executable, "-m", "tpupedia.cli", *command], env=env, text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=1)
+        relay = threading.Thread(target=_relay, args=(child.stdout, f"[p{rank}] ", out), daemon=True)
+        relay.start()
+        children.append(child)
+        relays.append(relay)
+    failed = None
+    while any(c.poll() is None for c in children):
+        for rank, c in enumerate(children):
+            if failed is None and c.poll() not in (None, 0):
+                failed = (rank, c.returncode)
+                deadline = time.monotonic() + grace_s
+                while any(o.poll() is None for o in children) and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                for other in children:
+                    if other.poll() is None:
+                        other.terminate()
+        time.sleep(0.1)
+    for relay in relays:
+        relay.join(timeout=5)
+    if failed is None:
+        failed = next(((r, c.returncode) for r, c in enumerate(children) if c.returncode), None)
+    if failed is not None:
+        raise DistributedError(f"process {failed[0]} of {processes} exited with status {failed[1]}; "
+                               "the others were stopped")
+    return 0
