@@ -61,3 +61,14 @@ def test_initialize_refuses_bad_variables(monkeypatch):
         distributed.initialize()
     with pytest.raises(distributed.DistributedError, match="nothing to launch"):
         distributed.launch([], 2, 4)
+
+
+def test_a_batch_is_split_over_the_processes(tmp_path):
+    (tmp_path / "p.txt").write_text("a panda\na cat\nrain over a city\n")
+    done = _tpupedia("launch", "--local-processes", "2", "--devices-per-process", "4", "--", "generate", "cogvideox",
+                     "--preset", "tiny", "--prompts", "p.txt", "--outdir", "out", "--quiet", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:]
+    import json
+
+    made_by = {e["index"]: e["process"] for e in map(json.loads, (tmp_path / "out" / "index.jsonl").read_text().splitlines())}
+    assert made_by == {0: 0, 1: 1, 2: 0}  # prompt i on process i mod 2, each on its own 4 devices

@@ -113,7 +113,7 @@ def _cogvideox_setup(args: argparse.Namespace):
     sizes = family.default_request(preset) | {k: v for k, v in (
         ("frames", args.frames), ("height", args.height), ("width", args.width), ("steps", args.steps),
         ("guidance", args.guidance), ("seed", args.seed), ("fps", args.fps)) if v is not None}
-    request = pipeline.Request(prompt=args.prompt, negative_prompt=args.negative_prompt, **sizes)
+    request = pipeline.Request(prompt=args.prompt or "(from --prompts)", negative_prompt=args.negative_prompt, **sizes)
     options = pipeline.Options(mesh=pipeline.parse_mesh(args.mesh) if args.mesh else None, sharding=args.sharding,
                                attention=args.attention, vae=args.vae, quiet=args.quiet, dtype=args.dtype)
     pipeline.validate(request, options)
@@ -138,7 +138,15 @@ def _generate_cogvideox(args: argparse.Namespace) -> int:
 
     from tpupedia.pipelines import cogvideox as pipeline
 
+    if (args.prompt is None) == (args.prompts is None):
+        raise CommandLineError("give either --prompt TEXT (one video) or --prompts FILE --outdir DIR (a batch)")
+    if args.prompts is not None and args.outdir is None:
+        raise CommandLineError("--prompts FILE needs --outdir DIR for the videos")
     preset, request, options = _cogvideox_setup(args)
+    if args.prompts is not None:
+        pipeline.run_batch(args.prompts, request, options, preset=preset, outdir=args.outdir, model=args.model,
+                           force=args.force, log=(lambda _: None) if args.quiet else print)
+        return 0
     pipeline.run(request, options, preset=preset, model=args.model, stage=args.stage, workdir=args.workdir,
                  out=args.out, force=args.force, command="tpupedia " + shlex.join(args.argv),
                  log=(lambda _: None) if args.quiet else print)
@@ -172,13 +180,15 @@ def _add_cogvideox_arguments(cog: argparse.ArgumentParser, *, stages: bool) -> N
     source.add_argument("--preset", choices=["tiny", "full"], default=None,
                         help="tiny: random tiny checkpoint, CPU; full: zai-org/CogVideoX1.5-5B (default: $TPUPEDIA_PRESET)")
     source.add_argument("--model", default=None, help="a diffusers-format CogVideoX checkpoint directory or hub id")
-    cog.add_argument("--prompt", required=stages, default="A panda plays an acoustic guitar in a bamboo forest.")
+    cog.add_argument("--prompt", default=None if stages else "A panda plays an acoustic guitar in a bamboo forest.")
     cog.add_argument("--negative-prompt", default="")
     if stages:
         cog.add_argument("--stage", choices=["all", "text", "denoise", "decode"], default="all")
         cog.add_argument("--workdir", default="tpupedia-runs/cogvideox", help="where stage files live")
         cog.add_argument("--out", default=None, help="write the video to this .mp4 (needs the decode stage)")
         cog.add_argument("--force", action="store_true", help="rerun stages whose files are up to date")
+        cog.add_argument("--prompts", default=None, help="a batch: one prompt a line, or JSONL with prompt/seed/frames/height/width")
+        cog.add_argument("--outdir", default=None, help="with --prompts: where NNNN-slug.mp4, its JSON and index.jsonl go")
     for flag, kind in (("--frames", int), ("--height", int), ("--width", int), ("--steps", int),
                        ("--guidance", float), ("--seed", int), ("--fps", int)):
         cog.add_argument(flag, type=kind, default=None, help="default: the preset's (tpupedia.models.cogvideox)")

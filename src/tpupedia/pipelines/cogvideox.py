@@ -442,7 +442,7 @@ STAGE_ORDER = stages.STAGES  # text -> denoise -> decode
 
 def run(request: Request, options: Options, *, preset: Any, model: str | None = None, stage: str = "all",
         workdir: str | Path = "tpupedia-runs/cogvideox", out: str | Path | None = None, force: bool = False,
-        command: str = "", log: Callable[[str], None] = print) -> list[StageReport]:
+        command: str = "", log: Callable[[str], None] = print, collective: bool = True) -> list[StageReport]:
     """Run `stage` (or all three) for `request`, reading and writing stage files in `workdir`.
 
     Everything is validated before a model is loaded. A stage whose file exists and matches this
@@ -452,7 +452,8 @@ def run(request: Request, options: Options, *, preset: Any, model: str | None = 
 
     In a multi-process job (`tpupedia.distributed`, notebook 10) every process runs the same
     stages over one global mesh; process 0 alone writes the stage files and the video, and the
-    others wait for it at a barrier before reading them.
+    others wait for it at a barrier before reading them. `collective=False` runs this request
+    in this process alone, on its own devices (how `run_batch` spreads prompts over processes).
     """
     import jax
 
@@ -461,15 +462,16 @@ def run(request: Request, options: Options, *, preset: Any, model: str | None = 
     wanted = STAGE_ORDER if stage == "all" else (stage,)
     if stage != "all" and stage not in STAGE_ORDER:
         raise PipelineError(f"stage={stage!r} is not one of all, {', '.join(STAGE_ORDER)}")
-    count = jax.device_count()
-    validate(request, options, count)
-    shape = options.mesh or default_mesh_shape(count)
+    mesh_devices = jax.devices() if collective else jax.local_devices()  # every process's devices, or ours
+    validate(request, options, len(mesh_devices))
+    shape = options.mesh or default_mesh_shape(len(mesh_devices))
     source, label = family.model_source(preset, model)
     dtype = torch_dtype(options, preset)
-    mesh = devices.make_mesh(shape, ("dp", "tp"))  # over jax.devices(): every process's devices
+    mesh = devices.make_mesh(shape, ("dp", "tp"), devices=mesh_devices)
     pipe = CogVideoX(source, label, dtype, mesh, options)
     workdir = Path(workdir)
-    leader = distributed.is_leader()
+    leader = distributed.is_leader() or not collective
+    barrier = distributed.barrier if collective else (lambda _: None)
     if not leader:
         log = lambda _: None  # noqa: E731 - one voice per job
     reports = []
@@ -494,7 +496,7 @@ def run(request: Request, options: Options, *, preset: Any, model: str | None = 
         extra = {"command": command, "machine": results.machine(), "timings": timings,
                  "options": dataclasses.asdict(options), "mesh": dict(mesh.shape)}
         path = stages.write(workdir, name, tensors, wanted_settings, extra=extra) if leader else stages.path(workdir, name)
-        distributed.barrier(f"stage {name} written")
+        barrier(f"stage {name} written")
         reports.append(StageReport(name, True, path, timings))
         log(f"{name}: wrote {path} ({_describe(timings)})")
     if out is not None and leader:
@@ -502,8 +504,57 @@ def run(request: Request, options: Options, *, preset: Any, model: str | None = 
 
         frames = stages.read(workdir, "decode", pipe.settings("decode", request)).tensors["frames"]
         log(f"video: wrote {video.write_mp4(frames.numpy(), out, fps=request.fps)}")
-    distributed.barrier("run done")
+    barrier("run done")
     return reports
+
+
+def run_batch(prompts: str | Path, base: Request, options: Options, *, preset: Any, outdir: str | Path,
+              model: str | None = None, force: bool = False, log: Callable[[str], None] = print) -> list[str]:
+    """Generate every prompt of a prompts file into `outdir` (see `tpupedia.batch`), skipping the
+    ones already done; returns the names this process generated.
+
+    Every request is validated before a model loads. Each process takes its share of the prompts
+    and runs them on its own devices (`collective=False`); each prompt's stage files live in
+    `outdir/.stages/NAME`, so a prompt interrupted mid-way resumes from its last finished stage.
+    """
+    import jax
+
+    from tpupedia import batch, distributed, results, video
+
+    items = batch.read_prompts(prompts)
+    requests = {item.index: batch.item_request(item, base) for item in items}
+    for item in items:
+        try:
+            validate(requests[item.index], options, len(jax.local_devices()))
+        except TpupediaError as err:
+            raise PipelineError(f"prompt {item.index} ({item.prompt[:40]!r}): {err}") from None
+    outdir = Path(outdir)
+    outdir.mkdir(parents=True, exist_ok=True)
+    source, label = family.model_source(preset, model)
+    configs = family.component_configs(source)
+    dtype = str(torch_dtype(options, preset)).removeprefix("torch.")
+    process, made = jax.process_index(), []
+    for item in batch.share(items, process, jax.process_count()):
+        request = requests[item.index]
+        fingerprint = stages.fingerprint(settings("decode", label, configs, request, vae=options.vae, dtype=dtype))
+        if not force and batch.is_done(outdir, item, fingerprint):
+            batch.relist(outdir, item)
+            log(f"{item.name}: done already, skipped")
+            continue
+        work = outdir / ".stages" / item.name
+        start = time.perf_counter()
+        reports = run(request, dataclasses.replace(options, quiet=True), preset=preset, model=model, workdir=work,
+                      force=force, log=lambda _: None, collective=False)
+        frames = stages.read(work, "decode", settings("decode", label, configs, request, vae=options.vae,
+                                                      dtype=dtype)).tensors["frames"].numpy()
+        timings = {r.stage: r.timings for r in reports} | {"total_s": time.perf_counter() - start}
+        path = batch.record(outdir, item, fingerprint, lambda p: video.write_mp4(frames, p, fps=request.fps),
+                            {"seed": request.seed, "timings": timings, "process": process,
+                             "machine": results.machine()})
+        made.append(item.name)
+        log(f"{item.name}: wrote {path.name} ({timings['total_s']:.1f} s)")
+    distributed.barrier("batch done")
+    return made
 
 
 def torch_dtype(options: Options, preset: Any):

@@ -1,0 +1,172 @@
+"""Batch generation that survives failures: prompts file in, one checked output per prompt out.
+
+A batch is a prompts file (one prompt a line, or JSONL with `prompt` and optional `seed`,
+`frames`, `height`, `width`, `negative_prompt`) and an output folder. Each prompt becomes
+`OUTDIR/NNNN-slug.mp4` and its JSON record; both are written atomically (temporary file, then
+rename; the JSON last), and a prompt counts as done only when its JSON parses, names this
+prompt's settings fingerprint and the mp4's checksum matches. So a job killed at any moment
+loses at most the prompts in flight, and a rerun redoes exactly those. `OUTDIR/index.jsonl`
+gets one line per finished prompt (prompt, seed, file, timings, which process made it),
+appended as one write per line, never duplicated by a rerun.
+
+With several processes (`tpupedia launch`, or the hosts of a TPU slice), each process takes
+the prompts whose index modulo the process count is its id and runs them on its own devices:
+data parallelism over hosts, with no communication between them.
+
+Introduced in notebook 10 (beyond one host).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import unicodedata
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from tpupedia.errors import TpupediaError
+
+__all__ = ["BatchError", "Item", "read_prompts", "slug", "share", "item_request", "is_done", "record", "relist",
+           "manifest"]
+
+_FIELDS = {"prompt": str, "negative_prompt": str, "seed": int, "frames": int, "height": int, "width": int}
+MANIFEST = "index.jsonl"
+
+
+class BatchError(TpupediaError, ValueError):
+    """A prompts file that cannot be read, naming the line and the bad value."""
+
+
+@dataclass(frozen=True)
+class Item:
+    """One prompt of a batch and the request fields it overrides."""
+
+    index: int
+    prompt: str
+    overrides: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def name(self) -> str:
+        return f"{self.index:04d}-{slug(self.prompt)}"
+
+
+def slug(text: str, limit: int = 40) -> str:
+    """A file-name-safe ASCII slug of `text` (lower case, dashes, at most `limit` characters)."""
+    ascii_text = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode()
+    words = re.sub(r"[^a-z0-9]+", "-", ascii_text.lower()).strip("-")
+    return words[:limit].rstrip("-") or "prompt"
+
+
+def read_prompts(path: str | os.PathLike) -> list[Item]:
+    """The prompts of a text or JSONL file (`.jsonl`), in order; blank and `#` lines skipped."""
+    path = Path(path)
+    if not path.is_file():
+        raise BatchError(f"prompts file {str(path)!r} not found")
+    items: list[Item] = []
+    jsonl = path.suffix == ".jsonl"
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        text = line.strip()
+        if not text or text.startswith("#"):
+            continue
+        if not jsonl:
+            items.append(Item(len(items), text))
+            continue
+        try:
+            entry = json.loads(text)
+        except ValueError as err:
+            raise BatchError(f"{path.name} line {number}: not JSON ({err})") from None
+        if not isinstance(entry, dict) or not isinstance(entry.get("prompt"), str) or not entry["prompt"].strip():
+            raise BatchError(f"{path.name} line {number}: needs a non-empty \"prompt\" string")
+        for key, value in entry.items():
+            if key not in _FIELDS:
+                raise BatchError(f"{path.name} line {number}: unknown field {key!r}; allowed: {', '.join(_FIELDS)}")
+            if not isinstance(value, _FIELDS[key]) or isinstance(value, bool):
+                raise BatchError(f"{path.name} line {number}: {key}={value!r} must be {_FIELDS[key].__name__}")
+        overrides = tuple(sorted((k, v) for k, v in entry.items() if k != "prompt"))
+        items.append(Item(len(items), entry["prompt"].strip(), overrides))
+    if not items:
+        raise BatchError(f"{path.name} holds no prompt")
+    return items
+
+
+def share(items: list[Item], process_id: int, num_processes: int) -> list[Item]:
+    """The items process `process_id` of `num_processes` generates: every `num_processes`-th."""
+    return [item for item in items if item.index % num_processes == process_id]
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _paths(outdir: Path, item: Item) -> tuple[Path, Path]:
+    return outdir / f"{item.name}.mp4", outdir / f"{item.name}.json"
+
+
+def is_done(outdir: str | os.PathLike, item: Item, fingerprint: str) -> bool:
+    """True when the item's mp4 and JSON exist, the JSON names `fingerprint` and the mp4's
+    checksum; anything partial, stale or edited means not done."""
+    video, twin = _paths(Path(outdir), item)
+    try:
+        meta = json.loads(twin.read_text())
+        return meta["fingerprint"] == fingerprint and video.is_file() and _sha256(video) == meta["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def record(outdir: str | os.PathLike, item: Item, fingerprint: str, write_video: Callable[[Path], Any],
+           extra: Mapping[str, Any]) -> Path:
+    """Write the item's mp4 (through `write_video(path)`, which must write atomically), then its
+    JSON (atomically), then its manifest line. Returns the mp4's path."""
+    outdir = Path(outdir)
+    video, twin = _paths(outdir, item)
+    write_video(video)
+    meta = {"index": item.index, "prompt": item.prompt, "overrides": dict(item.overrides),
+            "fingerprint": fingerprint, "file": video.name, "sha256": _sha256(video), **extra}
+    tmp = twin.with_name(f".{twin.name}.tmp")
+    tmp.write_text(json.dumps(meta, indent=2, default=str) + "\n")
+    os.replace(tmp, twin)
+    _append(outdir, meta)
+    return video
+
+
+def _append(outdir: Path, meta: Mapping[str, Any]) -> None:
+    line = json.dumps({k: meta.get(k) for k in ("index", "prompt", "file", "seed", "timings", "process")},
+                      default=str) + "\n"
+    fd = os.open(outdir / MANIFEST, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, line.encode())  # one write per line: lines from several processes never interleave
+    finally:
+        os.close(fd)
+
+
+def relist(outdir: str | os.PathLike, item: Item) -> bool:
+    """Append a done item's manifest line if a crash came between its JSON and that line.
+    Returns True when it had to."""
+    if any(e["index"] == item.index for e in manifest(outdir)):
+        return False
+    _append(Path(outdir), json.loads(_paths(Path(outdir), item)[1].read_text()))
+    return True
+
+
+def manifest(outdir: str | os.PathLike) -> list[dict[str, Any]]:
+    """The manifest's entries, one per finished prompt, latest line per index (a prompt redone
+    with `--force` appears once, with its latest run)."""
+    path = Path(outdir) / MANIFEST
+    entries: dict[int, dict[str, Any]] = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                entry = json.loads(line)
+                entries[entry["index"]] = entry
+    return [entries[k] for k in sorted(entries)]
+
+
+def item_request(item: Item, base: Any) -> Any:
+    """`base` (a pipeline `Request`) with the item's prompt and overrides."""
+    import dataclasses
+
+    return dataclasses.replace(base, prompt=item.prompt, **dict(item.overrides))
+
