@@ -296,6 +296,16 @@ movie = video.write_mp4(frames, scratch / "panda.mp4", fps=request.fps)
 read_back = np.stack(list(iio.imiter(movie, plugin="FFMPEG")))
 print(movie.name, read_back.shape, read_back.dtype)
 
+# %% [markdown]
+# And the video itself (its encoded bytes depend on the ffmpeg build, so nbval does not compare
+# this cell's output; the asserts below check what was written):
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+from IPython.display import Video
+
+Video(str(movie), embed=True, width=256, html_attributes="controls loop autoplay muted")
+
 # %%
 assert frames.shape == (request.frames, request.height, request.width, 3) and frames.dtype == np.float32
 assert 0.0 <= frames.min() and frames.max() <= 1.0
