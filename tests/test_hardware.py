@@ -31,8 +31,8 @@ def test_unknown_chip_lists_known_ones():
 
 @pytest.mark.parametrize(
     "name, chips, accel, hosts",
-    [("v6e:2x4", 8, "v6e-8", 1), ("v6e:4x4", 16, "v6e-16", 2), ("v5e:2x2", 4, "v5e-4", 1),
-     ("v5p:2x2x2", 8, "v5p-16", 2), ("v6e:16x16", 256, "v6e-256", 32)],
+    [("v6e:2x4", 8, "v6e-8", 1), ("v6e:4x4", 16, "v6e-16", 4), ("v5e:2x2", 4, "v5e-4", 1),
+     ("v5p:2x2x2", 8, "v5p-16", 2), ("v6e:16x16", 256, "v6e-256", 64)],
 )
 def test_parse_topology(name, chips, accel, hosts):
     t = hardware.parse_topology(name)

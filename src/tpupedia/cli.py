@@ -79,10 +79,12 @@ def _bench_dit(args: argparse.Namespace) -> int:
 def _dryrun(args: argparse.Namespace) -> int:
     from tpupedia import dryrun, results
 
+    from tpupedia.pipelines.cogvideox import parse_mesh
+
     report = dryrun.run(
         model=args.model, topology=args.topology, resolution=args.resolution, frames=args.frames,
         sharding=args.sharding, attention=args.attention, layers=args.layers, seq=args.seq,
-        measured_step_seconds=args.measured_step_seconds,
+        measured_step_seconds=args.measured_step_seconds, mesh_shape=parse_mesh(args.mesh) if args.mesh else None,
     )
     print(report.summary())
     if args.record:
@@ -175,6 +177,13 @@ def _launch(args: argparse.Namespace) -> int:
     return distributed.launch(command, args.local_processes, args.devices_per_process)
 
 
+def _distributed_check(args: argparse.Namespace) -> int:
+    from tpupedia import distributed
+
+    print("\n".join(distributed.check()))
+    return 0
+
+
 def _add_cogvideox_arguments(cog: argparse.ArgumentParser, *, stages: bool) -> None:
     source = cog.add_mutually_exclusive_group()
     source.add_argument("--preset", choices=["tiny", "full"], default=None,
@@ -227,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--sharding", default="tp", help="a strategy of tpupedia.sharding: tp, tp_transposed, fsdp, replicated (hunyuan: also tp_fc2_replicated)")
     d.add_argument("--attention", default="reference", choices=["reference", "splash"])
     d.add_argument("--layers", type=int, default=None, help="compile N layers and scale the weights to full depth")
+    d.add_argument("--mesh", default=None, help="dp=N,tp=M over the slice's chips (default dp=2, tp the rest)")
     d.add_argument("--measured-step-seconds", type=float, default=None, help="a measured step time, to report MFU")
     d.add_argument("--json", default=None, help="also write the report as JSON to this file")
     d.add_argument("--record", default=None, nargs="?", const="docs/results/dryruns.json",
@@ -272,6 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--devices-per-process", type=int, default=4, help="simulated CPU devices in each process")
     la.add_argument("tpupedia_command", nargs=argparse.REMAINDER, help="-- then the tpupedia command, e.g. -- generate cogvideox ...")
     la.set_defaults(func=_launch)
+    dc = sub.add_parser("distributed-check", help="join the multi-process job and show what this process sees")
+    dc.set_defaults(func=_distributed_check)
     return parser
 
 

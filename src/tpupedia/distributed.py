@@ -34,6 +34,7 @@ from tpupedia.errors import TpupediaError
 __all__ = [
     "ENV_COORDINATOR", "ENV_NUM_PROCESSES", "ENV_PROCESS_ID", "ENV_DEVICES_PER_PROCESS",
     "DistributedError", "Processes", "requested", "initialize", "is_leader", "barrier", "free_port", "launch",
+    "check",
 ]
 
 ENV_COORDINATOR = "TPUPEDIA_COORDINATOR"
@@ -122,6 +123,28 @@ def barrier(name: str) -> None:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
+
+
+def check() -> list[str]:
+    """What this process sees of one global array: the job, its devices, the shards it holds,
+    and a jitted sum over every process's data. The lines `tpupedia distributed-check` prints on
+    each host (or local process); every process prints the same total."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from tpupedia import devices
+
+    me = initialize()
+    mesh = devices.make_mesh((me.num_processes, me.global_devices // me.num_processes), ("hosts", "chips"))
+    full = np.arange(me.global_devices * 2, dtype=np.float32).reshape(me.global_devices, 2)
+    array = jax.make_array_from_callback(full.shape, NamedSharding(mesh, P(("hosts", "chips"))), lambda i: full[i])
+    total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))(array)
+    rows = sorted(int(s.index[0].start) for s in array.addressable_shards)
+    return [f"process {me.process_id} of {me.num_processes}: {me.local_devices} local of {me.global_devices} devices",
+            f"  global array {array.shape}, fully addressable here: {array.is_fully_addressable}; rows held here: {rows}",
+            f"  jitted sum over all processes: {float(total):.0f} (expected {float(full.sum()):.0f})"]
 
 
 def free_port() -> int:

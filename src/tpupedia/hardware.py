@@ -118,8 +118,15 @@ class Topology:
 
     @property
     def hosts(self) -> int:
-        return max(1, self.num_chips // self.chip.chips_per_host)
+        """VMs in the slice: one up to `chip.chips_per_host` chips (a v6e-8 is one 8-chip VM);
+        larger slices are built from 4-chip hosts (Google's v6e table: a v6e-16 is 4 VMs, a
+        v6e-256 64; libtpu's own topology description groups the chips the same way)."""
+        if self.num_chips <= self.chip.chips_per_host:
+            return 1
+        return self.num_chips // MULTIHOST_CHIPS_PER_HOST
 
+
+MULTIHOST_CHIPS_PER_HOST = 4  # TPU VMs of multi-host v5e, v5p and v6e slices hold 4 chips each
 
 _TOPOLOGY = re.compile(r"^(v5e|v5p|v6e):(\d+(?:x\d+){1,2})$")
 

@@ -1,0 +1,245 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: notebooks///ipynb,lessons///py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 10 · Beyond one host
+#
+# A v6e-8 is one machine: one Python process drives all eight chips. Bigger slices (v6e-16, 32,
+# ..., 256) are several machines, and JAX runs them as a **multi-controller** job: every host
+# runs the same program, sees its own chips, and after `jax.distributed.initialize()` sees all
+# of them, so a mesh built from `jax.devices()` spans the slice and one jitted function runs as
+# one SPMD program, with the collectives between hosts inserted by the compiler.
+#
+# One CPU host can run that for real: several local processes, each with its own simulated CPU
+# devices, joined by `jax.distributed` with CPU collectives over gloo. `tpupedia launch` starts
+# them; on a TPU slice, GKE or XPK starts one process per host instead (the deployment files are
+# in `docs/deploy/`).
+#
+# 1. one program, many processes: what a process sees of a global array;
+# 2. the CogVideoX pipeline over 2 processes gives the 1-process frames;
+# 3. batch generation: prompts split over processes, a lost output redone, nothing twice;
+# 4. one video's step on a 16-chip, 4-host slice, compiled ahead of time;
+# 5. what bigger slices buy: videos per hour from the roofline and from a reported step time.
+#
+# *Budget: about 2 minutes on a 2-core CPU (each launch starts fresh Python processes). On a
+# TPU slice the same commands run unchanged; nothing here has been run on one by this project.*
+
+# %%
+# %xmode Minimal
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from tpupedia import session
+
+preset = session.start()
+scratch = Path(tempfile.mkdtemp(prefix="tpupedia-10-"))
+env = dict(os.environ, TPUPEDIA_PRESET=preset.name, JAX_PLATFORMS="cpu")
+
+
+def tpupedia(*args):
+    """Run the tpupedia command in a fresh process (as a user would), from the scratch folder."""
+    done = subprocess.run([sys.executable, "-m", "tpupedia.cli", *args], cwd=scratch, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return [line for line in done.stdout.splitlines() if "Gloo" not in line]
+
+
+preset.name
+
+# %% [markdown]
+# ## 1. One program, many processes
+#
+# `tpupedia distributed-check` joins the job, builds a mesh over every process's devices
+# (`hosts` x `chips`), places one global array on it with `jax.make_array_from_callback` (each
+# process fills only the rows its own devices hold) and sums it with one jitted function. Here
+# two processes with four devices each stand in for two hosts with four chips:
+
+# %%
+lines = tpupedia("launch", "--local-processes", "2", "--devices-per-process", "4", "--", "distributed-check")
+print("\n".join(sorted(lines, key=lambda line: line[:4])))  # printed concurrently: grouped by process
+
+# %% [markdown]
+# Each process holds half of the array (`fully addressable here: False`), yet both print the
+# whole sum: the reduction ran across processes. Nothing in the program says "send rows 4 to 7
+# to process 0"; the compiler derived the all-reduce from the shardings, exactly as on one host.
+
+# %%
+assert sum("jitted sum over all processes: 120 (expected 120)" in line for line in lines) == 2
+assert any("rows held here: [0, 1, 2, 3]" in line for line in lines)
+assert any("rows held here: [4, 5, 6, 7]" in line for line in lines)
+
+# %% [markdown]
+# ## 2. The same video, from one process or two
+#
+# `tpupedia generate cogvideox` calls `tpupedia.distributed.initialize()` first: under
+# `tpupedia launch` (or on a multi-host TPU VM) it joins the job, and the pipeline of notebook 06
+# builds its `dp=2, tp=4` mesh over `jax.devices()`, now spread over both processes. Every
+# process runs the same three stages; process 0 alone writes each stage file, and the others
+# wait for it at a barrier before reading it.
+
+# %%
+generate = ["generate", "cogvideox", "--prompt", "a panda playing a guitar", "--quiet"]
+_ = tpupedia("launch", "--local-processes", "2", "--devices-per-process", "4", "--", *generate, "--workdir", "two")
+_ = tpupedia(*generate, "--workdir", "one")
+
+# %%
+import json
+
+from safetensors.torch import load_file
+
+for stage, name in (("text", "prompt_embeds"), ("denoise", "latents"), ("decode", "frames")):
+    a, b = (load_file(scratch / run / f"{stage}.safetensors")[name].float() for run in ("two", "one"))
+    print(f"{stage:8} {name:14} max abs difference, 2 processes vs 1: {float((a - b).abs().max()):.0e}")
+machine = json.loads((scratch / "two" / "denoise.json").read_text())["extra"]["machine"]
+print("the 2-process run's devices:", machine["devices"], "in", machine["processes"], "processes")
+
+# %%
+frames_two = load_file(scratch / "two" / "decode.safetensors")["frames"]
+frames_one = load_file(scratch / "one" / "decode.safetensors")["frames"]
+assert float((frames_two - frames_one).abs().max()) <= 1e-5
+assert machine == machine | {"devices": 8, "processes": 2}
+
+# %% [markdown]
+# The difference is float32 rounding: the same sums, reduced in a different order once the
+# collectives cross processes.
+#
+# ## 3. Batch generation that survives failures
+#
+# Many videos, many hosts: the simplest scaling is data parallelism over hosts. With
+# `--prompts FILE --outdir DIR`, each process takes the prompts whose index modulo the process
+# count is its id and runs them on its **own** devices, with no communication between hosts.
+# Each video is written to a temporary file and renamed, then its JSON record (with the mp4's
+# checksum and the settings' fingerprint), then one line of `index.jsonl`. A prompt is done only
+# when all of that checks out, so a job killed at any point loses at most the prompts in flight.
+
+# %%
+prompts = scratch / "prompts.jsonl"
+prompts.write_text("\n".join(json.dumps(p) for p in [
+    {"prompt": "a panda playing a guitar", "seed": 1},
+    {"prompt": "a cat on a skateboard", "seed": 2},
+    {"prompt": "rain over a neon city", "seed": 3},
+    {"prompt": "a paper boat on a river", "seed": 4},
+]) + "\n")
+batch_args = ["generate", "cogvideox", "--prompts", str(prompts), "--outdir", "out", "--quiet"]
+_ = tpupedia("launch", "--local-processes", "2", "--devices-per-process", "4", "--", *batch_args)
+index = [json.loads(line) for line in (scratch / "out" / "index.jsonl").read_text().splitlines()]
+for entry in sorted(index, key=lambda e: e["index"]):
+    print(f"{entry['file']:34} seed {entry['seed']}  made by process {entry['process']}")
+
+# %% [markdown]
+# Now a failure: one video is lost (a crash between the rename and the record would leave the
+# same state: a JSON whose checksum no longer matches), and a temporary file is left behind.
+# The rerun redoes that prompt alone:
+
+# %%
+from tpupedia import batch
+
+lost = scratch / "out" / "0002-rain-over-a-neon-city.mp4"
+lost.write_bytes(lost.read_bytes()[:100])
+(scratch / "out" / ".0003-a-paper-boat-on-a-river.tmp.mp4").write_bytes(b"half a video")
+rerun = [line.split(" (")[0] for line in tpupedia(*batch_args[:-1])]  # without the timing
+print("\n".join(rerun))
+
+# %%
+items = batch.read_prompts(prompts)
+records = {i.index: json.loads((scratch / "out" / f"{i.name}.json").read_text()) for i in items}
+assert rerun == ["0000-a-panda-playing-a-guitar: done already, skipped", "0001-a-cat-on-a-skateboard: done already, skipped",
+                 "0002-rain-over-a-neon-city: wrote 0002-rain-over-a-neon-city.mp4",
+                 "0003-a-paper-boat-on-a-river: done already, skipped"]
+assert all(batch.is_done(scratch / "out", i, records[i.index]["fingerprint"]) for i in items)
+assert sorted(e["index"] for e in batch.manifest(scratch / "out")) == [0, 1, 2, 3]
+assert {e["index"]: e["process"] for e in index} == {0: 0, 1: 1, 2: 0, 3: 1}
+
+# %% [markdown]
+# ## 4. One video on a bigger slice, planned ahead of time
+#
+# The other way to use 16 chips is to spread **one** video's step over them. `tpupedia dryrun`
+# compiles the CogVideoX1.5-5B step for a multi-host topology as easily as for one host: libtpu
+# describes a `v6e:4x4` slice (16 chips, 4 hosts) on this CPU. One layer compiled, weights
+# scaled to all 42, splash attention, the guidance pair on `dp` and the heads on `tp`:
+
+# %%
+from tpupedia import dryrun
+
+plans = {name: dryrun.run("cogvideox", topology=name, resolution="720p", frames=81, attention="splash", layers=1)
+         for name in ("v6e:2x4", "v6e:4x4")}
+g = 2**30
+for name, r in plans.items():
+    print(f"{name} mesh {r.mesh}: {r.arguments_bytes / g:.2f} GiB arguments + {r.temporaries_bytes / g:.2f} GiB "
+          f"temporaries per chip, {r.collectives}, roofline floor {r.roofline_seconds:.3f} s/step")
+
+# %% [markdown]
+# Twice the chips: each chip holds less of the model and the floor halves; the program has the
+# same collectives (two all-reduces per layer, Megatron's), now over 8 chips per `tp` group. Within
+# one slice every chip is on the inter-chip interconnect (ICI), so those all-reduces cross hosts
+# over ICI, not the data-centre network; only several slices (multislice) talk over DCN.
+
+# %%
+one, two = plans["v6e:2x4"], plans["v6e:4x4"]
+assert two.mesh == {"dp": 2, "tp": 8} and two.fits and one.fits
+assert two.arguments_bytes < one.arguments_bytes and abs(two.roofline_seconds / one.roofline_seconds - 0.5) < 1e-6
+assert one.collectives == two.collectives == {"all-reduce": 2}
+
+# %% [markdown]
+# ## 5. What a bigger slice buys
+#
+# Data parallelism over hosts multiplies videos per hour by the number of pipelines; each
+# pipeline gets the chips of one host. A v6e-8 is one 8-chip VM; larger v6e slices are built
+# from 4-chip VMs (`tpupedia.hardware`: a v6e-16 is 4 hosts, a v6e-256 is 64). Two estimates of
+# the time per CogVideoX1.5-5B video (720p, 81 frames, 50 steps):
+#
+# - the **roofline floor**: 50 steps of `tpupedia.models.cogvideox.step_flops` at the chips' bf16
+#   peak, the fastest any implementation could be;
+# - the **reported** v6e-8 time, 106.47 s per video (reported upstream, TPU v6e-8; yangwhale/
+#   gpu-tpu-pedia, commit 3fa9ce1, CogVideoX README), assumed to double on a 4-chip host
+#   (an assumption: a 4-chip pipeline also has half the HBM, which section 8 of notebook 06
+#   shows is enough for the transformer step but not for the 1360x768 VAE frame batch).
+
+# %%
+from tpupedia import hardware
+from tpupedia.models import cogvideox
+
+v6e = hardware.chip("v6e")
+floor_per_chip_s = 50 * cogvideox.step_flops(1280, 720, 81)["total"] / v6e.bf16_flops  # one chip, all the work
+print(f"{'slice':>8} {'hosts':>5} {'chips/pipeline':>14} {'floor (videos/h)':>17} {'reported-based (videos/h)':>26}")
+rows = {}
+for name in ("v6e:2x4", "v6e:4x4", "v6e:8x8", "v6e:16x16"):
+    topo = hardware.parse_topology(name)
+    chips = topo.num_chips // topo.hosts
+    floor = topo.hosts * 3600 / (floor_per_chip_s / chips)
+    reported = topo.hosts * 3600 / (106.47 * 8 / chips)
+    rows[topo.accelerator_type] = (topo.hosts, floor, reported)
+    print(f"{topo.accelerator_type:>8} {topo.hosts:>5} {chips:>14} {floor:>17,.0f} {reported:>26,.0f}")
+
+# %%
+assert rows["v6e-8"][0] == 1 and rows["v6e-16"][0] == 4 and rows["v6e-256"][0] == 64
+assert abs(rows["v6e-16"][2] / rows["v6e-8"][2] - 2.0) < 1e-9  # 16 chips, linear: twice the v6e-8
+
+# %% [markdown]
+# ## Takeaways
+#
+# - A multi-host slice is one JAX program per host; `jax.distributed.initialize()` makes
+#   `jax.devices()` global, and a mesh over it spans the slice. `tpupedia launch` reproduces that
+#   on one CPU host, with real cross-process collectives.
+# - The pipeline needed three changes to run across processes: inputs placed with global
+#   shardings, outputs replicated so every process can read them, and one writer (process 0)
+#   with a barrier before anyone reads.
+# - For many videos, give each host its own prompts: no cross-host traffic, and atomic
+#   per-prompt outputs make the job restartable at any point.
+# - Deployment: `docs/deploy/jobset-v6e-16.yaml` (GKE JobSet) and `docs/deploy/xpk-v6e-16.sh`
+#   run the same `tpupedia generate cogvideox --prompts ...` on every host of a v6e-16.
