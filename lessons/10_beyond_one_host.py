@@ -56,7 +56,7 @@ def tpupedia(*args):
     done = subprocess.run([sys.executable, "-m", "tpupedia.cli", *args], cwd=scratch, env=env,
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    return [line for line in done.stdout.splitlines() if "Gloo" not in line]
+    return done.stdout.splitlines()
 
 
 preset.name
@@ -70,7 +70,8 @@ preset.name
 # two processes with four devices each stand in for two hosts with four chips:
 
 # %%
-lines = tpupedia("launch", "--local-processes", "2", "--devices-per-process", "4", "--", "distributed-check")
+lines = [line for line in tpupedia("launch", "--local-processes", "2", "--devices-per-process", "4", "--",
+                                   "distributed-check") if line[5:].lstrip().startswith(("process", "global", "jitted"))]
 print("\n".join(sorted(lines, key=lambda line: line[:4])))  # printed concurrently: grouped by process
 
 # %% [markdown]
@@ -152,7 +153,7 @@ from tpupedia import batch
 lost = scratch / "out" / "0002-rain-over-a-neon-city.mp4"
 lost.write_bytes(lost.read_bytes()[:100])
 (scratch / "out" / ".0003-a-paper-boat-on-a-river.tmp.mp4").write_bytes(b"half a video")
-rerun = [line.split(" (")[0] for line in tpupedia(*batch_args[:-1])]  # without the timing
+rerun = [line.split(" (")[0] for line in tpupedia(*batch_args[:-1]) if line[:4].isdigit()]  # without the timing
 print("\n".join(rerun))
 
 # %%

@@ -44,7 +44,7 @@ def test_a_failing_process_is_named_and_the_job_stops(tmp_path):
     done = _tpupedia("launch", "--local-processes", "2", "--devices-per-process", "1", "--",
                      "generate", "cogvideox", "--preset", "tiny", "--prompt", "x", "--frames", "10", cwd=tmp_path)
     assert done.returncode == 2
-    assert "[p0] tpupedia generate: frames=10" in done.stdout and "[p1] " in done.stdout
+    assert "[p0] tpupedia generate: frames=10" in done.stderr and "[p1] tpupedia generate: frames=10" in done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith("tpupedia launch: process ")
     assert "exited with status 2" in done.stderr
 

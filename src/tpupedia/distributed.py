@@ -156,15 +156,20 @@ def free_port() -> int:
 
 def _relay(stream, prefix: str, out) -> None:
     for line in iter(stream.readline, ""):
+        # gloo's start-up chatter ("[Gloo] Rank 3 is connected to 7 peer ranks ..."), written to
+        # the process's stdout by several threads at once, so it can arrive cut into pieces
+        if "[Gloo]" in line or "peer ranks" in line or line.strip().isdigit():
+            continue
         out.write(f"{prefix}{line}")
         out.flush()
 
 
 def launch(command: Sequence[str], processes: int, devices_per_process: int, grace_s: float = 10.0,
-           out=None) -> int:
+           out=None, err=None) -> int:
     """Run `python -m tpupedia.cli COMMAND` as `processes` local processes of one JAX job.
 
-    Each line of output is prefixed with `[pN] `. Returns 0 when every process succeeds;
+    Each line a process writes to stdout (stderr) goes to `out` (`err`), prefixed with `[pN] `,
+    whole lines only. Returns 0 when every process succeeds;
     otherwise stops the others (a multi-controller job cannot finish without all of them) and
     raises `DistributedError` naming the first process that failed and its exit status.
     """
@@ -173,18 +178,19 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int, gra
                                "must be positive")
     if not command:
         raise DistributedError("nothing to launch: give the tpupedia command after --")
-    out = out or sys.stdout
+    out, err = out or sys.stdout, err or sys.stderr
     port = free_port()
     children, relays = [], []
     for rank in range(processes):
         env = dict(os.environ, **{ENV_COORDINATOR: f"127.0.0.1:{port}", ENV_NUM_PROCESSES: str(processes),
                                   ENV_PROCESS_ID: str(rank), ENV_DEVICES_PER_PROCESS: str(devices_per_process)})
         child = subprocess.Popen([sys.executable, "-m", "tpupedia.cli", *command], env=env, text=True,
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=1)
-        relay = threading.Thread(target=_relay, args=(child.stdout, f"[p{rank}] ", out), daemon=True)
-        relay.start()
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=1)
+        for stream, sink in ((child.stdout, out), (child.stderr, err)):
+            relay = threading.Thread(target=_relay, args=(stream, f"[p{rank}] ", sink), daemon=True)
+            relay.start()
+            relays.append(relay)
         children.append(child)
-        relays.append(relay)
     failed = None
     while any(c.poll() is None for c in children):
         for rank, c in enumerate(children):
