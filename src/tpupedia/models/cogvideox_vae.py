@@ -130,7 +130,7 @@ class CogVideoXVAEConfig:
 
 
 def tiny_config(**overrides: Any) -> CogVideoXVAEConfig:
-    """The tiny test config of the course (reference/stack-probe.md §5), with overrides."""
+    """The tiny test config of the course (diffusers' own fast-test VAE sizes), with overrides."""
     base = dict(
         block_out_channels=(8, 8, 8, 8),
         latent_channels=4,
