@@ -211,14 +211,22 @@ strategies = {}
 for name in ("tp", "tp_transposed", "fsdp"):
     strategies[name] = dryrun.run("cogvideox", resolution="480p", frames=49, sharding=name,
                                   attention="reference", layers=layers)
-print(f"{'strategy':<14} {'weights+inputs':>14} {'temporaries':>11}  collectives")
+print(f"{'strategy':<14} {'weights+inputs':>14} {'temporaries':>11} {'sent/chip':>10} {'ICI floor':>9}  collectives")
 for name, r in strategies.items():
-    print(f"{name:<14} {r.arguments_bytes / 2**30:>10.2f} GiB {r.temporaries_bytes / 2**30:>7.2f} GiB  {r.collectives or 'none'}")
+    sent = sum(r.collective_bytes.values())
+    print(f"{name:<14} {r.arguments_bytes / 2**30:>10.2f} GiB {r.temporaries_bytes / 2**30:>7.2f} GiB "
+          f"{sent / 2**30:>6.2f} GiB {r.floors['communication'] * 1e3:>6.1f} ms  {r.collectives or 'none'}")
+print(f"compute floor of the step: {strategies['tp'].floors['compute'] * 1e3:.1f} ms (the same for every strategy)")
 
 # %% [markdown]
 # Read the table per strategy. `tp` has exactly Megatron's two all-reduces per layer (after the
 # attention output projection and after the MLP), and each chip runs attention for a quarter of
-# the heads, so its temporaries are the smallest. `tp_transposed` holds the same weight bytes,
+# the heads, so its temporaries are the smallest. The "sent/chip" column counts bytes, not
+# operations: each collective's result shape in the compiled program, times the ring
+# algorithm's traffic for its group size (`tpupedia.aot.collective_traffic`, scaled from the
+# compiled layer to all 42); at the v6e's ICI bandwidth that gives a communication floor to set
+# beside the compute floor (How to Scale Your Model's method: the step's roofline is the
+# largest of the compute, HBM and communication floors). `tp_transposed` holds the same weight bytes,
 # but every matmul now splits the wrong dimension for the next one: the compiler re-shards
 # activations with many more collectives, and attention runs on all heads on every chip.
 # `fsdp` holds the fewest weight bytes and pays with all-gathers of each weight before use,
@@ -233,6 +241,9 @@ assert strategies["tp_transposed"].temporaries_bytes > 2 * strategies["tp"].temp
 assert strategies["fsdp"].arguments_bytes < strategies["tp"].arguments_bytes
 assert strategies["tp"].collectives.get("all-reduce", 0) >= 1
 assert strategies["fsdp"].collectives.get("all-gather", 0) >= 1
+sent = {name: sum(r.collective_bytes.values()) for name, r in strategies.items()}
+assert sent["tp_transposed"] > 2 * sent["tp"]  # more bytes, not just more operations
+assert all(r.bound == "compute" for r in strategies.values())  # at 480p every strategy stays compute-bound
 
 # %% [markdown]
 # ## 5. From reported step times to MFU

@@ -179,22 +179,33 @@ from tpupedia import dryrun
 
 plans = {name: dryrun.run("cogvideox", topology=name, resolution="720p", frames=81, attention="splash", layers=1)
          for name in ("v6e:2x4", "v6e:4x4")}
+from tpupedia import devices
+
 g = 2**30
 for name, r in plans.items():
+    mesh = devices.topology_mesh(name, (r.mesh["dp"], r.mesh["tp"]), ("dp", "tp"))
+    hosts_per_group = max(len({d.process_index for d in row}) for row in mesh.devices)  # one row = one tp group
     print(f"{name} mesh {r.mesh}: {r.arguments_bytes / g:.2f} GiB arguments + {r.temporaries_bytes / g:.2f} GiB "
-          f"temporaries per chip, {r.collectives}, roofline floor {r.roofline_seconds:.3f} s/step")
+          f"temporaries per chip; {r.collectives} per layer, {sum(r.collective_bytes.values()) / g:.1f} GiB sent "
+          f"per chip per step, each tp group on {hosts_per_group} host(s) of libtpu's description")
+    print(f"    floors per step: compute {r.floors['compute']:.3f} s, HBM {r.floors['memory']:.4f} s, "
+          f"ICI {r.floors['communication']:.3f} s -> {r.bound}-bound")
 
 # %% [markdown]
-# Twice the chips: each chip holds less of the model and the floor halves; the program has the
-# same collectives (two all-reduces per layer, Megatron's), now over 8 chips per `tp` group. Within
-# one slice every chip is on the inter-chip interconnect (ICI), so those all-reduces cross hosts
-# over ICI, not the data-centre network; only several slices (multislice) talk over DCN.
+# Twice the chips: each chip holds less of the model and the compute floor halves. The program
+# has the same collectives (Megatron's two all-reduces per layer), now over 8 chips per `tp`
+# group, which libtpu lays over two 4-chip hosts, and each chip sends a little more (ring
+# traffic grows as 2(n-1)/n). Within one slice every chip is on the inter-chip interconnect
+# (ICI), so those all-reduces cross hosts over ICI, not the data-centre network; only several
+# slices (multislice) talk over DCN. Both plans stay compute-bound: the communication floor
+# (bytes sent at the chip's ICI bandwidth) is a fraction of the compute floor.
 
 # %%
 one, two = plans["v6e:2x4"], plans["v6e:4x4"]
 assert two.mesh == {"dp": 2, "tp": 8} and two.fits and one.fits
 assert two.arguments_bytes < one.arguments_bytes and abs(two.roofline_seconds / one.roofline_seconds - 0.5) < 1e-6
 assert one.collectives == two.collectives == {"all-reduce": 2}
+assert one.bound == two.bound == "compute" and sum(two.collective_bytes.values()) > sum(one.collective_bytes.values())
 
 # %% [markdown]
 # ## 5. What a bigger slice buys

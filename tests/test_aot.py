@@ -82,3 +82,19 @@ def test_other_compile_errors_propagate(monkeypatch):
     monkeypatch.setattr(jax, "jit", lambda fn, **kw: Jitted())
     with pytest.raises(RuntimeError, match="INVALID_ARGUMENT"):
         aot.compile_aot(lambda a: a, jnp.ones(2))
+
+
+def test_collective_traffic_reads_shapes_and_group_sizes():
+    hlo = "\n".join([
+        "%all-reduce = bf16[1,1024,2048]{2,1,0:T(8,128)(2,1)S(1)} all-reduce(%f), channel_id=1, "
+        "replica_groups={{0,1,2,3},{4,5,6,7}}, use_global_device_ids=true, to_apply=%add",
+        "%ag = (f32[8,4]{1,0}, f32[8,4]{1,0}) all-gather-start(%a, %b), replica_groups=[4,2]<=[8], dimensions={0}",
+        "%ag.done = (f32[8,4]{1,0}, f32[8,4]{1,0}) all-gather-done(%ag)",
+        "%cp = s32[16]{0} collective-permute(%c), source_target_pairs={{0,1},{1,0}}",
+        "%x = bf16[4,4]{1,0} add(%y, %z)",
+    ])
+    traffic = aot.collective_traffic(hlo, devices=8)
+    assert traffic["all-reduce"] == 2 * 3 / 4 * (1024 * 2048 * 2)  # ring all-reduce over groups of 4
+    assert traffic["all-gather"] == 1 / 2 * (2 * 8 * 4 * 4)  # the -start counted, the -done not; groups of 2
+    assert traffic["collective-permute"] == 16 * 4
+    assert set(traffic) == {"all-reduce", "all-gather", "collective-permute"}

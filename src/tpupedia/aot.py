@@ -10,6 +10,7 @@ Introduced in notebook 00 (start here); the dry-run planner of notebook 09 build
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ __all__ = [
     "abstract",
     "compile_aot",
     "collective_counts",
+    "collective_traffic",
     "format_bytes",
 ]
 
@@ -106,6 +108,39 @@ def collective_counts(hlo_text: str) -> dict[str, int]:
         # an instruction looks like `%x = bf16[..] all-reduce(...)` or `all-reduce-start(`
         counts[name] = len(re.findall(rf"\s{name}(?:-start)?\(", hlo_text))
     return {k: v for k, v in counts.items() if v}
+
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2,
+                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_OP = re.compile(r"\s(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
+_ARRAY = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
+_GROUPS = re.compile(r"replica_groups=(?:\{\{([\d,]+)\}|\[\d+,(\d+)\]<=)")
+
+
+def collective_traffic(hlo_text: str, devices: int) -> dict[str, float]:
+    """Bytes one chip sends per call of the compiled program, per collective kind.
+
+    Read from each collective's result shape in the compiled HLO and its replica-group size `n`
+    (all devices when the groups are not spelled out), with the ring algorithm's traffic (the
+    estimates of "How to Scale Your Model"): an all-reduce of `B` bytes sends `2 (n-1)/n B`, an
+    all-gather or all-to-all `(n-1)/n B`, a reduce-scatter to `B` bytes `(n-1) B`, a
+    collective-permute `B`. Introduced in notebook 10 (beyond one host).
+    """
+    traffic: dict[str, float] = {}
+    for line in hlo_text.splitlines():
+        op = _OP.search(line)
+        if not op or "=" not in line[: op.start()]:
+            continue
+        shape_text = line[line.index("=") + 1: op.start()]
+        size = sum(_DTYPE_BYTES.get(dt, 4) * math.prod(int(d) for d in dims.split(",") if d)
+                   for dt, dims in _ARRAY.findall(shape_text))
+        groups = _GROUPS.search(line)
+        n = (len(groups.group(1).split(",")) if groups.group(1) else int(groups.group(2))) if groups else devices
+        kind = op.group(1)
+        factor = {"all-reduce": 2 * (n - 1) / n, "all-gather": (n - 1) / n, "all-to-all": (n - 1) / n,
+                  "reduce-scatter": n - 1, "collective-permute": 1.0}[kind] if n > 1 else 0.0
+        traffic[kind] = traffic.get(kind, 0.0) + factor * size
+    return traffic
 
 
 def compile_aot(fn: Callable[..., Any], *args: Any, **jit_kwargs: Any) -> AOTResult:

@@ -101,6 +101,13 @@ class DryRunReport:
     measured_step_seconds: float | None = None
     mfu: float | None = None
     notes: list[str] = field(default_factory=list)
+    collective_bytes: dict[str, float] = field(default_factory=dict)
+    """Bytes one chip sends per step, per collective kind (`aot.collective_traffic`), full depth."""
+    floors: dict[str, float] = field(default_factory=dict)
+    """Lower bounds on the step time, seconds: `compute` (FLOPs at the chips' bf16 peak),
+    `memory` (the chip's weight shards read once from HBM), `communication` (the collective
+    bytes at the chip's ICI bandwidth). `roofline_seconds` is the largest; `bound` names it."""
+    bound: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -120,6 +127,11 @@ class DryRunReport:
         lines.append(f"  collectives: {self.collectives or 'none'}")
         lines.append(f"  step FLOPs {self.flops['total']:.3e} (attention {self.flops['attention'] / self.flops['total']:.0%}); "
                      f"roofline lower bound {self.roofline_seconds:.3f} s")
+        if self.floors:
+            sent = sum(self.collective_bytes.values())
+            lines.append(f"  floors: compute {self.floors['compute']:.3f} s, HBM {self.floors['memory']:.3f} s, "
+                         f"ICI {self.floors['communication']:.3f} s ({sent / 2**30:.2f} GiB sent per chip): "
+                         f"{self.bound}-bound")
         if self.mfu is not None:
             lines.append(f"  measured {self.measured_step_seconds:.2f} s/step -> MFU {self.mfu:.1%}")
         lines += [f"  note: {n}" for n in self.notes]
@@ -216,7 +228,14 @@ def run(model: str = "cogvideox", topology: str = "v6e:2x4", resolution: str = "
         fits = False
         notes.append("the compiled shallow copy fits, but the full depth's weights do not")
     weight_bytes_per_chip = (mem.arguments + extra) if mem else the_plan.bytes_per_device + extra
-    roofline = max(flops["total"] / (n * chip.bf16_flops), weight_bytes_per_chip / chip.hbm_bytes_per_s)
+    traffic = {}
+    if result.compiled is not None:  # per-layer collectives, scaled to the full depth
+        traffic = {k: v * full_layers / compiled_layers
+                   for k, v in aot.collective_traffic(result.compiled.as_text(), n).items()}
+    floors = {"compute": flops["total"] / (n * chip.bf16_flops), "memory": weight_bytes_per_chip / chip.hbm_bytes_per_s,
+              "communication": sum(traffic.values()) / chip.link_bytes_per_s}
+    bound = max(floors, key=floors.get)
+    roofline = floors[bound]
     mfu = None
     if measured_step_seconds:
         mfu = flops["total"] / (measured_step_seconds * n * chip.bf16_flops)
@@ -230,6 +249,7 @@ def run(model: str = "cogvideox", topology: str = "v6e:2x4", resolution: str = "
         oom_required_bytes=result.oom_required_bytes, oom_available_bytes=result.oom_available_bytes,
         collectives=result.collectives, flops=flops, roofline_seconds=roofline,
         measured_step_seconds=measured_step_seconds, mfu=mfu, notes=notes,
+        collective_bytes=traffic, floors=floors, bound=bound,
     )
 
 
