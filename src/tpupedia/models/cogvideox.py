@@ -280,9 +280,14 @@ def tiny_checkpoint(directory: "str | os.PathLike | None" = None, seed: int = 0,
     classes = {"dpm": CogVideoXDPMScheduler, "ddim": CogVideoXDDIMScheduler}
     if scheduler not in classes:
         raise ModelInputError(f"scheduler={scheduler!r} is not one of {', '.join(classes)}")
-    if directory is None:
-        name = f"cogvideox-tiny-{scheduler}-pt{patch_size_t}-seed{seed}"
-        directory = _cache_dir() / name
+    if directory is None:  # named by everything that shapes it, so a changed config never reuses a stale one
+        import hashlib
+        import json
+
+        spec = [tiny_transformer_config(), tiny_vae_config(), tiny_text_encoder_config(), SCHEDULER_CONFIG,
+                scheduler, patch_size_t, seed]
+        digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
+        directory = _cache_dir() / f"cogvideox-tiny-{digest}"
     path = Path(directory)
     if (path / "model_index.json").is_file():
         return path
