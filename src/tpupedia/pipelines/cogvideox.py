@@ -226,29 +226,25 @@ class CogVideoX:
         """T5 embeddings of the negative and the positive prompt, as `_get_t5_prompt_embeds`
         computes them (padding to the checkpoint's text length, truncation, special tokens)."""
         import jax
-        import torch
         from jax.sharding import NamedSharding, PartitionSpec as P
-        from torchax.interop import JittableModule, jax_view
         from transformers import AutoTokenizer, T5EncoderModel
+
+        from tpupedia import torchax_utils
 
         length = self.configs["transformer"]["max_text_seq_length"]
         tokenizer = AutoTokenizer.from_pretrained(self.source, subfolder="tokenizer")
         encoder = T5EncoderModel.from_pretrained(self.source, subfolder="text_encoder", dtype=self.dtype,
                                                  use_safetensors=True).eval()
         self._to_jax("text_encoder", encoder)
-        jm = JittableModule(encoder)
-        env = self.env
+        fm = torchax_utils.FunctionalModule(encoder, return_dict=False)
 
         def embed(weights, buffers, ids):
             self.traces["text"] += 1
-            w, b, ids = env.j2t_iso((weights, buffers, ids))
-            with env:
-                out = jm.functional_call("forward", w, b, input_ids=ids, return_dict=False)[0]
-            return env.t2j_iso(out)
+            return fm(weights, buffers, input_ids=ids)[0]
 
         replicated = NamedSharding(self.mesh, P())
         compiled = jax.jit(embed, out_shardings=replicated)  # readable by every process
-        weights, buffers = jax_view(dict(jm.params)), jax_view(dict(jm.buffers))
+        weights, buffers = fm.state()
         results, times = {}, []
         with self._precision():
             for name, text in (("negative_prompt_embeds", request.negative_prompt), ("prompt_embeds", request.prompt)):
@@ -258,7 +254,7 @@ class CogVideoX:
                                       jax.block_until_ready)
                 results[name] = _to_torch(out).to(self.dtype)
                 times.append(seconds)
-        del encoder, jm
+        del encoder, fm
         return results, {"first_s": times[0], "steady_s": times[1]}
 
     # -- stage 2 ---------------------------------------------------------------------------
@@ -274,7 +270,6 @@ class CogVideoX:
         from diffusers import CogVideoXDPMScheduler, CogVideoXTransformer3DModel
         from diffusers.utils.torch_utils import randn_tensor
         from jax.sharding import NamedSharding, PartitionSpec as P
-        from torchax.interop import JittableModule, jax_view
 
         from tpupedia import sharding, torchax_utils
         from tpupedia.pipelines import schedulers
@@ -302,7 +297,7 @@ class CogVideoX:
         axis = ("dp", "tp") if strategy == "fsdp" else "tp"
         rules = sharding.rules("cogvideox", strategy, axis=axis) if strategy != "replicated" else []
         self._to_jax("transformer", transformer, rules)
-        jm = JittableModule(transformer)
+        fm = torchax_utils.FunctionalModule(transformer, return_dict=False)
         env, mesh = self.env, self.mesh
         batch = NamedSharding(mesh, P("dp")) if guided else NamedSharding(mesh, P())
         replicated = NamedSharding(mesh, P())
@@ -317,11 +312,9 @@ class CogVideoX:
             x = jnp.concatenate([latents, latents]) if guided else latents
             x = jax.lax.with_sharding_constraint(x, batch)
             t = jnp.broadcast_to(tables["timesteps"][i], (x.shape[0],))
-            w, b, args = env.j2t_iso((weights, buffers, (x, text, t, cos, sin)))
-            with env:
-                out = jm.functional_call("forward", w, b, hidden_states=args[0], encoder_hidden_states=args[1],
-                                         timestep=args[2], image_rotary_emb=(args[3], args[4]), return_dict=False)[0]
-            pred = env.t2j_iso(out).astype(jnp.float32)
+            out = fm(weights, buffers, hidden_states=x, encoder_hidden_states=text, timestep=t,
+                     image_rotary_emb=(cos, sin))[0]
+            pred = out.astype(jnp.float32)
             if guided:
                 uncond, cond = pred[:1], pred[1:]
                 pred = uncond + guidance * (cond - uncond)
@@ -335,7 +328,7 @@ class CogVideoX:
         # Latents and the solver state keep one (replicated) sharding in and out, so every step
         # reuses the first step's program; they are donated, so XLA updates them in place.
         compiled = jax.jit(step, donate_argnums=(2, 3), out_shardings=(replicated, replicated))
-        weights, buffers = jax_view(dict(jm.params)), jax_view(dict(jm.buffers))
+        weights, buffers = fm.state()
         x = jax.device_put(_to_jax_array(latents), replicated)
         old = jax.device_put(jnp.zeros(shape, jnp.float32), replicated)
         noise_shape = (2, *shape) if dpm else (0,)
@@ -353,7 +346,7 @@ class CogVideoX:
                 step_times.append(seconds)
                 if on_step:
                     on_step(i, x)
-        del transformer, jm
+        del transformer, fm
         steady = float(np.median(step_times[1:])) if len(step_times) > 1 else step_times[0]
         return {"latents": _to_torch(x).to(self.dtype)}, {"first_s": step_times[0], "steady_s": steady,
                                                           "steps": len(step_times), "padding_frames": padding}
