@@ -30,7 +30,7 @@
 # 1. one program, many processes: what a process sees of a global array;
 # 2. the CogVideoX pipeline over 2 processes gives the 1-process frames;
 # 3. batch generation: prompts split over processes, a lost output redone, nothing twice;
-# 4. one video's step on a 16-chip, 4-host slice, compiled ahead of time;
+# 4. one video's step on a 4-host and a 16-host slice, compiled ahead of time;
 # 5. what bigger slices buy: videos per hour from the roofline and from a reported step time.
 #
 # *Budget: about 2 minutes on a 2-core CPU (each launch starts fresh Python processes). On a
@@ -171,14 +171,21 @@ assert {e["index"]: e["process"] for e in index} == {0: 0, 1: 1, 2: 0, 3: 1}
 #
 # The other way to use 16 chips is to spread **one** video's step over them. `tpupedia dryrun`
 # compiles the CogVideoX1.5-5B step for a multi-host topology as easily as for one host: libtpu
-# describes a `v6e:4x4` slice (16 chips, 4 hosts) on this CPU. One layer compiled, weights
+# describes a `v6e:4x4` slice (16 chips, 4 hosts) and a `v6e:8x8` (64 chips, 16 hosts) on this CPU. One layer compiled, weights
 # scaled to all 42, splash attention, the guidance pair on `dp` and the heads on `tp`:
 
 # %%
 from tpupedia import dryrun
 
-plans = {name: dryrun.run("cogvideox", topology=name, resolution="720p", frames=81, attention="splash", layers=1)
-         for name in ("v6e:2x4", "v6e:4x4")}
+import warnings
+
+plans, layout_warnings = {}, []
+for name in ("v6e:2x4", "v6e:4x4", "v6e:8x8"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plans[name] = dryrun.run("cogvideox", topology=name, resolution="720p", frames=81, attention="splash", layers=1)
+    layout_warnings += [f"{name}: {w.message}" for w in caught if "heads do not divide" in str(w.message)]
+print("\n".join(layout_warnings))
 from tpupedia import devices
 
 g = 2**30
@@ -201,11 +208,26 @@ for name, r in plans.items():
 # (bytes sent at the chip's ICI bandwidth) is a fraction of the compute floor.
 
 # %%
-one, two = plans["v6e:2x4"], plans["v6e:4x4"]
+one, two, eight = plans["v6e:2x4"], plans["v6e:4x4"], plans["v6e:8x8"]
 assert two.mesh == {"dp": 2, "tp": 8} and two.fits and one.fits
 assert two.arguments_bytes < one.arguments_bytes and abs(two.roofline_seconds / one.roofline_seconds - 0.5) < 1e-6
 assert one.collectives == two.collectives == {"all-reduce": 2}
 assert one.bound == two.bound == "compute" and sum(two.collective_bytes.values()) > sum(one.collective_bytes.values())
+
+# %% [markdown]
+# The v6e-64 (8x8, 16 hosts) is the counter-example. With `dp=2` the `tp` axis has 32 chips, and
+# 48 heads do not split 32 ways, so the attention override falls back to splitting queries along
+# the sequence (notebook 04). The compiler then re-shards activations around every attention:
+# all-gathers, all-to-alls and dozens of collective-permutes per layer. Each chip holds less and
+# computes less, but it now sends more than it can compute: the step is **communication-bound**,
+# and its floor is set by ICI, not by the FLOPs. Spreading one video over more chips stops paying
+# once the mesh no longer matches the model's shape; for many videos, the data parallelism of
+# section 3 scales instead.
+
+# %%
+assert eight.mesh == {"dp": 2, "tp": 32} and eight.fits and layout_warnings
+assert eight.bound == "communication" and eight.floors["communication"] > eight.floors["compute"]
+assert sum(eight.collectives.values()) > 10 * sum(two.collectives.values())
 
 # %% [markdown]
 # ## 5. What a bigger slice buys
