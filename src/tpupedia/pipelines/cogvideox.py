@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -254,7 +253,6 @@ class CogVideoX:
                                       jax.block_until_ready)
                 results[name] = _to_torch(out).to(self.dtype)
                 times.append(seconds)
-        del encoder, fm
         return results, {"first_s": times[0], "steady_s": times[1]}
 
     # -- stage 2 ---------------------------------------------------------------------------
@@ -346,7 +344,6 @@ class CogVideoX:
                 step_times.append(seconds)
                 if on_step:
                     on_step(i, x)
-        del transformer, fm
         steady = float(np.median(step_times[1:])) if len(step_times) > 1 else step_times[0]
         return {"latents": _to_torch(x).to(self.dtype)}, {"first_s": step_times[0], "steady_s": steady,
                                                           "steps": len(step_times), "padding_frames": padding}
