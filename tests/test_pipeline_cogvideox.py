@@ -33,9 +33,12 @@ def _stock_frames(checkpoint: Path, request: pipeline.Request) -> np.ndarray:
     return out.frames[0]
 
 
-@pytest.fixture(scope="module", params=["dpm", "ddim"])
+@pytest.fixture(scope="module", params=[("dpm", 2), ("ddim", 2), ("ddim", None)], ids=["1.5-dpm", "1.5-ddim", "1.0-ddim"])
 def checkpoint(request, tmp_path_factory) -> Path:
-    return family.tiny_checkpoint(tmp_path_factory.mktemp(f"ckpt-{request.param}"), scheduler=request.param)
+    """Tiny checkpoints in the CogVideoX 1.5 layout (patch_size_t=2) and the 1.0 layout (none)."""
+    scheduler, patch_size_t = request.param
+    return family.tiny_checkpoint(tmp_path_factory.mktemp(f"ckpt-{scheduler}-{patch_size_t}"), scheduler=scheduler,
+                                  patch_size_t=patch_size_t)
 
 
 def test_frames_match_stock_diffusers(checkpoint, tmp_path):
