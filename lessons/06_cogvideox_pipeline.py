@@ -36,8 +36,8 @@
 # diffusers; 7. the stage-file contract; 8. the full model planned without a TPU.
 #
 # *Budget: about 1 minute on a 2-core CPU (tiny preset: a random 2-layer checkpoint, 8
-# simulated devices). Full preset: `zai-org/CogVideoX1.5-5B` (about 22 GB of bf16 weights:
-# T5-XXL 9.5 GB, transformer 10.6 GB, VAE 0.4 GB) on a TPU v6e-8; the upstream project reports
+# simulated devices). Full preset: `zai-org/CogVideoX1.5-5B` (about 21 GB of bf16 weights:
+# T5-XXL 9.5 GB, transformer 11.2 GB, VAE 0.4 GB) on a TPU v6e-8; the upstream project reports
 # about 107 s for 50 steps at 720p once compiled (TPU v6e-8), and section 8 compiles the step
 # live instead of reading the record (a few minutes on a CPU host).*
 
