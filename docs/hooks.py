@@ -65,7 +65,7 @@ def _bench_table() -> str:
 
 
 def _pipeline_table() -> str:
-    records = results.load(_PIPELINES)
+    records = [r for r in results.load(_PIPELINES) if "stages" in r]
     if not records:
         return "*No pipeline run has been recorded yet.*"
     lines = ["| pipeline | request | measured on | text (first / steady) | denoise (first call / steady per step) | decode | whole run | date | command |",
@@ -79,6 +79,22 @@ def _pipeline_table() -> str:
             f"| {r['bench']} | {request} | {where} | {st['text']['first_s']:.2f} s / {_ms(st['text']['steady_s'])} | "
             f"{st['denoise']['first_s']:.2f} s / {_ms(st['denoise']['steady_s'])} | {st['decode']['first_s']:.2f} s | "
             f"{r['total_s']:.1f} s | {r['measured_at']} | `{r['command']}` |")
+    return "\n".join(lines)
+
+
+def _deepcache_table() -> str:
+    records = [r for r in results.load(_PIPELINES) if r["bench"] == "deepcache"]
+    if not records:
+        return "*No DeepCache comparison has been recorded yet.*"
+    lines = ["| request | schedule | full steps | denoise without / with | speed-up | PSNR | SSIM | measured on | date | command |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        c, m, x = r["config"], r["machine"], r["result"]
+        request = f"{c['frames']} frames, {c['width']}x{c['height']}, {c['dtype']}, {c['source']}"
+        where = f"{m['devices']} x {m['device_kind']} ({m['platform']}, {m['cpu_count']} CPUs)"
+        lines.append(f"| {request} | {c['deepcache']} | {x['full_steps']} of {x['steps']} | {x['plain_s']:.2f} s / "
+                     f"{x['cached_s']:.2f} s | {x['speedup']:.2f}x | {x['psnr_db']:.1f} dB | {x['ssim']:.4f} | {where} | "
+                     f"{r['measured_at']} | `{r['command']}` |")
     return "\n".join(lines)
 
 
@@ -173,6 +189,8 @@ def on_page_markdown(markdown, page, config, files):  # noqa: ARG001 - mkdocs ho
         markdown = markdown.replace("{{ bench_table }}", _bench_table())
     if "{{ results_table }}" in markdown:
         markdown = markdown.replace("{{ results_table }}", _results_table())
+    if "{{ deepcache_table }}" in markdown:
+        markdown = markdown.replace("{{ deepcache_table }}", _deepcache_table())
     if "{{ pipeline_table }}" in markdown:
         markdown = markdown.replace("{{ pipeline_table }}", _pipeline_table())
     if "{{ results_chart }}" in markdown:

@@ -95,11 +95,35 @@ np.testing.assert_array_equal(np.asarray(x_sharded), np.asarray(x))  # same valu
 #   communication.
 # * **Row-parallel** (o, down): split the *input* features, **dim 1**, `P(None, "tp")`. Each
 #   device holds a partial sum, and one all-reduce adds them up.
+# * **Vocabulary-parallel** embedding and `lm_head` (both `(vocab, hidden)`): split the
+#   vocabulary, **dim 0**, as Megatron's `VocabParallelEmbedding` does. Each device looks the
+#   token ids up in its quarter of the rows (zeros for ids it does not hold) and one all-reduce
+#   sums the lookups; `lm_head` gives each device a quarter of the logits.
+#
+# Here is the table this notebook measures, `("llama", "tp")`:
 
 # %%
 from tpupedia import sharding
 
 sharding.rules("llama", "tp")
+
+# %% [markdown]
+# Section 3 measures it against three others, shown here side by side (an empty cell means no
+# rule: replicated). `tp_transposed` swaps every matrix's dims; `fsdp` splits every matrix on
+# dim 0 over all eight devices.
+
+# %%
+from IPython.display import Markdown
+
+llama_strategies = ["tp", "tp_transposed", "fsdp", "replicated"]
+patterns = list(dict.fromkeys(pat for s in llama_strategies for pat, _ in sharding.RULES[("llama", s)]))
+lines = ["| rule (regex) | " + " | ".join(f"`{s}`" for s in llama_strategies) + " |",
+         "|---|" + "---|" * len(llama_strategies)]
+for pat in patterns:
+    cells = [next((f"P({', '.join(map(repr, spec))})" for p_, spec in sharding.RULES[("llama", s)] if p_ == pat), "") for s in llama_strategies]
+    escaped = pat.replace("|", "\\|")  # a | inside a table cell ends the cell unless escaped
+    lines.append(f"| `{escaped}` | " + " | ".join(cells) + " |")
+Markdown("\n".join(lines))
 
 # %% [markdown]
 # The same `llama` tables serve Qwen2 and Mistral, which share the naming (the tests check
@@ -141,8 +165,6 @@ reference_logits.shape
 # spec divides its dimension. Here are layer 0's tensors under Megatron TP:
 
 # %%
-from IPython.display import Markdown
-
 tp_plan = sharding.plan(model, sharding.rules("llama", "tp"), mesh)
 Markdown(tp_plan.table(pattern=r"layers\.0\.|lm_head|embed"))
 
@@ -187,9 +209,10 @@ sharding.plan(padded_vocab, sharding.rules("llama", "tp"), mesh)
 # For each we shard a fresh copy of the model with `apply_rules` (in place, inside the torchax
 # environment), run it through `JitModule` (lesson 01), and compile the same forward with
 # `torchax_utils.FunctionalModule`, which exposes the pure JAX function torchax jits. With it,
-# `jax.jit(f).lower(params, buffers, ids).compile().as_text()` is the partitioned program, and
-# counting its collectives (`aot.collective_counts`) shows what each layout costs in
-# communication.
+# `jax.jit(f).lower(params, buffers, ids).compile().as_text()` is the partitioned program.
+# `aot.collective_ops` reads every collective in it: its kind, the shapes it moves and the size
+# of its device group, hence the bytes each device sends (ring estimates: an all-reduce of `B`
+# bytes over `n` devices sends `2 (n-1)/n B`, an all-gather `(n-1)/n B`).
 
 # %%
 import copy
@@ -217,7 +240,7 @@ def run(strategy):
         logits = torchax_utils.JitModule(m)(env.j2t_iso(ids_jax)).logits.jax()
         hlo = torchax_utils.FunctionalModule(m, return_dict=False).hlo(ids_jax)
     return {"plan": plan, "described": sharding.describe(m), "logits": logits,
-            "collectives": aot.collective_counts(hlo)}
+            "collectives": aot.collective_counts(hlo), "ops": aot.collective_ops(hlo, len(the_mesh.devices.flat))}
 
 
 results = {strategy: run(strategy) for strategy in setups}
@@ -236,47 +259,152 @@ for r in results.values():
     np.testing.assert_allclose(np.asarray(r["logits"]), reference_logits, atol=1e-5, rtol=0)
 
 # %% [markdown]
-# Now what differs: collectives in the compiled program and weight bytes per device
-# (`describe` reads the placement back from the arrays).
+# Now what differs: the collectives in the compiled program (how many, and the bytes one device
+# sends per forward) and the weight bytes per device (`describe` reads the placement back from
+# the arrays). Measured here on 8 simulated CPU devices.
 
 # %%
 kinds = ["all-reduce", "all-gather", "all-to-all", "collective-permute"]
-lines = ["| strategy | " + " | ".join(kinds) + " | bytes per device | of total |",
-         "|---|" + "---:|" * (len(kinds) + 2)]
+sent = {s: sum(op.bytes_sent for op in r["ops"]) for s, r in results.items()}
+lines = ["| strategy | " + " | ".join(kinds) + " | bytes sent per device | weight bytes per device | of total |",
+         "|---|" + "---:|" * (len(kinds) + 3)]
 for strategy, r in results.items():
     d = r["described"]
     counts = " | ".join(str(r["collectives"].get(k, 0)) for k in kinds)
-    lines.append(f"| `{strategy}` | {counts} | {d.bytes_per_device:,} | "
+    lines.append(f"| `{strategy}` | {counts} | {sent[strategy]:,.0f} | {d.bytes_per_device:,} | "
                  f"{d.bytes_per_device / d.bytes_total:.1%} |")
 Markdown("\n".join(lines))
 
+# %%
+import matplotlib.pyplot as plt
+
+names = list(results)
+fig, (ax_w, ax_c) = plt.subplots(1, 2, figsize=(9, 3.2))
+ax_w.bar(names, [results[n]["described"].bytes_per_device / 1024 for n in names], color="C0")
+ax_w.set_title("weight bytes per device (KiB)", fontsize=9)
+bottom = np.zeros(len(names))
+for i, kind in enumerate(kinds):
+    kib = np.array([sum(op.bytes_sent for op in results[n]["ops"] if op.kind == kind) / 1024 for n in names])
+    if kib.any():
+        ax_c.bar(names, kib, bottom=bottom, label=kind, color=f"C{i + 1}")
+        bottom += kib
+for x, n in enumerate(names):
+    ax_c.text(x, bottom[x], f"{len(results[n]['ops'])} ops", ha="center", va="bottom", fontsize=8)
+ax_c.set_title("bytes sent per device per forward (KiB)", fontsize=9)
+ax_c.legend(fontsize=7)
+for ax in (ax_w, ax_c):
+    ax.tick_params(axis="x", labelsize=8)
+fig.tight_layout()
+plt.show()
+
 # %% [markdown]
-# How to read it (2 decoder layers):
+# How to read it (2 decoder layers, activations of `(4, 16, 64)` float32 per `dp` group):
 #
 # * **replicated**: no collectives at all. Each `dp` group computes its own half of the batch
 #   with the whole model: plain data parallelism, and every device pays for every byte.
-# * **tp**: Megatron's all-reduce after each row-parallel layer (`o_proj`, `down_proj`) appears
-#   once per layer and block. The extra small all-reduces and all-gathers come from the
-#   embedding table being split on its hidden dimension (the upstream Llama table's choice):
-#   the residual stream starts out split, so the RMSNorms need a cross-device sum. About a
-#   quarter of the weights per device (the `tp` axis has 4 devices; norms stay replicated).
+# * **tp**: one all-reduce of the activations after each row-parallel layer (`o_proj`,
+#   `down_proj`) in each layer, and one more for the vocabulary-parallel embedding lookup. The
+#   all-gathers (three per layer) are inside attention: the compiler gathers q, k and the
+#   repeated k/v heads over `tp` rather than keep each device's heads, which Megatron would do.
+#   That is the compiler's choice for attention as torchax traces it here, not something the
+#   table asks for; lesson 04's splash override pins attention to each device's own heads with
+#   `shard_map`. About a quarter of the weights per device (the `tp` axis has 4 devices; norms
+#   stay replicated).
 # * **fsdp**: one all-gather per weight matrix, fetched right before it is used; activations
-#   never leave their device. The smallest weight footprint (an eighth), paid for in weight
-#   traffic on every forward. That is FSDP's trade: cheap when the batch per device is large
-#   compared with the weights.
+#   barely move. The smallest weight footprint (an eighth), paid for in weight traffic on every
+#   forward: here more bytes than `tp` sends. FSDP is cheap when the batch per device is large
+#   compared with the weights, and this batch is tiny.
 # * **tp_transposed**: the same bytes per device as `tp`, but with the contracting dimension
-#   split for q/k/v/gate/up the compiler has to reshuffle or sum activations differently,
-#   including an all-reduce of the full `(batch, seq, vocab)` logits at the end, where
-#   Megatron's vocab-parallel `lm_head` needs none. "TP" is not a layout; the dims are.
+#   split for q/k/v/gate/up the compiler has to sum partial activations after each of them,
+#   reshuffle for attention (an all-to-all, a collective-permute), and all-reduce the full
+#   `(batch, seq, vocab)` logits at the end, where Megatron's vocab-parallel `lm_head` needs
+#   none. It sends several times the bytes of `tp`. "TP" is not a layout; the dims are.
+#
+# The checks below are structural, not exact counts: a compiler may combine or split
+# collectives differently on another backend (with this course's earlier Llama table, which
+# split the embedding on its hidden dimension, the CPU compile had 11 all-gathers and the TPU
+# compile of section 5 had 10), but which tensors cross devices follows from the layout.
 
 # %%
 nlayers = config.num_hidden_layers
-tp_counts, fsdp_counts = results["tp"]["collectives"], results["fsdp"]["collectives"]
-assert results["replicated"]["collectives"] == {}
-assert tp_counts.get("all-reduce", 0) >= 2 * nlayers  # o_proj + down_proj, each layer
-assert fsdp_counts.get("all-gather", 0) >= 7 * nlayers  # one per weight matrix, each layer
-assert fsdp_counts.get("all-reduce", 0) < tp_counts["all-reduce"]
-assert results["tp_transposed"]["collectives"] != tp_counts
+activation = (8 // 2, 16, config.hidden_size)  # one dp group's hidden states
+logits_shape = (8 // 2, 16, config.vocab_size)
+weight_shapes = {tuple(p.shape) for p in model.parameters() if p.ndim == 2}
+
+
+def moved(strategy, kind, shape):
+    """How many tensors of `shape` the strategy's collectives of `kind` move."""
+    return sum(op.shapes.count(shape) for op in results[strategy]["ops"] if op.kind == kind)
+
+
+assert results["replicated"]["ops"] == []
+assert moved("tp", "all-reduce", activation) >= 2 * nlayers + 1  # o_proj, down_proj per layer + embedding
+assert not any(shape in weight_shapes for op in results["tp"]["ops"] for shape in op.shapes)  # weights stay put
+assert moved("tp", "all-reduce", logits_shape) == 0 < moved("tp_transposed", "all-reduce", logits_shape)
+fsdp_gathered = sum(shape in weight_shapes for op in results["fsdp"]["ops"] if op.kind == "all-gather"
+                    for shape in op.shapes)
+assert fsdp_gathered >= 7 * nlayers  # every decoder weight matrix, gathered where it is used
+assert sent["tp_transposed"] > 2 * sent["tp"] and sent["fsdp"] > sent["tp"]
+
+# %% [markdown]
+# **A variant from upstream: a replicated second layer.** The upstream HunyuanVideo-1.5 scripts
+# (lesson 07) keep Megatron's column-parallel first layer but replicate the second (`fc2`,
+# the `tp_fc2_replicated` table), described as having "no row-parallel all-reduce". The
+# column-parallel layer leaves each device a quarter of the hidden vector, and a replicated
+# `fc2` needs all of it: either the activations are all-gathered first, or each device
+# multiplies its quarter by the matching columns of its (whole) `fc2` and the partial outputs
+# are all-reduced, which is the row-parallel all-reduce again. Which one does the compiler
+# choose? An MLP pair in plain JAX, on the same mesh:
+
+# %%
+B, S, D, F = 8, 16, 64, 256
+x_act = jax.device_put(jnp.ones((B, S, D)), NamedSharding(mesh, P("dp")))
+fc1 = jax.device_put(jnp.ones((F, D)), NamedSharding(mesh, P("tp", None)))  # column-parallel
+mlp = jax.jit(lambda x, w1, w2: jax.nn.gelu(x @ w1.T) @ w2.T, out_shardings=NamedSharding(mesh, P("dp")))
+fc2_layouts = {"tp (row-parallel fc2)": P(None, "tp"), "tp_fc2_replicated": P()}
+fc2_ops = {}
+for name, spec in fc2_layouts.items():
+    fc2 = jax.device_put(jnp.ones((D, F)), NamedSharding(mesh, spec))
+    fc2_ops[name] = aot.collective_ops(mlp.lower(x_act, fc1, fc2).compile().as_text(), 8)
+    fc2_bytes = int(np.prod(fc2.sharding.shard_shape(fc2.shape))) * 4
+    print(f"{name:>22}: fc2 {fc2_bytes:,} bytes per device; "
+          + ", ".join(f"{op.kind} of {op.shapes[0]} over {op.group_size} devices" for op in fc2_ops[name]))
+
+# %% [markdown]
+# In this lone MLP, GSPMD picks the all-reduce for both (compiled for the TPU, the same MLP
+# gives the same choice): replicating `fc2` removes no communication, it only holds four times
+# the `fc2` weights per device. The choice depends on the surrounding program, though. Here is
+# the full HunyuanVideo-1.5 transformer under both tables, compiled for `v6e:2x4` (AOT here:
+# `tpupedia dryrun hunyuan` with one layer at 480p and 5 frames, a few minutes each on a
+# 2-core CPU, so this notebook reads the recorded results; bytes are scaled to all 54 layers):
+
+# %%
+import json
+from pathlib import Path
+
+from tpupedia import dryrun
+
+hy_records = {r["sharding"]: r for r in json.loads((Path("..") / dryrun.DEFAULT_RECORDS).read_text())["records"]
+              if (r["model"], r["width"], r["height"], r["frames"], r["layers_compiled"]) == ("hunyuan", 848, 480, 5, 1)}
+for name in ("tp", "tp_fc2_replicated"):
+    r = hy_records[name]
+    print(f"{name:>17}: collectives {r['collectives']}; {sum(r['collective_bytes'].values()) / 2**30:.2f} GiB sent "
+          f"and {r['arguments_bytes'] / 2**30:.2f} GiB of weights and inputs per chip")
+
+# %% [markdown]
+# In the real block the compiler does gather the column-parallel activations for the
+# replicated layers: fewer all-reduces, more all-gathers, fewer bytes sent, more weights held.
+# A replicated `fc2` never means "no communication": it means an all-gather of the activations
+# in place of the all-reduce, or the same all-reduce. Read the compiled collectives rather than
+# the table's name.
+
+# %%
+assert [op.kind for op in fc2_ops["tp (row-parallel fc2)"]] == ["all-reduce"]
+assert [op.kind for op in fc2_ops["tp_fc2_replicated"]] == ["all-reduce"]
+hy_tp, hy_fc2 = hy_records["tp"], hy_records["tp_fc2_replicated"]
+assert hy_fc2["collectives"].get("all-gather", 0) > hy_tp["collectives"].get("all-gather", 0)
+assert hy_fc2["collectives"]["all-reduce"] < hy_tp["collectives"]["all-reduce"]
+assert hy_fc2["arguments_bytes"] > hy_tp["arguments_bytes"]
 
 # %% [markdown]
 # And the memory claim, per tensor: every sharded tensor holds exactly `1 / axis size` of its
@@ -366,6 +494,8 @@ print(f"AOT compile for v6e:2x4 on this host: {time.perf_counter() - start:.0f} 
 # %%
 print(compiled.summary())
 print("collectives:", compiled.collectives)
+tpu_ops = aot.collective_ops(compiled.compiled.as_text(), 8)
+print(f"bytes sent per chip per forward: {sum(op.bytes_sent for op in tpu_ops):,.0f}")
 print(f"arguments per chip: {compiled.memory.arguments:,} bytes; "
       f"predicted {predicted:,}; difference {compiled.memory.arguments - predicted} bytes")
 
@@ -376,9 +506,14 @@ print(f"arguments per chip: {compiled.memory.arguments:,} bytes; "
 # would be sharded by the same table.
 
 # %%
+big_activation = (8 // 2, 512, big_config.hidden_size)
+big_weights = {tuple(p.shape) for p in big.parameters() if p.ndim == 2}
 assert compiled.fits
 assert 0 <= compiled.memory.arguments - predicted <= 1024
-assert compiled.collectives.get("all-reduce", 0) >= 2 * big_config.num_hidden_layers
+# the same structure as on CPU: the activations all-reduced after every row-parallel layer
+# and the embedding lookup, and no weight ever crosses a chip
+assert sum(op.shapes.count(big_activation) for op in tpu_ops if op.kind == "all-reduce") >= 2 * big_config.num_hidden_layers + 1
+assert not any(shape in big_weights for op in tpu_ops for shape in op.shapes)
 
 # %% [markdown]
 # ## Takeaways

@@ -267,17 +267,9 @@ frames = decoded["frames"].numpy()
 print("frames", frames.shape, frames.dtype, f"range [{frames.min():.2f}, {frames.max():.2f}]")
 
 # %%
-import matplotlib.pyplot as plt
+from tpupedia import video
 
-picks = np.linspace(0, len(frames) - 1, 5).astype(int)
-fig, axes = plt.subplots(1, len(picks), figsize=(2 * len(picks), 2.2))
-for ax, k in zip(axes, picks):
-    ax.imshow(frames[k])
-    ax.set_title(f"frame {k}", fontsize=9)
-    ax.axis("off")
-fig.suptitle(f"{label}: {request.frames} frames at {request.width}x{request.height}", fontsize=10)
-plt.tight_layout()
-plt.show()
+video.show_frames(frames, f"{label}: {request.frames} frames at {request.width}x{request.height}")
 
 # %% [markdown]
 # The mp4 is written from the same array (8-bit, H.264) by `tpupedia.video.write_mp4`, to a
@@ -288,8 +280,6 @@ import tempfile
 from pathlib import Path
 
 import imageio.v3 as iio
-
-from tpupedia import video
 
 scratch = Path(tempfile.mkdtemp(prefix="tpupedia-06-"))
 movie = video.write_mp4(frames, scratch / "panda.mp4", fps=request.fps)

@@ -98,3 +98,33 @@ def test_collective_traffic_reads_shapes_and_group_sizes():
     assert traffic["all-gather"] == 1 / 2 * (2 * 8 * 4 * 4)  # the -start counted, the -done not; groups of 2
     assert traffic["collective-permute"] == 16 * 4
     assert set(traffic) == {"all-reduce", "all-gather", "collective-permute"}
+
+
+def test_collective_ops_read_mesh_axis_replica_groups():
+    hlo = "\n".join([
+        "%all-reduce = f32[4,16,64]{2,1,0} all-reduce(%f), channel_id=4, "
+        "replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], device_ids=([2,4]T(1,0)) {'axis_0'}, to_apply=%add",
+        "%all-gather = f32[64,64]{1,0} all-gather(%p), channel_id=6, "
+        "replica_groups=mesh['axis_0'=8,'axis_1'=1] {'axis_0'}, dimensions={0}",
+        "%all-reduce.2 = (f32[4,16]{1,0}, f32[4,16,8]{2,1,0}) all-reduce(%a, %b), replica_groups=[2,4]<=[8]",
+    ])
+    ops = aot.collective_ops(hlo, devices=8)
+    assert [(op.kind, op.group_size) for op in ops] == [("all-reduce", 4), ("all-gather", 8), ("all-reduce", 4)]
+    assert ops[0].shapes == ((4, 16, 64),) and ops[2].shapes == ((4, 16), (4, 16, 8))
+    assert ops[0].bytes_sent == 2 * 3 / 4 * (4 * 16 * 64 * 4)
+    assert ops[1].bytes_sent == 7 / 8 * (64 * 64 * 4)
+    assert aot.collective_traffic(hlo, devices=8)["all-gather"] == ops[1].bytes_sent
+
+
+def test_a_vmem_overflow_is_a_result_with_the_compilers_figures(monkeypatch):
+    text = ("RESOURCE_EXHAUSTED: E1001: CompileTimeScopedVmemOom:\nRan out of memory in memory space vmem\n"
+            "}}, metadata={}. Scoped allocation with size 60.66M and limit 32.00M exceeded scoped vmem limit")
+
+    class Lowered:
+        def compile(self):
+            raise RuntimeError(text)
+
+    monkeypatch.setattr(jax, "jit", lambda fn, **kw: type("J", (), {"lower": lambda self, *a: Lowered()})())
+    result = aot.compile_aot(lambda a: a, jnp.ones(2))
+    assert not result.fits and result.vmem_required_bytes == 60.66 * 2**20 and result.vmem_limit_bytes == 32 * 2**20
+    assert "scoped VMEM" in result.summary() and "32.00 MiB" in result.summary()

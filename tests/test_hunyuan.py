@@ -31,3 +31,79 @@ def test_static_forward_equals_stock_forward(padded):
         via_method = make_static(model)(x, t, text, mask, **kwargs)[0]
     assert torch.equal(static, stock)
     assert torch.equal(via_method, stock)
+
+
+def _inputs(padded: bool = True):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 9, 3, 4, 4, generator=g)
+    t = torch.tensor([500.0, 500.0])
+    text, text_2 = torch.randn(2, 6, 16, generator=g), torch.randn(2, 5, 32, generator=g)
+    mask, mask_2 = torch.ones(2, 6, dtype=torch.long), torch.ones(2, 5, dtype=torch.long)
+    if padded:
+        mask[0, 4:] = 0
+        mask[1, 2:] = 0
+        mask_2[:, 3:] = 0
+    return x, t, text, mask, text_2, mask_2, torch.zeros(2, 4, 12)
+
+
+def test_padding_processor_keeps_the_mask_a_vector_and_equals_stock():
+    """`PaddingAttnProcessor` never builds (B, 1, S, S) in the blocks, and gives the stock output."""
+    from tpupedia.models import hunyuan
+
+    model = _tiny()
+    x, t, text, mask, text_2, mask_2, image = _inputs()
+    kwargs = dict(encoder_hidden_states_2=text_2, encoder_attention_mask_2=mask_2, image_embeds=image, return_dict=False)
+    with torch.no_grad():
+        stock = model(x, t, text, mask, **kwargs)[0]
+        shapes = []
+
+        def attend(q, k, v, valid):
+            shapes.append(tuple(valid.shape))
+            return hunyuan.torch_padded_attention(q, k, v, valid)
+
+        hunyuan.make_jit_friendly(model, attend)
+        ours = model(x, t, text, mask, **kwargs)[0]
+    assert torch.equal(ours, stock)
+    s = 3 * 4 * 4 + 4 + 5 + 6  # video tokens + image + ByT5 + Qwen slots
+    assert shapes == [(2, s)] * len(model.transformer_blocks)  # a (B, S) vector reached every block
+
+
+def test_deepcache_pieces_recompose_the_forward():
+    """The full DeepCache forward returns the plain output; a cached step from its own cache at
+    the same timestep gives that output again (the tail recomputed from the cut)."""
+    from tpupedia.models import hunyuan
+
+    model = _tiny()
+    x, t, text, mask, text_2, mask_2, image = _inputs()
+    with torch.no_grad():
+        plain = static_forward(model, x, t, text, mask, None, text_2, mask_2, image, return_dict=False)[0]
+        full, cache = hunyuan.deepcache_full(model, 1, x, t, text, mask, text_2, mask_2, image)
+        again = hunyuan.deepcache_cached(model, 1, cache, x, t, mask, mask_2, image)
+        later = hunyuan.deepcache_cached(model, 1, cache, x, t * 0.5, mask, mask_2, image)
+    assert torch.equal(full, plain) and torch.equal(again, plain)
+    assert not torch.equal(later, plain)  # the timestep embedding of the cached step is its own
+
+
+def test_padded_attention_matches_torch_and_zeroes_padded_rows():
+    """`tpupedia.attention.padded_attention` (reference and splash in interpret mode) against
+    torch SDPA with diffusers' pairwise mask; rows of padded tokens are 0."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from tpupedia import attention
+    from tpupedia.models import hunyuan
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 200, 8, generator=g) for _ in range(3))
+    valid = torch.ones(2, 200, dtype=torch.bool)
+    valid[0, 150:] = False
+    valid[1, 60:] = False
+    expected = hunyuan.torch_padded_attention(q, k, v, valid).numpy()
+    for backend in ("reference", "splash"):
+        out = jax.jit(lambda *a: attention.padded_attention(*a, backend=backend, interpret=True))(
+            *(jnp.asarray(t.numpy()) for t in (q, k, v, valid)))
+        out = np.asarray(out)
+        rows = valid.numpy()
+        assert np.abs(out - expected)[np.broadcast_to(rows[:, None, :, None], out.shape)].max() <= 1e-5
+        assert (out[np.broadcast_to(~rows[:, None, :, None], out.shape)] == 0).all(), backend

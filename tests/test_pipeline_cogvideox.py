@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tpupedia import presets
+from tpupedia.errors import TpupediaError
 from tpupedia.models import cogvideox as family
 from tpupedia.pipelines import cogvideox as pipeline
 from tpupedia.pipelines import stages
@@ -113,7 +114,7 @@ def test_bad_requests_are_refused_before_any_model_loads(change, message, monkey
 
     monkeypatch.setattr(family, "model_source", no_loading)
     request = pipeline.Request(**{**REQUEST.__dict__, **change})
-    with pytest.raises(pipeline.TpupediaError, match=message):
+    with pytest.raises(TpupediaError, match=message):
         pipeline.run(request, pipeline.Options(), preset=TINY, workdir=tmp_path, log=lambda _: None)
 
 
@@ -175,7 +176,7 @@ def _stock_frames_bf16(checkpoint: Path) -> np.ndarray:
 def test_bench_generate_records_per_stage_timings(tmp_path):
     from tpupedia import bench, results
 
-    record = bench.bench_generate_cogvideox(TINY, REQUEST, pipeline.Options(quiet=True))
+    record = bench.bench_generate("cogvideox", TINY, REQUEST, pipeline.Options(quiet=True))
     assert record["bench"] == "generate-cogvideox" and set(record["stages"]) == {"text", "denoise", "decode"}
     assert record["stages"]["denoise"]["steps"] == REQUEST.steps and record["total_s"] > 0
     assert record["config"]["attention"] == "reference"  # what `auto` meant on this CPU

@@ -24,12 +24,16 @@ __all__ = [
     "compile_aot",
     "collective_counts",
     "collective_traffic",
+    "CollectiveOp",
+    "collective_ops",
     "format_bytes",
 ]
 
 _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _OOM = re.compile(r"required for ([\w ]+?) \(([\d.]+)G\) exceeds available HBM \(([\d.]+)G\)")
+_VMEM = re.compile(r"Scoped allocation with size ([\d.]+)([KMG]) and limit ([\d.]+)([KMG])")
 _GIB = 1024**3
+_UNIT = {"K": 2**10, "M": 2**20, "G": 2**30}
 
 
 def format_bytes(n: float) -> str:
@@ -78,6 +82,8 @@ class AOTResult:
     oom_available_bytes: float | None = None
     oom_message: str = ""
     compiled: Any = None
+    vmem_required_bytes: float | None = None
+    vmem_limit_bytes: float | None = None
 
     def summary(self) -> str:
         if self.fits and self.memory is not None:
@@ -85,6 +91,11 @@ class AOTResult:
             return (
                 f"fits: arguments {format_bytes(m.arguments)}, outputs {format_bytes(m.outputs)}, "
                 f"temporaries {format_bytes(m.temporaries)} per chip"
+            )
+        if self.vmem_required_bytes is not None and self.vmem_limit_bytes is not None:
+            return (
+                f"does not fit: a kernel needs {format_bytes(self.vmem_required_bytes)} of scoped "
+                f"VMEM, the compiler's limit is {format_bytes(self.vmem_limit_bytes)}"
             )
         if self.oom_required_bytes is None or self.oom_available_bytes is None:
             return f"does not fit: {self.oom_message}"
@@ -115,6 +126,55 @@ _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 
 _OP = re.compile(r"\s(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
 _ARRAY = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
 _GROUPS = re.compile(r"replica_groups=(?:\{\{([\d,]+)\}|\[\d+,(\d+)\]<=)")
+# newer XLA prints mesh-axis groups: replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}")
+
+
+def _group_size(line: str, devices: int) -> int:
+    groups = _GROUPS.search(line)
+    if groups:
+        return len(groups.group(1).split(",")) if groups.group(1) else int(groups.group(2))
+    mesh = _MESH_GROUPS.search(line)
+    if mesh:
+        sizes = {name: int(size) for name, size in re.findall(r"'([^']+)'=(\d+)", mesh.group(1))}
+        return math.prod(sizes.get(name, 1) for name in re.findall(r"'([^']+)'", mesh.group(2)))
+    return devices
+
+
+@dataclass(frozen=True)
+class CollectiveOp:
+    """One collective in a compiled program: its kind, result shapes, group size and bytes sent."""
+
+    kind: str
+    shapes: tuple[tuple[int, ...], ...]
+    group_size: int
+    bytes_sent: float
+
+
+def collective_ops(hlo_text: str, devices: int) -> list[CollectiveOp]:
+    """Every collective in compiled HLO text, in program order, with what one chip sends.
+
+    `shapes` are the result shapes (several when the compiler combined collectives into one);
+    `bytes_sent` follows the ring estimates of `collective_traffic`. Reading shapes, not only
+    counts, is what makes a check structural: "an all-reduce of the activations after every
+    row-parallel layer" holds on every backend, an exact count does not (compilers combine and
+    split collectives differently).
+    """
+    ops = []
+    for line in hlo_text.splitlines():
+        op = _OP.search(line)
+        if not op or "=" not in line[: op.start()]:
+            continue
+        shape_text = line[line.index("=") + 1: op.start()]
+        arrays = _ARRAY.findall(shape_text)
+        shapes = tuple(tuple(int(d) for d in dims.split(",") if d) for _, dims in arrays)
+        size = sum(_DTYPE_BYTES.get(dt, 4) * math.prod(shape) for (dt, _), shape in zip(arrays, shapes))
+        n = _group_size(line, devices)
+        kind = op.group(1)
+        factor = {"all-reduce": 2 * (n - 1) / n, "all-gather": (n - 1) / n, "all-to-all": (n - 1) / n,
+                  "reduce-scatter": n - 1, "collective-permute": 1.0}[kind] if n > 1 else 0.0
+        ops.append(CollectiveOp(kind, shapes, n, factor * size))
+    return ops
 
 
 def collective_traffic(hlo_text: str, devices: int) -> dict[str, float]:
@@ -124,30 +184,21 @@ def collective_traffic(hlo_text: str, devices: int) -> dict[str, float]:
     (all devices when the groups are not spelled out), with the ring algorithm's traffic (the
     estimates of "How to Scale Your Model"): an all-reduce of `B` bytes sends `2 (n-1)/n B`, an
     all-gather or all-to-all `(n-1)/n B`, a reduce-scatter to `B` bytes `(n-1) B`, a
-    collective-permute `B`. Introduced in notebook 10 (beyond one host).
+    collective-permute `B`. Group sizes are read from both of XLA's spellings of replica groups
+    (explicit lists and mesh axes). Introduced in notebook 02 (sharding); notebook 10 uses it.
     """
     traffic: dict[str, float] = {}
-    for line in hlo_text.splitlines():
-        op = _OP.search(line)
-        if not op or "=" not in line[: op.start()]:
-            continue
-        shape_text = line[line.index("=") + 1: op.start()]
-        size = sum(_DTYPE_BYTES.get(dt, 4) * math.prod(int(d) for d in dims.split(",") if d)
-                   for dt, dims in _ARRAY.findall(shape_text))
-        groups = _GROUPS.search(line)
-        n = (len(groups.group(1).split(",")) if groups.group(1) else int(groups.group(2))) if groups else devices
-        kind = op.group(1)
-        factor = {"all-reduce": 2 * (n - 1) / n, "all-gather": (n - 1) / n, "all-to-all": (n - 1) / n,
-                  "reduce-scatter": n - 1, "collective-permute": 1.0}[kind] if n > 1 else 0.0
-        traffic[kind] = traffic.get(kind, 0.0) + factor * size
+    for op in collective_ops(hlo_text, devices):
+        traffic[op.kind] = traffic.get(op.kind, 0.0) + op.bytes_sent
     return traffic
 
 
 def compile_aot(fn: Callable[..., Any], *args: Any, **jit_kwargs: Any) -> AOTResult:
     """Lower and compile `fn` for the devices its abstract `args` are sharded over.
 
-    Out-of-memory is a result (`fits=False` with the compiler's figures), not an exception;
-    any other compile error propagates.
+    Out-of-memory is a result (`fits=False` with the compiler's figures), not an exception:
+    HBM (`oom_required_bytes`, `oom_available_bytes`) or a Pallas kernel's scoped VMEM
+    (`vmem_required_bytes`, `vmem_limit_bytes`). Any other compile error propagates.
     """
     import jax
 
@@ -159,6 +210,7 @@ def compile_aot(fn: Callable[..., Any], *args: Any, **jit_kwargs: Any) -> AOTRes
         if "RESOURCE_EXHAUSTED" not in text:
             raise
         m = _OOM.search(text)
+        v = _VMEM.search(text)  # a Pallas kernel's tiles overflowing VMEM (CompileTimeScopedVmemOom)
         return AOTResult(
             fits=False,
             memory=None,
@@ -166,6 +218,8 @@ def compile_aot(fn: Callable[..., Any], *args: Any, **jit_kwargs: Any) -> AOTRes
             oom_required_bytes=float(m.group(2)) * _GIB if m else None,
             oom_available_bytes=float(m.group(3)) * _GIB if m else None,
             oom_message=" ".join(line.strip() for line in text.strip().splitlines()[:2]),
+            vmem_required_bytes=float(v.group(1)) * _UNIT[v.group(2)] if v else None,
+            vmem_limit_bytes=float(v.group(3)) * _UNIT[v.group(4)] if v else None,
         )
     return AOTResult(
         fits=True,

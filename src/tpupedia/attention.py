@@ -491,3 +491,24 @@ def install_attention(
         env.override_op_definition(op, sdpa)
     return info
 
+
+
+# ---------------------------------------------------------------------------------------------
+# padding declared as a vector (HunyuanVideo-1.5, notebook 07)
+
+
+def padded_attention(q, k, v, valid, *, backend="auto", scale=None, block_sizes=None, interpret=None, mesh=None,
+                     batch_axis=None, head_axis=None) -> jax.Array:
+    """Joint attention with padding: token ``j`` is visible to token ``i`` iff ``valid[:, i]``
+    and ``valid[:, j]`` (``valid``: ``(B, S)`` booleans; ``q, k, v``: ``(B, H, S, D)``).
+
+    This is the mask HunyuanVideo-1.5's processor builds as a ``(B, 1, S, S)`` matrix, declared
+    by its structure instead: the splash path turns ``valid`` into segment ids and never forms an
+    ``S x S`` mask; the reference path broadcasts it inside the score computation. Query rows that
+    see no key (the padded tokens) return 0 on both paths.
+    """
+    valid = valid.astype(bool)
+    if resolve_backend(backend) == "reference":
+        return reference_attention(q, k, v, valid[:, None, None, :] & valid[:, None, :, None], scale=scale)
+    return splash_attention(q, k, v, valid, valid, scale=scale, block_sizes=block_sizes, interpret=interpret,
+                            mesh=mesh, batch_axis=batch_axis, head_axis=head_axis)

@@ -31,7 +31,8 @@ __all__ = [
     "bench_llama",
     "bench_dit",
     "DEFAULT_PIPELINE_RESULTS",
-    "bench_generate_cogvideox",
+    "bench_generate",
+    "bench_deepcache",
 ]
 
 DEFAULT_RESULTS = Path("docs/results/benchmarks.json")
@@ -229,30 +230,76 @@ def _pipeline_key(record: dict[str, Any]) -> tuple:
     return (record["bench"], json.dumps(record["config"], sort_keys=True), m["device_kind"], m["devices"])
 
 
-def bench_generate_cogvideox(preset: Any, request: Any, options: Any, model: str | None = None) -> dict[str, Any]:
-    """Run the three CogVideoX stages once, in a temporary work directory, and return a results
-    record with each stage's first-call and steady timings, the whole run's wall time and where
-    it ran. Introduced with notebook 06; `tpupedia bench generate cogvideox` writes the record."""
+def bench_generate(family: str, preset: Any, request: Any, options: Any, model: str | None = None) -> dict[str, Any]:
+    """Run the three stages of `family` (`tpupedia.pipelines.<family>`) once, in a temporary work
+    directory, and return a results record with each stage's first-call and steady timings, the
+    whole run's wall time and where it ran. Introduced with notebook 06 (CogVideoX), used for
+    HunyuanVideo-1.5 by notebook 07; `tpupedia bench generate FAMILY` writes the record."""
+    import importlib
     import tempfile
 
-    from tpupedia.pipelines import cogvideox as pipeline
-
+    pipeline = importlib.import_module(f"tpupedia.pipelines.{family}")
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="tpupedia-bench-") as workdir:
         reports = pipeline.run(request, options, preset=preset, model=model, workdir=workdir, force=True,
                                log=lambda _: None)
     total = time.perf_counter() - start
-    config = {k: v for k, v in asdict(request).items() if k not in ("prompt", "negative_prompt")}
-    config |= {"source": model or f"preset:{preset.name}", "attention": pipeline.attention_backend(options.attention),
-               "vae": options.vae,
-               "sharding": options.sharding, "dtype": str(pipeline.torch_dtype(options, preset)).removeprefix("torch.")}
     return {
-        "bench": "generate-cogvideox",
-        "config": config,
+        "bench": f"generate-{family}",
+        "config": _pipeline_config(pipeline, preset, request, options, model),
         "machine": machine(),
         "stages": {r.stage: r.timings for r in reports},
         "total_s": total,
         "measured_at": _dt.date.today().isoformat(),
-        "command": (f"tpupedia bench generate cogvideox --preset {preset.name}" if model is None
-                    else f"tpupedia bench generate cogvideox --model {model}"),
+        "command": (f"tpupedia bench generate {family} --preset {preset.name}" if model is None
+                    else f"tpupedia bench generate {family} --model {model}"),
+    }
+
+
+def _pipeline_config(pipeline: Any, preset: Any, request: Any, options: Any, model: str | None) -> dict[str, Any]:
+    """A pipeline request and options as a results record's `config` (prompts left out)."""
+    from tpupedia.pipelines import common
+
+    config = {k: (str(getattr(request, k)) if k == "deepcache" and v is not None else v)
+              for k, v in asdict(request).items() if k not in ("prompt", "negative_prompt")}
+    return config | {"source": model or f"preset:{preset.name}", "attention": common.attention_backend(options.attention),
+                     "vae": pipeline.PIPELINE.vae_choice(options), "sharding": options.sharding,
+                     "dtype": str(common.torch_dtype(options, preset)).removeprefix("torch.")}
+
+
+def bench_deepcache(preset: Any, request: Any, options: Any, model: str | None = None) -> dict[str, Any]:
+    """HunyuanVideo-1.5 twice from the same seed, without and with `request.deepcache`: the steps
+    recomputed, the denoising time (steps that compiled left out, scaled to all steps) and
+    PSNR/SSIM of the cached video against the uncached one. Notebook 07; `tpupedia bench
+    deepcache` writes the record."""
+    import dataclasses
+    import tempfile
+
+    from safetensors.numpy import load_file
+
+    from tpupedia.pipelines import deepcache, hunyuan
+
+    runs = {}
+    for name, schedule in (("plain", None), ("cached", request.deepcache)):
+        with tempfile.TemporaryDirectory(prefix="tpupedia-bench-") as workdir:
+            reports = hunyuan.run(dataclasses.replace(request, deepcache=schedule), options, preset=preset, model=model,
+                                  workdir=workdir, force=True, log=lambda _: None)
+            frames = load_file(f"{workdir}/decode.safetensors")["frames"]
+        step_s = {r.stage: r.timings for r in reports}["denoise"]["step_s"]
+        full = set(schedule.full_steps(request.steps)) if schedule else set(range(request.steps))
+        cached_steps = set(range(request.steps)) - full
+        compiling = {min(full)} | ({min(cached_steps)} if cached_steps else set())  # each program's first call
+        timed = [s for i, s in enumerate(step_s) if i not in compiling]
+        runs[name] = {"frames": frames, "full_steps": len(full),
+                      "seconds": sum(timed) / len(timed) * request.steps}  # per-step mean, scaled to the run
+    plain, cached = runs["plain"], runs["cached"]
+    quality = deepcache.compare(cached["frames"], plain["frames"])
+    return {
+        "bench": "deepcache",
+        "config": _pipeline_config(hunyuan, preset, request, options, model),
+        "machine": machine(),
+        "result": {"steps": request.steps, "full_steps": cached["full_steps"], "plain_s": plain["seconds"],
+                   "cached_s": cached["seconds"], "speedup": plain["seconds"] / cached["seconds"], **quality},
+        "measured_at": _dt.date.today().isoformat(),
+        "command": f"tpupedia bench deepcache --preset {preset.name} --deepcache {request.deepcache} --steps {request.steps}",
     }

@@ -79,12 +79,13 @@ def _bench_dit(args: argparse.Namespace) -> int:
 def _dryrun(args: argparse.Namespace) -> int:
     from tpupedia import dryrun, results
 
-    from tpupedia.pipelines.cogvideox import parse_mesh
+    from tpupedia.pipelines.common import parse_mesh
 
     report = dryrun.run(
         model=args.model, topology=args.topology, resolution=args.resolution, frames=args.frames,
         sharding=args.sharding, attention=args.attention, layers=args.layers, seq=args.seq,
         measured_step_seconds=args.measured_step_seconds, mesh_shape=parse_mesh(args.mesh) if args.mesh else None,
+        mask=args.mask,
     )
     print(report.summary())
     if args.record:
@@ -97,27 +98,47 @@ def _dryrun(args: argparse.Namespace) -> int:
             command += f" --sharding {args.sharding} --attention {args.attention}"
         if args.layers:
             command += f" --layers {args.layers}"
+        if args.model == "hunyuan":
+            command += f" --mask {args.mask}"
+        if args.mesh:
+            command += f" --mesh {args.mesh}"
         print(f"  recorded in {dryrun.record(report, args.record, command=command.strip())}")
     if args.json:
         print(f"  written to {results.write_json_atomic(args.json, report.as_dict())}")
     return 0
 
 
-def _cogvideox_setup(args: argparse.Namespace):
-    """Preset, request and options from the command line, validated before JAX starts or any
-    model loads; then the preset's devices and the compilation cache. Shared by `generate` and
-    `bench generate`."""
-    from tpupedia import devices, distributed, presets, session
-    from tpupedia.models import cogvideox as family
-    from tpupedia.pipelines import cogvideox as pipeline
+GENERATORS = ("cogvideox", "hunyuan")
+"""Families `generate` and `bench generate` run: `tpupedia.pipelines.<name>`."""
 
+
+def _pipeline_module(name: str):
+    import importlib
+
+    return importlib.import_module(f"tpupedia.pipelines.{name}")
+
+
+def _generate_setup(args: argparse.Namespace):
+    """Preset, pipeline module, request and options from the command line, validated before JAX
+    starts or any model loads; then the preset's devices and the compilation cache. Shared by
+    `generate` and `bench generate` for every family."""
+    from tpupedia import devices, distributed, presets, session
+    from tpupedia.pipelines import common
+
+    pipeline = _pipeline_module(args.model_family)
+    family = pipeline.PIPELINE.family
     preset = presets.get(args.preset) if args.preset else presets.current()
-    sizes = family.default_request(preset) | {k: v for k, v in (
+    fields = family.default_request(preset) | {k: v for k, v in (
         ("frames", args.frames), ("height", args.height), ("width", args.width), ("steps", args.steps),
         ("guidance", args.guidance), ("seed", args.seed), ("fps", args.fps)) if v is not None}
-    request = pipeline.Request(prompt=args.prompt or "(from --prompts)", negative_prompt=args.negative_prompt, **sizes)
-    options = pipeline.Options(mesh=pipeline.parse_mesh(args.mesh) if args.mesh else None, sharding=args.sharding,
-                               attention=args.attention, vae=args.vae, quiet=args.quiet, dtype=args.dtype)
+    if args.model_family == "hunyuan":
+        from tpupedia.pipelines import deepcache
+
+        fields |= {"shift": args.shift, "vae_tiling": args.vae_tiling,
+                   "deepcache": deepcache.parse(args.deepcache) if args.deepcache else None}
+    request = pipeline.Request(prompt=args.prompt or "(from --prompts)", negative_prompt=args.negative_prompt, **fields)
+    options = common.Options(mesh=common.parse_mesh(args.mesh) if args.mesh else None, sharding=args.sharding,
+                             attention=args.attention, vae=args.vae, quiet=args.quiet, dtype=args.dtype)
     pipeline.validate(request, options)
     if distributed.requested():  # one process of a `tpupedia launch` job (notebook 10)
         distributed.initialize()
@@ -132,40 +153,57 @@ def _cogvideox_setup(args: argparse.Namespace):
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     session.quiet()
-    return preset, request, options
+    return preset, pipeline, request, options
 
 
-def _generate_cogvideox(args: argparse.Namespace) -> int:
+def _generate(args: argparse.Namespace) -> int:
     import shlex
-
-    from tpupedia.pipelines import cogvideox as pipeline
 
     if (args.prompt is None) == (args.prompts is None):
         raise CommandLineError("give either --prompt TEXT (one video) or --prompts FILE --outdir DIR (a batch)")
     if args.prompts is not None and args.outdir is None:
         raise CommandLineError("--prompts FILE needs --outdir DIR for the videos")
-    preset, request, options = _cogvideox_setup(args)
+    preset, pipeline, request, options = _generate_setup(args)
     if args.prompts is not None:
         pipeline.run_batch(args.prompts, request, options, preset=preset, outdir=args.outdir, model=args.model,
                            force=args.force, log=(lambda _: None) if args.quiet else print)
         return 0
-    pipeline.run(request, options, preset=preset, model=args.model, stage=args.stage, workdir=args.workdir,
-                 out=args.out, force=args.force, command="tpupedia " + shlex.join(args.argv),
-                 log=(lambda _: None) if args.quiet else print)
+    pipeline.run(request, options, preset=preset, model=args.model, stage=args.stage,
+                 workdir=args.workdir or f"tpupedia-runs/{args.model_family}", out=args.out, force=args.force,
+                 command="tpupedia " + shlex.join(args.argv), log=(lambda _: None) if args.quiet else print)
     return 0
 
 
-def _bench_generate_cogvideox(args: argparse.Namespace) -> int:
+def _bench_generate(args: argparse.Namespace) -> int:
     from tpupedia import bench
 
-    preset, request, options = _cogvideox_setup(args)
-    record = bench.bench_generate_cogvideox(preset, request, options, model=args.model)
+    preset, pipeline, request, options = _generate_setup(args)
+    record = bench.bench_generate(args.model_family, preset, request, options, model=args.model)
     path = bench.merge_record(record, args.output, key=bench._pipeline_key)
     m = record["machine"]
-    print(f"generate cogvideox on {m['device_kind']} x{m['devices']} ({m['cpu_count']} CPUs): {record['total_s']:.1f} s in all")
+    print(f"generate {args.model_family} on {m['device_kind']} x{m['devices']} ({m['cpu_count']} CPUs): "
+          f"{record['total_s']:.1f} s in all")
     for stage, t in record["stages"].items():
         steady = f", steady {t['steady_s'] * 1e3:.1f} ms" if "steady_s" in t else ""
         print(f"  {stage:8} first call {t['first_s']:.2f} s{steady}")
+    print(f"  written to {path}")
+    return 0
+
+
+def _bench_deepcache(args: argparse.Namespace) -> int:
+    from tpupedia import bench
+
+    if args.steps is None:
+        args.steps = 50  # the upstream schedule needs 50 steps
+    if args.deepcache is None:
+        args.deepcache = "11:45:4"
+    preset, pipeline, request, options = _generate_setup(args)
+    record = bench.bench_deepcache(preset, request, options, model=args.model)
+    path = bench.merge_record(record, args.output, key=bench._pipeline_key)
+    r = record["result"]
+    print(f"deepcache {request.deepcache} over {request.steps} steps: {r['full_steps']} full, "
+          f"denoise {r['plain_s']:.2f} s -> {r['cached_s']:.2f} s ({r['speedup']:.2f}x); "
+          f"PSNR {r['psnr_db']:.1f} dB, SSIM {r['ssim']:.4f} against the uncached video")
     print(f"  written to {path}")
     return 0
 
@@ -184,32 +222,41 @@ def _distributed_check(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_cogvideox_arguments(cog: argparse.ArgumentParser, *, stages: bool) -> None:
-    source = cog.add_mutually_exclusive_group()
+def _add_generate_arguments(p: argparse.ArgumentParser, family: str, *, stages: bool) -> None:
+    source = p.add_mutually_exclusive_group()
     source.add_argument("--preset", choices=["tiny", "full"], default=None,
-                        help="tiny: random tiny checkpoint, CPU; full: zai-org/CogVideoX1.5-5B (default: $TPUPEDIA_PRESET)")
-    source.add_argument("--model", default=None, help="a diffusers-format CogVideoX checkpoint directory or hub id")
-    cog.add_argument("--prompt", default=None if stages else "A panda plays an acoustic guitar in a bamboo forest.")
-    cog.add_argument("--negative-prompt", default="")
+                        help=f"tiny: random tiny checkpoint, CPU; full: {_pipeline_module(family).PIPELINE.family.FULL_ID} "
+                             "(default: $TPUPEDIA_PRESET)")
+    source.add_argument("--model", default=None, help=f"a diffusers-format {family} checkpoint directory or hub id")
+    p.add_argument("--prompt", default=None if stages else "A panda plays an acoustic guitar in a bamboo forest.")
+    p.add_argument("--negative-prompt", default="")
     if stages:
-        cog.add_argument("--stage", choices=["all", "text", "denoise", "decode"], default="all")
-        cog.add_argument("--workdir", default="tpupedia-runs/cogvideox", help="where stage files live")
-        cog.add_argument("--out", default=None, help="write the video to this .mp4 (needs the decode stage)")
-        cog.add_argument("--force", action="store_true", help="rerun stages whose files are up to date")
-        cog.add_argument("--prompts", default=None, help="a batch: one prompt a line, or JSONL with prompt/seed/frames/height/width")
-        cog.add_argument("--outdir", default=None, help="with --prompts: where NNNN-slug.mp4, its JSON and index.jsonl go")
+        p.add_argument("--stage", choices=["all", "text", "denoise", "decode"], default="all")
+        p.add_argument("--workdir", default=None, help=f"where stage files live (default tpupedia-runs/{family})")
+        p.add_argument("--out", default=None, help="write the video to this .mp4 (needs the decode stage)")
+        p.add_argument("--force", action="store_true", help="rerun stages whose files are up to date")
+        p.add_argument("--prompts", default=None, help="a batch: one prompt a line, or JSONL with prompt/seed/frames/height/width")
+        p.add_argument("--outdir", default=None, help="with --prompts: where NNNN-slug.mp4, its JSON and index.jsonl go")
+    guidance_help = "default: the checkpoint's guider" if family == "hunyuan" else f"default: the preset's (tpupedia.models.{family})"
     for flag, kind in (("--frames", int), ("--height", int), ("--width", int), ("--steps", int),
                        ("--guidance", float), ("--seed", int), ("--fps", int)):
-        cog.add_argument(flag, type=kind, default=None, help="default: the preset's (tpupedia.models.cogvideox)")
-    cog.add_argument("--mesh", default=None, help="dp=N,tp=M (default: dp=2 and tp the rest of the devices)")
-    cog.add_argument("--sharding", choices=["tp", "fsdp", "replicated"], default="tp")
-    cog.add_argument("--attention", choices=["auto", "splash", "reference"], default="auto",
-                     help="auto: splash on TPU, the reference elsewhere")
-    cog.add_argument("--vae", choices=["flax", "torchax"], default="flax")
-    cog.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
-                     help="auto: bfloat16 on the full preset, float32 on the tiny one")
-    cog.add_argument("--compilation-cache", default=None, help="JAX persistent compilation cache directory")
-    cog.add_argument("--quiet", action="store_true", help="no progress bar or per-stage lines")
+        p.add_argument(flag, type=kind, default=None,
+                       help=guidance_help if flag == "--guidance" else f"default: the preset's (tpupedia.models.{family})")
+    p.add_argument("--mesh", default=None, help="dp=N,tp=M (default: dp=2 and tp the rest of the devices)")
+    p.add_argument("--sharding", choices=["tp", "fsdp", "replicated"], default="tp")
+    p.add_argument("--attention", choices=["auto", "splash", "reference"], default="auto",
+                   help="auto: splash on TPU, the reference elsewhere")
+    vaes = _pipeline_module(family).PIPELINE.vaes
+    p.add_argument("--vae", choices=list(vaes), default=None, help=f"VAE implementation (default {vaes[0]})")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                   help="auto: bfloat16 on the full preset, float32 on the tiny one")
+    p.add_argument("--compilation-cache", default=None, help="JAX persistent compilation cache directory")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or per-stage lines")
+    if family == "hunyuan":
+        p.add_argument("--shift", type=float, default=None, help="flow-matching shift (default: the checkpoint's scheduler)")
+        p.add_argument("--deepcache", default=None, metavar="START:END:INTERVAL",
+                       help="reuse deep features between full steps, e.g. 11:45:4 (upstream's); off by default")
+        p.add_argument("--vae-tiling", action="store_true", help="decode in 256-pixel tiles (720p on one chip)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -237,6 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--attention", default="reference", choices=["reference", "splash"])
     d.add_argument("--layers", type=int, default=None, help="compile N layers and scale the weights to full depth")
     d.add_argument("--mesh", default=None, help="dp=N,tp=M over the slice's chips (default dp=2, tp the rest)")
+    d.add_argument("--mask", choices=["vector", "matrix"], default="vector",
+                   help="hunyuan: text padding as the pipeline's (B, S) vector or diffusers' (B, 1, S, S) matrix")
     d.add_argument("--measured-step-seconds", type=float, default=None, help="a measured step time, to report MFU")
     d.add_argument("--json", default=None, help="also write the report as JSON to this file")
     d.add_argument("--record", default=None, nargs="?", const="docs/results/dryruns.json",
@@ -267,15 +316,23 @@ def build_parser() -> argparse.ArgumentParser:
     dit.set_defaults(func=_bench_dit)
     g = sub.add_parser("generate", help="text-to-video in stages (text, denoise, decode), with resumable stage files")
     gsub = g.add_subparsers(dest="model_family", required=True)
-    cog = gsub.add_parser("cogvideox", help="CogVideoX (1.5-5B on the full preset): T5 -> transformer -> VAE")
-    _add_cogvideox_arguments(cog, stages=True)
-    cog.set_defaults(func=_generate_cogvideox)
+    helps = {"cogvideox": "CogVideoX (1.5-5B on the full preset): T5 -> transformer -> VAE",
+             "hunyuan": "HunyuanVideo-1.5 (720p t2v on the full preset): Qwen2.5-VL + ByT5 -> transformer -> VAE"}
+    for name in GENERATORS:
+        gen = gsub.add_parser(name, help=helps[name])
+        _add_generate_arguments(gen, name, stages=True)
+        gen.set_defaults(func=_generate)
     bg = bsub.add_parser("generate", help="the whole text-to-video pipeline, per-stage first-call and steady timings")
     bgsub = bg.add_subparsers(dest="model_family", required=True)
-    bcog = bgsub.add_parser("cogvideox", help="CogVideoX: text, denoise and decode in a temporary work directory")
-    _add_cogvideox_arguments(bcog, stages=False)
-    bcog.add_argument("--output", default="docs/results/pipelines.json", help="results file to merge into")
-    bcog.set_defaults(func=_bench_generate_cogvideox)
+    for name in GENERATORS:
+        bgen = bgsub.add_parser(name, help=f"{name}: text, denoise and decode in a temporary work directory")
+        _add_generate_arguments(bgen, name, stages=False)
+        bgen.add_argument("--output", default="docs/results/pipelines.json", help="results file to merge into")
+        bgen.set_defaults(func=_bench_generate)
+    dc_ = bsub.add_parser("deepcache", help="HunyuanVideo-1.5 with and without DeepCache: steps, PSNR/SSIM, time")
+    _add_generate_arguments(dc_, "hunyuan", stages=False)
+    dc_.add_argument("--output", default="docs/results/pipelines.json", help="results file to merge into")
+    dc_.set_defaults(func=_bench_deepcache, model_family="hunyuan")
 
     la = sub.add_parser("launch", help="run a tpupedia command as N local processes of one multi-controller JAX job")
     la.add_argument("--local-processes", type=int, default=2)

@@ -102,6 +102,9 @@ class DryRunReport:
     mfu: float | None = None
     notes: list[str] = field(default_factory=list)
     collective_bytes: dict[str, float] = field(default_factory=dict)
+    mask: str | None = None
+    """HunyuanVideo-1.5: `vector` (the pipeline's (B, S) padding, `hunyuan.PaddingAttnProcessor`)
+    or `matrix` (diffusers' processor, which builds a (B, 1, S, S) mask in every block)."""
     """Bytes one chip sends per step, per collective kind (`aot.collective_traffic`), full depth."""
     floors: dict[str, float] = field(default_factory=dict)
     """Lower bounds on the step time, seconds: `compute` (FLOPs at the chips' bf16 peak),
@@ -116,7 +119,8 @@ class DryRunReport:
         g = 2**30
         size = f"{self.width}x{self.height}, {self.frames} frames" if self.width else f"{self.tokens} tokens"
         lines = [f"{self.model} {size} on {self.topology} ({self.num_chips} x {self.chip}), "
-                 f"mesh {self.mesh}, sharding {self.sharding}, attention {self.attention}"]
+                 f"mesh {self.mesh}, sharding {self.sharding}, attention {self.attention}"
+                 + (f", text mask as a {self.mask}" if self.mask else "")]
         if self.fits:
             lines.append(f"  fits: arguments {self.arguments_bytes / g:.2f} GiB + temporaries "
                          f"{self.temporaries_bytes / g:.2f} GiB + outputs {self.outputs_bytes / g:.2f} GiB "
@@ -146,8 +150,13 @@ def _validate(model: str, frames: int | None, sharding: str, attention: str, lay
         raise DryRunError(f"sharding {sharding!r} is not one of {', '.join(strategies)} for {model}")
     if attention not in ("reference", "splash"):
         raise DryRunError(f"attention {attention!r} is not one of reference, splash")
-    if model != "llama" and (frames is None or frames < 1 or (frames - 1) % cogvideox.TEMPORAL_COMPRESSION):
-        raise DryRunError(f"frames={frames}: video models need 4n+1 frames (the VAE compresses time by 4), e.g. 49, 81, 121")
+    if model not in ("llama", "cogvideox-vae"):
+        rule = FAMILIES[model].TEMPORAL_COMPRESSION
+        if frames is None or frames < 1 or (frames - 1) % rule:
+            raise DryRunError(f"frames={frames}: {model} needs {rule}n+1 frames (the VAE compresses time by {rule}), "
+                              "e.g. 49, 81, 121")
+    elif model == "cogvideox-vae" and (frames is None or frames < 1 or (frames - 1) % cogvideox.TEMPORAL_COMPRESSION):
+        raise DryRunError(f"frames={frames}: the CogVideoX VAE needs 4n+1 frames, e.g. 49, 81")
     if layers is not None and layers < 1:
         raise DryRunError(f"layers={layers} must be a positive integer")
 
@@ -155,13 +164,17 @@ def _validate(model: str, frames: int | None, sharding: str, attention: str, lay
 def run(model: str = "cogvideox", topology: str = "v6e:2x4", resolution: str = "720p",
         frames: int | None = 81, sharding: str = "tp", attention: str = "reference",
         layers: int | None = None, mesh_shape: tuple[int, int] | None = None, seq: int = 2048,
-        measured_step_seconds: float | None = None) -> DryRunReport:
+        measured_step_seconds: float | None = None, mask: str = "vector") -> DryRunReport:
     """Compile one full-size step of `model` for `topology` and report what it costs per chip.
 
     The mesh is `("dp", "tp")`; by default `dp=2` (the guidance batch) and `tp` the rest of the
-    chips, for LLMs `dp=1`. Bad arguments raise `DryRunError` before anything is built.
+    chips, for LLMs `dp=1`. HunyuanVideo-1.5 compiles the pipeline's forward (`mask="vector"`)
+    or diffusers' attention processor with its (B, 1, S, S) mask (`mask="matrix"`, notebook 07).
+    Bad arguments raise `DryRunError` before anything is built.
     """
     _validate(model, frames, sharding, attention, layers)
+    if mask not in ("vector", "matrix"):
+        raise DryRunError(f"mask={mask!r} is not one of vector, matrix")
     topo = hardware.parse_topology(topology)  # parsed once; the parsed slice is passed on
     n = topo.num_chips
     if mesh_shape is None:
@@ -196,6 +209,8 @@ def run(model: str = "cogvideox", topology: str = "v6e:2x4", resolution: str = "
         the_plan = sharding_rules.plan(module, table, mesh)
     except sharding_rules.ShardingError as err:
         raise DryRunError(str(err)) from None
+    if model == "hunyuan" and mask == "vector":
+        hunyuan.make_jit_friendly(module, _padded_attend(mesh, attention))
     method = hunyuan.static_forward if model == "hunyuan" else "forward"
     functional = torchax_utils.FunctionalModule(module, method)
     weights, buffers = functional.abstract_state(the_plan)
@@ -249,8 +264,28 @@ def run(model: str = "cogvideox", topology: str = "v6e:2x4", resolution: str = "
         oom_required_bytes=result.oom_required_bytes, oom_available_bytes=result.oom_available_bytes,
         collectives=result.collectives, flops=flops, roofline_seconds=roofline,
         measured_step_seconds=measured_step_seconds, mfu=mfu, notes=notes,
-        collective_bytes=traffic, floors=floors, bound=bound,
+        collective_bytes=traffic, floors=floors, bound=bound, mask=mask if model == "hunyuan" else None,
     )
+
+
+def _padded_attend(mesh, backend: str):
+    """`attend(q, k, v, valid)` for `hunyuan.PaddingAttnProcessor`: the compiled splash kernel
+    (padding as segment ids, heads over `tp`, batch over `dp`) or the reference."""
+    import functools
+
+    import jax
+
+    from tpupedia import attention
+
+    fn = jax.jit(functools.partial(attention.padded_attention, backend=backend, interpret=False,
+                                   mesh=mesh if backend == "splash" else None, batch_axis="dp", head_axis="tp"))
+
+    def attend(q, k, v, valid):
+        from torchax.interop import call_jax
+
+        return call_jax(fn, q, k, v, valid)
+
+    return attend
 
 
 # The mask each model hands to SDPA, declared so that the splash path does not also compile a
@@ -275,7 +310,7 @@ def _abstract_inputs(mesh, specs):
 
 def _record_key(r: dict[str, Any]) -> tuple:
     return (r["model"], r["topology"], r["width"], r["height"], r["frames"], r["tokens"], r["sharding"],
-            r["attention"], r["layers_compiled"], tuple(sorted(r["mesh"].items())))
+            r["attention"], r["layers_compiled"], tuple(sorted(r["mesh"].items())), r.get("mask"))
 
 
 def record(report: DryRunReport, path: str = DEFAULT_RECORDS, command: str = "") -> Any:

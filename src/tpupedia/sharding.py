@@ -11,7 +11,9 @@ Strategies, for PyTorch's `Linear.weight` of shape `(out_features, in_features)`
 * `"tp"`: Megatron tensor parallelism. The first matmul of a pair is *column-parallel*: shard
   the output features, which is **dim 0** of a torch weight (`P("tp", None)`), biases too.
   The second is *row-parallel*: shard the input features, **dim 1** (`P(None, "tp")`). One
-  all-reduce per pair, none inside attention (heads split cleanly).
+  all-reduce per pair; attention needs none when heads split cleanly (the compiler may still
+  gather small attention inputs: notebook 02 shows it). The Llama table splits the embedding
+  and `lm_head` over the vocabulary, as Megatron does (one all-reduce sums the lookups).
 * `"tp_transposed"`: the same pairs with the dims swapped: the layout some upstream CogVideoX
   scripts label "TP (Megatron column-row)". For torch's `(out, in)` weights it is the
   opposite of Megatron; kept so the notebook can measure what it costs.
@@ -19,7 +21,13 @@ Strategies, for PyTorch's `Linear.weight` of shape `(out_features, in_features)`
   all-gathers each weight where it is used.
 * `"replicated"`: every tensor on every device.
 * `"tp_fc2_replicated"` (hunyuan only): `"tp"` with the row-parallel layers replicated, the
-  upstream default for HunyuanVideo-1.5 (no row-parallel all-reduce, more memory).
+  upstream default for HunyuanVideo-1.5, described upstream as having no row-parallel
+  all-reduce. It does not remove the communication: the column-parallel layer leaves its
+  activations split over `tp`, and a replicated fc2 needs the whole hidden vector. The
+  compiler either all-gathers the activations (every chip then does the whole fc2 matmul) or,
+  what GSPMD chooses in notebook 02's measurement, multiplies each chip's slice by the matching
+  columns of its replicated weight and all-reduces the partial outputs: the same all-reduce as
+  `"tp"`, with 4x the fc2 weight memory on a 4-way `tp` axis.
 
 `apply_rules(module, rules, mesh)` validates every spec against the tensor's shape first (a
 spec that does not divide a dimension raises `ShardingError` naming the tensor, the dimension
@@ -78,7 +86,9 @@ RULES: dict[tuple[str, str], list[Rule]] = {
         (rf".*\.{_COL_LLAMA}\.weight", ("tp", None)),  # column-parallel: out features (dim 0)
         (rf".*\.{_COL_LLAMA}\.bias", ("tp",)),
         (rf".*\.{_ROW_LLAMA}\.weight", (None, "tp")),  # row-parallel: in features (dim 1)
-        (r"(model\.)?embed_tokens\.weight", (None, "tp")),  # (vocab, hidden): split hidden
+        # (vocab, hidden): vocabulary-parallel, as Megatron's VocabParallelEmbedding: each device
+        # looks up the ids in its rows, zeros the rest, and one all-reduce sums the lookups
+        (r"(model\.)?embed_tokens\.weight", ("tp", None)),
         (r"lm_head\.weight", ("tp", None)),  # (vocab, hidden): vocab-parallel logits
     ],
     ("llama", "tp_transposed"): [

@@ -16,7 +16,7 @@ import numpy as np
 
 from tpupedia.errors import TpupediaError
 
-__all__ = ["VideoError", "to_uint8", "write_mp4"]
+__all__ = ["VideoError", "to_uint8", "write_mp4", "show_frames"]
 
 
 class VideoError(TpupediaError, ValueError):
@@ -53,3 +53,19 @@ def write_mp4(frames: np.ndarray, path: str | os.PathLike, fps: int = 16) -> Pat
     writer.close()
     os.replace(tmp, path)
     return path
+
+
+def show_frames(frames: np.ndarray, title: str, count: int = 5) -> None:
+    """Plot `count` frames spread evenly over the video in one row, with `title` above them
+    (matplotlib; in a notebook the figure is stored as a PNG output). Notebooks 06 and 07."""
+    import matplotlib.pyplot as plt
+
+    picks = np.linspace(0, len(frames) - 1, count).astype(int)
+    fig, axes = plt.subplots(1, len(picks), figsize=(2 * len(picks), 2.2))
+    for ax, k in zip(np.atleast_1d(axes), picks):
+        ax.imshow(frames[k])
+        ax.set_title(f"frame {k}", fontsize=9)
+        ax.axis("off")
+    fig.suptitle(title, fontsize=10)
+    plt.tight_layout()
+    plt.show()

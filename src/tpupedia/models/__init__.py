@@ -2,8 +2,16 @@
 
 * `cogvideox`: CogVideoX configs, frame and size rules, token counts, step FLOPs, checkpoints
   (notebook 06; the dry-run of notebook 09 reads it);
-* `hunyuan`: HunyuanVideo-1.5 facts and a jit-friendly transformer forward (notebook 09, lesson 07);
+* `hunyuan`: HunyuanVideo-1.5 facts, a jit-friendly transformer forward with exact padding masks, and
+  the split forward DeepCache needs (notebook 07; the dry-run of notebook 09 reads it);
 * `llama`: Llama-2-7B facts (notebook 01);
 * `cogvideox_vae`: the CogVideoX VAE in Flax NNX (notebook 05); `cogvideox_vae_convert`: its
-  weight conversion and layer-by-layer comparison.
+  weight conversion and layer-by-layer comparison;
+* `checkpoints`: tiny checkpoints written once and the one loading path for both presets.
 """
+
+from tpupedia.errors import TpupediaError
+
+
+class ModelInputError(TpupediaError, ValueError):
+    """A size, frame count or option this model cannot produce."""

@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tpupedia.errors import TpupediaError
+from tpupedia.models import ModelInputError, checkpoints
 
 __all__ = [
     "FAMILY", "FULL_ID", "FULL_LAYERS", "TEMPORAL_COMPRESSION", "SPATIAL_COMPRESSION", "PATCH_SIZE",
@@ -45,10 +45,6 @@ SCHEDULER_CONFIG: dict[str, Any] = dict(
     num_train_timesteps=1000, prediction_type="v_prediction", rescale_betas_zero_snr=True,
     set_alpha_to_one=True, snr_shift_scale=1.0, steps_offset=0, timestep_spacing="trailing",
 )
-
-
-class ModelInputError(TpupediaError, ValueError):
-    """A size, frame count or option this model cannot produce."""
 
 
 def full_transformer_config(layers: int | None = None) -> dict[str, Any]:
@@ -248,80 +244,41 @@ ENV_MODEL = "TPUPEDIA_COGVIDEOX"
 """Environment variable naming a checkpoint (hub id or directory) to use instead of the preset's."""
 
 SCHEDULERS = ("CogVideoXDPMScheduler", "CogVideoXDDIMScheduler")
-_VOLATILE = {"_diffusers_version", "transformers_version", "_name_or_path", "_commit_hash", "_use_default_values"}
-
-
-def _cache_dir() -> "Path":
-    import os
-    from pathlib import Path
-
-    return Path(os.environ.get("TPUPEDIA_CACHE") or Path.home() / ".cache" / "tpupedia")
-
-
 def tiny_checkpoint(directory: "str | os.PathLike | None" = None, seed: int = 0, scheduler: str = "dpm",
                     patch_size_t: int | None = PATCH_SIZE_T) -> "Path":
     """Write a whole random CogVideoX pipeline (T5 encoder with the offline ByT5 tokenizer,
-    transformer, VAE, scheduler) with `save_pretrained` (safetensors) and return its directory.
-
-    Default directory: `$TPUPEDIA_CACHE` (or `~/.cache/tpupedia`)/`cogvideox-tiny-...`, reused
-    when it is complete; written to a temporary folder and renamed, so a crash leaves nothing
-    half-written. `patch_size_t=None` gives the CogVideoX 1.0 layout, 2 the 1.5 layout.
+    transformer, VAE, scheduler) with `save_pretrained` (safetensors) and return its directory
+    (`tpupedia.models.checkpoints.cached_pipeline`: cached, named by its configs, written
+    atomically). `patch_size_t=None` gives the CogVideoX 1.0 layout, 2 the 1.5 layout.
     """
-    import os
-    import shutil
-    import tempfile
-    from pathlib import Path
-
-    import torch
-    from diffusers import (AutoencoderKLCogVideoX, CogVideoXDDIMScheduler, CogVideoXDPMScheduler,
-                           CogVideoXPipeline, CogVideoXTransformer3DModel)
-    from transformers import ByT5Tokenizer, T5Config, T5EncoderModel
-
-    classes = {"dpm": CogVideoXDPMScheduler, "ddim": CogVideoXDDIMScheduler}
+    classes = ("dpm", "ddim")
     if scheduler not in classes:
         raise ModelInputError(f"scheduler={scheduler!r} is not one of {', '.join(classes)}")
-    if directory is None:  # named by everything that shapes it, so a changed config never reuses a stale one
-        import hashlib
-        import json
+    spec = [tiny_transformer_config(), tiny_vae_config(), tiny_text_encoder_config(), SCHEDULER_CONFIG,
+            scheduler, patch_size_t, seed]
 
-        spec = [tiny_transformer_config(), tiny_vae_config(), tiny_text_encoder_config(), SCHEDULER_CONFIG,
-                scheduler, patch_size_t, seed]
-        digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
-        directory = _cache_dir() / f"cogvideox-tiny-{digest}"
-    path = Path(directory)
-    if (path / "model_index.json").is_file():
-        return path
-    torch.manual_seed(seed)
-    pipe = CogVideoXPipeline(
-        tokenizer=ByT5Tokenizer(),
-        text_encoder=T5EncoderModel(T5Config(**tiny_text_encoder_config())).eval(),
-        vae=AutoencoderKLCogVideoX(**tiny_vae_config()).eval(),
-        transformer=CogVideoXTransformer3DModel(**(tiny_transformer_config() | {"patch_size_t": patch_size_t})).eval(),
-        scheduler=classes[scheduler](**SCHEDULER_CONFIG),
-    )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
-    try:
-        pipe.save_pretrained(tmp, safe_serialization=True)
-        os.replace(tmp, path)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (path / "model_index.json").is_file():  # not a concurrent writer that won the race
-            raise
-    return path
+    def build():
+        import torch
+        from diffusers import (AutoencoderKLCogVideoX, CogVideoXDDIMScheduler, CogVideoXDPMScheduler,
+                               CogVideoXPipeline, CogVideoXTransformer3DModel)
+        from transformers import ByT5Tokenizer, T5Config, T5EncoderModel
+
+        torch.manual_seed(seed)
+        return CogVideoXPipeline(
+            tokenizer=ByT5Tokenizer(),
+            text_encoder=T5EncoderModel(T5Config(**tiny_text_encoder_config())).eval(),
+            vae=AutoencoderKLCogVideoX(**tiny_vae_config()).eval(),
+            transformer=CogVideoXTransformer3DModel(**(tiny_transformer_config() | {"patch_size_t": patch_size_t})).eval(),
+            scheduler={"dpm": CogVideoXDPMScheduler, "ddim": CogVideoXDDIMScheduler}[scheduler](**SCHEDULER_CONFIG),
+        )
+
+    return checkpoints.cached_pipeline("cogvideox-tiny", spec, build, directory)
 
 
 def model_source(preset: Any, model: "str | os.PathLike | None" = None) -> tuple[str, str]:
     """`(where to load from, label for stage files)`: `model` if given, else `$TPUPEDIA_COGVIDEOX`,
     else the preset's (`FULL_ID` for full; the tiny checkpoint, labelled `preset:tiny`)."""
-    import os
-
-    chosen = model or os.environ.get(ENV_MODEL)
-    if chosen:
-        return str(chosen), str(chosen)
-    if preset.pretrained:
-        return FULL_ID, FULL_ID
-    return str(tiny_checkpoint()), f"preset:{preset.name}"
+    return checkpoints.choose_source(preset, model, ENV_MODEL, FULL_ID, tiny_checkpoint)
 
 
 def component_configs(source: str) -> dict[str, dict]:
@@ -335,7 +292,7 @@ def component_configs(source: str) -> dict[str, dict]:
         "scheduler": CogVideoXDPMScheduler.load_config(source, subfolder="scheduler"),
         "text_encoder": T5Config.from_pretrained(source, subfolder="text_encoder").to_dict(),
     }
-    return {name: {k: v for k, v in dict(c).items() if k not in _VOLATILE} for name, c in configs.items()}
+    return {name: checkpoints.clean_config(c) for name, c in configs.items()}
 
 
 def load_scheduler(source: str):

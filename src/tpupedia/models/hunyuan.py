@@ -1,9 +1,10 @@
-"""HunyuanVideo-1.5: the family's facts and a jit-friendly transformer forward.
+"""HunyuanVideo-1.5: the family's facts, a jit-friendly transformer forward, exact padding masks.
 
 Facts: the 720p text-to-video checkpoint's transformer (54 dual-stream blocks, 16 heads of 128),
-its frame rule (4n+1: the VAE compresses time by 4 and keeps the first frame), latent shapes,
-the text slots every step carries (1000 Qwen2.5-VL tokens, 256 ByT5 glyph tokens, 729 image
-tokens, zeros for text-to-video), FLOPs of a step, tiny configs for CPU, and how the dry-run
+its frame rule (4n+1: the VAE compresses time by 4 and keeps the first frame) and size rule
+(multiples of 16), latent shapes, the text slots every step carries (1000 Qwen2.5-VL tokens, 256
+ByT5 glyph tokens, 729 image tokens, zeros for text-to-video), FLOPs of a step, tiny configs for
+CPU (the same frame and size rules, the same special tokens), checkpoints, and how the dry-run
 builds and calls it.
 
 The forward: diffusers' `HunyuanVideo15Transformer3DModel.forward` (diffusers 0.42.1) cannot be
@@ -20,23 +21,47 @@ original order, followed by a gather, with the attention mask gathered the same 
 it is bit-identical to the stock forward, with and without padded tokens (tests/test_hunyuan.py).
 Use it as `make_static(module)` or pass it to `JittableModule.functional_call`.
 
-Introduced for the dry-run planner of notebook 09; the HunyuanVideo-1.5 lesson (07) explains it.
+Masks: diffusers' attention processor turns the (B, S_text) padding vector into a (B, 1, S, S)
+boolean matrix (`repeat` + `transpose`); at 121 frames of 720p that is 113,585^2 = 12.9 G elements
+per sample. `PaddingAttnProcessor` keeps the vector and hands it to an `attend(q, k, v, valid)`
+function: on torch the stock SDPA with the same mask (for the equality test), under torchax
+`tpupedia.attention.padded_attention`, where splash takes the vector as segment ids.
+
+DeepCache: `static_forward` is composed of `conditioning` (embeddings, text refiner, token
+order), `blocks` and `final`; `deepcache_full` also returns the state entering the last `tail`
+blocks, and `deepcache_cached` runs only those blocks from a cached state
+(`tpupedia.pipelines.deepcache`).
+
+Introduced for the dry-run planner of notebook 09; notebook 07 (HunyuanVideo-1.5 text-to-video)
+explains and uses all of it.
 """
 
 from __future__ import annotations
 
+import os
 import types
+from pathlib import Path
 from typing import Any
 
-__all__ = ["FAMILY", "FULL_ID", "FULL_LAYERS", "TEMPORAL_COMPRESSION", "SPATIAL_COMPRESSION", "TEXT_SLOTS",
-           "full_transformer_config", "tiny_transformer_config", "tiny_vae_config", "latent_frames",
-           "step_flops", "build", "step_inputs", "static_forward", "make_static"]
+from tpupedia.models import ModelInputError, checkpoints
+
+__all__ = ["FAMILY", "FULL_ID", "FULL_LAYERS", "TEMPORAL_COMPRESSION", "SPATIAL_COMPRESSION", "PATCH_SIZE",
+           "TEXT_SLOTS", "ENV_MODEL", "ModelInputError",
+           "full_transformer_config", "tiny_transformer_config", "tiny_vae_config", "tiny_text_encoder_configs",
+           "tiny_qwen_tokenizer", "default_request", "check_frames", "check_size", "latent_frames", "latent_shape",
+           "video_tokens", "step_flops", "build", "step_inputs", "static_forward", "make_static",
+           "PaddingAttnProcessor", "make_jit_friendly", "conditioning", "blocks", "final", "deepcache_full",
+           "deepcache_cached", "mask_elements", "tiny_checkpoint", "model_source", "component_configs"]
 
 FAMILY = "hunyuan"
 FULL_ID = "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_t2v"
 FULL_LAYERS = 54
 TEMPORAL_COMPRESSION = 4
 SPATIAL_COMPRESSION = 16  # the VAE (16x) times patch size 1: one token per latent pixel
+PATCH_SIZE = 1
+LATENT_CHANNELS = 32
+ENV_MODEL = "TPUPEDIA_HUNYUAN"
+"""Environment variable naming a checkpoint (hub id or directory) to use instead of the preset's."""
 TEXT_SLOTS = {"qwen": (1000, 3584), "byt5": (256, 1472), "image": (729, 1152)}
 """Tokens and width of each conditioning slot of a step (text-to-video passes a zero image)."""
 
@@ -55,14 +80,91 @@ def tiny_transformer_config() -> dict[str, Any]:
 
 
 def tiny_vae_config() -> dict[str, Any]:
-    """A 2-level `AutoencoderKLHunyuanVideo15`, 16 channels wide (4x spatial, 2x temporal)."""
-    return dict(latent_channels=4, block_out_channels=(16, 16), layers_per_block=1, spatial_compression_ratio=4,
-                temporal_compression_ratio=2, downsample_match_channel=False, upsample_match_channel=False)
+    """A 5-level `AutoencoderKLHunyuanVideo15`, 8 channels wide (113,761 parameters), with the full
+    VAE's compression (16x spatial, 4x temporal), so the tiny preset has the full frame and size rules."""
+    return dict(latent_channels=4, block_out_channels=(8, 8, 8, 8, 8), layers_per_block=1,
+                spatial_compression_ratio=SPATIAL_COMPRESSION, temporal_compression_ratio=TEMPORAL_COMPRESSION,
+                downsample_match_channel=False, upsample_match_channel=False)
+
+
+def tiny_text_encoder_configs() -> dict[str, dict[str, Any]]:
+    """`text_encoder`: a 2-layer Qwen2.5-VL text model 16 wide (vocabulary of the tiny tokenizer);
+    `text_encoder_2`: a 2-layer T5 encoder 32 wide over ByT5's 384 bytes."""
+    qwen = dict(vocab_size=259, hidden_size=16, intermediate_size=16, num_hidden_layers=3, num_attention_heads=2,
+                num_key_value_heads=2, use_cache=False, rope_theta=1e6, bos_token_id=0, eos_token_id=258,
+                rope_scaling={"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"})
+    t5 = dict(vocab_size=384, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
+    return {"text_encoder": qwen, "text_encoder_2": t5}
+
+
+# The Qwen2.5-VL chat layout (system / user / assistant turns between <|im_start|> and <|im_end|>),
+# written here as a minimal template: the full checkpoint ships its own.
+_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for c in message['content'] %}{% if c['type'] == 'text' %}{{ c['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def tiny_qwen_tokenizer():
+    """An offline byte-level Qwen2 tokenizer (259 tokens) with Qwen2.5-VL's special tokens:
+    `<|endoftext|>` pads, `<|im_end|>` ends, no BOS, right padding, and a chat template."""
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import Qwen2Tokenizer
+
+    vocab = {"<|endoftext|>": 0, **{c: i + 1 for i, c in enumerate(sorted(ByteLevel.alphabet()))}}
+    tok = Qwen2Tokenizer(vocab=vocab, merges=[], pad_token="<|endoftext|>", eos_token="<|im_end|>",
+                         bos_token=None, padding_side="right")
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = _CHAT_TEMPLATE
+    return tok
+
+
+def default_request(preset: Any) -> dict[str, Any]:
+    """Frames, size, steps, seed and fps a preset generates by default: the tiny preset seconds on
+    a CPU; the full preset the 720p checkpoint's 121 frames, 50 steps at 24 fps. Guidance and shift
+    come from the checkpoint (its guider and scheduler configs), as diffusers takes them."""
+    if preset.pretrained:
+        return dict(frames=121, height=720, width=1280, steps=50, seed=42, fps=24)
+    return dict(frames=9, height=64, width=64, steps=4, seed=42, fps=8)
+
+
+def check_frames(frames: int) -> None:
+    """Refuse a frame count the VAE cannot produce: it must be 4n+1."""
+    if not isinstance(frames, int) or frames < 1 or (frames - 1) % TEMPORAL_COMPRESSION:
+        raise ModelInputError(
+            f"frames={frames}: HunyuanVideo-1.5 generates 4n+1 frames (the VAE keeps the first frame and "
+            f"compresses the rest {TEMPORAL_COMPRESSION}x in time), e.g. 9, 49, 121; diffusers would round "
+            f"{frames} down to {max(1, (frames - 1) // TEMPORAL_COMPRESSION * TEMPORAL_COMPRESSION + 1)} silently")
+
+
+def check_size(width: int, height: int) -> None:
+    """Refuse a size the VAE cannot tile: positive multiples of 16."""
+    multiple = SPATIAL_COMPRESSION * PATCH_SIZE
+    if width <= 0 or height <= 0 or width % multiple or height % multiple:
+        raise ModelInputError(f"size {width}x{height}: width and height must be positive multiples of {multiple} "
+                              f"(the VAE compresses {SPATIAL_COMPRESSION}x, one token per latent pixel)")
 
 
 def latent_frames(frames: int) -> int:
     """Latent frames for `frames` (4n+1) video frames."""
     return (frames - 1) // TEMPORAL_COMPRESSION + 1
+
+
+def latent_shape(frames: int, height: int, width: int, channels: int = LATENT_CHANNELS) -> tuple[int, ...]:
+    """`(1, C, T, H/16, W/16)`, the latents diffusers draws (`prepare_latents`)."""
+    return (1, channels, latent_frames(frames), height // SPATIAL_COMPRESSION, width // SPATIAL_COMPRESSION)
+
+
+def video_tokens(width: int, height: int, frames: int) -> int:
+    """Video tokens of one sample (patch size 1: one per latent pixel)."""
+    return latent_frames(frames) * (height // SPATIAL_COMPRESSION) * (width // SPATIAL_COMPRESSION)
+
+
+def mask_elements(width: int, height: int, frames: int) -> int:
+    """Elements of the (1, 1, S, S) mask diffusers builds per sample, S = video + all text slots."""
+    s = video_tokens(width, height, frames) + sum(n for n, _ in TEXT_SLOTS.values())
+    return s * s
 
 
 def step_flops(width: int, height: int, frames: int, layers: int = FULL_LAYERS, batch: int = 2,
@@ -110,15 +212,15 @@ def step_inputs(width: int, height: int, frames: int, batch: int = 2) -> tuple[l
     return specs, call
 
 
-def static_forward(self, hidden_states, timestep, encoder_hidden_states, encoder_attention_mask,
-                   timestep_r=None, encoder_hidden_states_2=None, encoder_attention_mask_2=None,
-                   image_embeds=None, attention_kwargs=None, return_dict=True):
-    import torch
-    from diffusers.models.modeling_outputs import Transformer2DModelOutput
+# --- the forward: jit-friendly, split where DeepCache cuts it --------------------------------------
 
-    batch_size, _, num_frames, height, width = hidden_states.shape
-    p_t, p_h, p_w = self.config.patch_size_t, self.config.patch_size, self.config.patch_size
-    post_t, post_h, post_w = num_frames // p_t, height // p_h, width // p_w
+def conditioning(self, hidden_states, timestep, encoder_hidden_states, encoder_attention_mask, timestep_r=None,
+                 encoder_hidden_states_2=None, encoder_attention_mask_2=None, image_embeds=None):
+    """Everything before the first block: `(video tokens, text tokens, text mask, temb, rope)`.
+    The text tokens are ordered valid-first (image, ByT5, Qwen), the padding zeroed, as diffusers
+    orders them, but with a stable argsort instead of boolean indexing."""
+    import torch
+
     image_rotary_emb = self.rope(hidden_states)
     temb = self.time_embed(timestep, timestep_r=timestep_r)
     hidden_states = self.x_embedder(hidden_states)
@@ -130,26 +232,211 @@ def static_forward(self, hidden_states, timestep, encoder_hidden_states, encoder
     image = self.image_embedder(image_embeds)
     is_t2v = torch.all(image_embeds == 0)
     image = torch.where(is_t2v, image * 0.0, image)  # was a Python `if is_t2v:`
-    image_mask = (~is_t2v).expand(batch_size, image.shape[1])
     image = image + self.cond_type_embed(2 * torch.ones_like(image[:, :, 0], dtype=torch.long))
-
     mask_1, mask_2 = encoder_attention_mask.bool(), encoder_attention_mask_2.bool()
     tokens = torch.cat([image, text_2 * mask_2[..., None], text * mask_1[..., None]], dim=1)
-    valid = torch.cat([image_mask, mask_2, mask_1], dim=1)
-    order = torch.argsort((~valid).to(torch.int32), dim=1, stable=True)  # valid first, order kept
-    encoder_hidden_states = torch.gather(tokens, 1, order[..., None].expand_as(tokens))
-    encoder_attention_mask = torch.gather(valid, 1, order)
+    order, mask = _token_order(encoder_attention_mask, encoder_attention_mask_2, image_embeds)
+    text = torch.gather(tokens, 1, order[..., None].expand_as(tokens))
+    return hidden_states, text, mask, temb, image_rotary_emb
 
-    for block in self.transformer_blocks:
-        hidden_states, encoder_hidden_states = block(hidden_states, encoder_hidden_states, temb,
-                                                     encoder_attention_mask, image_rotary_emb)
+
+def _token_order(encoder_attention_mask, encoder_attention_mask_2, image_embeds):
+    """`(order, mask)`: the permutation that puts valid text tokens first, order kept, and the
+    mask in that order (what diffusers' boolean-indexing reorder computes)."""
+    import torch
+
+    is_t2v = torch.all(image_embeds == 0)
+    image_mask = (~is_t2v).expand(image_embeds.shape[0], image_embeds.shape[1])
+    valid = torch.cat([image_mask, encoder_attention_mask_2.bool(), encoder_attention_mask.bool()], dim=1)
+    order = torch.argsort((~valid).to(torch.int32), dim=1, stable=True)  # valid first, order kept
+    return order, torch.gather(valid, 1, order)
+
+
+def blocks(self, hidden_states, text, mask, temb, rope, start: int = 0, stop: int | None = None):
+    """Dual-stream blocks `start:stop` on `(video tokens, text tokens)`."""
+    for block in self.transformer_blocks[start:stop]:
+        hidden_states, text = block(hidden_states, text, temb, mask, rope)
+    return hidden_states, text
+
+
+def final(self, hidden_states, temb, shape):
+    """Norm, projection and un-patchify to the latents' `shape` (B, C, T, H, W)."""
+    batch_size, _, num_frames, height, width = shape
+    p_t, p_h, p_w = self.config.patch_size_t, self.config.patch_size, self.config.patch_size
     hidden_states = self.proj_out(self.norm_out(hidden_states, temb))
-    hidden_states = hidden_states.reshape(batch_size, post_t, post_h, post_w, -1, p_t, p_h, p_w)
-    hidden_states = hidden_states.permute(0, 4, 1, 5, 2, 6, 3, 7).flatten(6, 7).flatten(4, 5).flatten(2, 3)
-    return (hidden_states,) if not return_dict else Transformer2DModelOutput(sample=hidden_states)
+    hidden_states = hidden_states.reshape(batch_size, num_frames // p_t, height // p_h, width // p_w, -1, p_t, p_h, p_w)
+    return hidden_states.permute(0, 4, 1, 5, 2, 6, 3, 7).flatten(6, 7).flatten(4, 5).flatten(2, 3)
+
+
+def static_forward(self, hidden_states, timestep, encoder_hidden_states, encoder_attention_mask,
+                   timestep_r=None, encoder_hidden_states_2=None, encoder_attention_mask_2=None,
+                   image_embeds=None, attention_kwargs=None, return_dict=True):
+    """`HunyuanVideo15Transformer3DModel.forward` without its two untraceable constructs (see the
+    module docstring); the same signature and outputs."""
+    from diffusers.models.modeling_outputs import Transformer2DModelOutput
+
+    shape = hidden_states.shape
+    x, text, mask, temb, rope = conditioning(self, hidden_states, timestep, encoder_hidden_states,
+                                             encoder_attention_mask, timestep_r, encoder_hidden_states_2,
+                                             encoder_attention_mask_2, image_embeds)
+    x, _ = blocks(self, x, text, mask, temb, rope)
+    out = final(self, x, temb, shape)
+    return (out,) if not return_dict else Transformer2DModelOutput(sample=out)
 
 
 def make_static(module):
     """Replace `module.forward` with `static_forward`. Returns `module`."""
     module.forward = types.MethodType(static_forward, module)
     return module
+
+
+def deepcache_full(self, tail: int, hidden_states, timestep, encoder_hidden_states, encoder_attention_mask,
+                   encoder_hidden_states_2, encoder_attention_mask_2, image_embeds):
+    """`(output, cache)`: the full forward, and the `(video, text)` tokens entering the last
+    `tail` blocks, which a cached step starts from."""
+    shape = hidden_states.shape
+    x, text, mask, temb, rope = conditioning(self, hidden_states, timestep, encoder_hidden_states,
+                                             encoder_attention_mask, None, encoder_hidden_states_2,
+                                             encoder_attention_mask_2, image_embeds)
+    cut = len(self.transformer_blocks) - tail
+    x, text = blocks(self, x, text, mask, temb, rope, 0, cut)
+    cache = (x, text)
+    x, _ = blocks(self, x, text, mask, temb, rope, cut)
+    return final(self, x, temb, shape), cache
+
+
+def deepcache_cached(self, tail: int, cache, hidden_states, timestep, encoder_attention_mask,
+                     encoder_attention_mask_2, image_embeds):
+    """The output from a cached state: the timestep embedding and RoPE of this step, the last
+    `tail` blocks, the final layer. The text refiner and the first blocks do not run."""
+    x, text = cache
+    _, mask = _token_order(encoder_attention_mask, encoder_attention_mask_2, image_embeds)
+    temb = self.time_embed(timestep, timestep_r=None)
+    rope = self.rope(hidden_states)
+    x, _ = blocks(self, x, text, mask, temb, rope, len(self.transformer_blocks) - tail)
+    return final(self, x, temb, hidden_states.shape)
+
+
+# --- attention with the padding kept as a vector ----------------------------------------------------
+
+def torch_padded_attention(q, k, v, valid):
+    """`(B, H, S, D)` attention where token j is visible to token i iff both are valid, as
+    diffusers computes it (the (B, 1, S, S) mask built from the vector); for torch tensors."""
+    import torch.nn.functional as F
+
+    mask = valid[:, None, None, :] & valid[:, None, :, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False)
+
+
+class PaddingAttnProcessor:
+    """diffusers' `HunyuanVideo15AttnProcessor2_0` (0.42.1) with the padding mask kept as a
+    `(B, S)` vector and handed to `attend(q, k, v, valid)` (`(B, H, S, D)` tensors), instead of
+    being expanded to `(B, 1, S, S)`. The projections, QK norms and RoPE are the stock ones."""
+
+    def __init__(self, attend=None):
+        self.attend = attend or torch_padded_attention
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+        import torch
+        import torch.nn.functional as F
+        from diffusers.models.embeddings import apply_rotary_emb
+
+        def heads(t):
+            return t.unflatten(2, (attn.heads, -1))
+
+        query, key, value = heads(attn.to_q(hidden_states)), heads(attn.to_k(hidden_states)), heads(attn.to_v(hidden_states))
+        query, key = attn.norm_q(query), attn.norm_k(key)
+        if image_rotary_emb is not None:
+            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+        if encoder_hidden_states is not None:
+            eq = heads(attn.add_q_proj(encoder_hidden_states))
+            ek = heads(attn.add_k_proj(encoder_hidden_states))
+            ev = heads(attn.add_v_proj(encoder_hidden_states))
+            if attn.norm_added_q is not None:
+                eq = attn.norm_added_q(eq)
+            if attn.norm_added_k is not None:
+                ek = attn.norm_added_k(ek)
+            query, key, value = torch.cat([query, eq], 1), torch.cat([key, ek], 1), torch.cat([value, ev], 1)
+        seq_len = query.shape[1]
+        valid = F.pad(attention_mask, (seq_len - attention_mask.shape[1], 0), value=True).bool()
+        out = self.attend(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), valid)
+        out = out.transpose(1, 2).flatten(2, 3).to(query.dtype)
+        if encoder_hidden_states is None:
+            return out
+        n_text = encoder_hidden_states.shape[1]
+        out, text = out[:, :-n_text], out[:, -n_text:]
+        out = attn.to_out[1](attn.to_out[0](out))
+        return out, attn.to_add_out(text)
+
+
+def make_jit_friendly(transformer, attend=None):
+    """`make_static` plus `PaddingAttnProcessor(attend)` in the dual-stream blocks (the token
+    refiner keeps its processor: its 1000-token mask is small). Returns `transformer`."""
+    make_static(transformer)
+    processor = PaddingAttnProcessor(attend)
+    for block in transformer.transformer_blocks:
+        block.attn.set_processor(processor)
+    return transformer
+
+
+# --- weights: tiny checkpoints and loading -------------------------------------------------------
+
+SCHEDULER_CONFIG: dict[str, Any] = dict(shift=7.0)
+"""The tiny preset's `FlowMatchEulerDiscreteScheduler` (diffusers' default flow-matching scheduler
+with HunyuanVideo-1.5's training shift); a full checkpoint brings its own."""
+GUIDER_CONFIG: dict[str, Any] = dict(guidance_scale=6.0)
+"""The tiny preset's `ClassifierFreeGuidance` (guidance on, so CI runs the guidance pair)."""
+
+
+def tiny_checkpoint(directory: "str | os.PathLike | None" = None, seed: int = 0) -> Path:
+    """Write a whole random `HunyuanVideo15Pipeline` (Qwen2.5-VL text model with the offline
+    tokenizer, T5 + ByT5 for glyphs, transformer, VAE, scheduler, guider) with `save_pretrained`
+    and return its directory (cached, named by its configs, written atomically)."""
+    spec = [tiny_transformer_config(), tiny_vae_config(), tiny_text_encoder_configs(), SCHEDULER_CONFIG,
+            GUIDER_CONFIG, _CHAT_TEMPLATE, seed]
+
+    def build():
+        import torch
+        from diffusers import (AutoencoderKLHunyuanVideo15, FlowMatchEulerDiscreteScheduler, HunyuanVideo15Pipeline,
+                               HunyuanVideo15Transformer3DModel)
+        from diffusers.guiders import ClassifierFreeGuidance
+        from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
+
+        configs = tiny_text_encoder_configs()
+        torch.manual_seed(seed)
+        return HunyuanVideo15Pipeline(
+            text_encoder=Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(**configs["text_encoder"])).eval(),
+            tokenizer=tiny_qwen_tokenizer(),
+            transformer=HunyuanVideo15Transformer3DModel(**tiny_transformer_config()).eval(),
+            vae=AutoencoderKLHunyuanVideo15(**tiny_vae_config()).eval(),
+            scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG),
+            text_encoder_2=T5EncoderModel(T5Config(**configs["text_encoder_2"])).eval(),
+            tokenizer_2=ByT5Tokenizer(),
+            guider=ClassifierFreeGuidance(**GUIDER_CONFIG),
+        )
+
+    return checkpoints.cached_pipeline("hunyuan-tiny", spec, build, directory)
+
+
+def model_source(preset: Any, model: "str | os.PathLike | None" = None) -> tuple[str, str]:
+    """`(where to load from, label for stage files)`: `model` if given, else `$TPUPEDIA_HUNYUAN`,
+    else the preset's (`FULL_ID` for full; the tiny checkpoint, labelled `preset:tiny`)."""
+    return checkpoints.choose_source(preset, model, ENV_MODEL, FULL_ID, tiny_checkpoint)
+
+
+def component_configs(source: str) -> dict[str, dict]:
+    """The checkpoint's component configs (no weights read), minus version and path entries."""
+    from diffusers import AutoencoderKLHunyuanVideo15, FlowMatchEulerDiscreteScheduler, HunyuanVideo15Transformer3DModel
+    from diffusers.guiders import ClassifierFreeGuidance
+    from transformers import AutoConfig
+
+    configs = {
+        "transformer": HunyuanVideo15Transformer3DModel.load_config(source, subfolder="transformer"),
+        "vae": AutoencoderKLHunyuanVideo15.load_config(source, subfolder="vae"),
+        "scheduler": FlowMatchEulerDiscreteScheduler.load_config(source, subfolder="scheduler"),
+        "guider": ClassifierFreeGuidance.load_config(source, subfolder="guider"),
+        "text_encoder": AutoConfig.from_pretrained(source, subfolder="text_encoder").to_dict(),
+        "text_encoder_2": AutoConfig.from_pretrained(source, subfolder="text_encoder_2").to_dict(),
+    }
+    return {name: checkpoints.clean_config(c) for name, c in configs.items()}

@@ -1,0 +1,727 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: notebooks///ipynb,lessons///py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 07 · HunyuanVideo-1.5 text-to-video on TPU
+#
+# The second destination of the course. Notebook 06 built a staged pipeline for CogVideoX:
+# stage files, a scheduler step as a pure function, one compiled program for all steps, the
+# guidance pair as one batch. HunyuanVideo-1.5 (an 8.3B-parameter transformer of 54 dual-stream
+# blocks) goes down the same path, `tpupedia.pipelines.common`, and meets three new problems:
+#
+# 1. its diffusers forward **cannot be traced** by `jax.jit` (a Python `if` on a tensor, and
+#    boolean-mask indexing whose output shape depends on the data);
+# 2. its attention processor turns a padding vector into a **(B, 1, S, S) mask** in every block,
+#    about 13 G elements per sample at 720p and 121 frames, and masks padded *queries* too, so
+#    whole rows are masked and a naive softmax returns NaN;
+# 3. at 50 steps it is slow, and **DeepCache** (reuse deep features between steps) needs a
+#    different program on cached steps, which `jax.jit` cannot branch between cheaply.
+#
+# Sections: 1. the model's facts; 2. a forward jit can trace; 3. masks without the S x S matrix;
+# 4. stage 1, two text encoders; 5. flow matching as a pure step; 6. stage 2, denoise;
+# 7. stage 3, decode, and parity with stock diffusers; 8. DeepCache; 9. three sharding tables
+# planned for a v6e-8; 10. the GPU reference numbers.
+#
+# *Budget: about 3 minutes on a 2-core CPU (tiny preset: a random 2-block checkpoint, 8
+# simulated devices). Full preset: `hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_t2v`
+# on a TPU v6e-8 (bf16 weights: transformer 16.7 GB, Qwen2.5-VL-7B text model 15.2 GB, ByT5 and
+# the VAE under 1 GB each, from their parameter counts); the upstream project reports 7.29 s per
+# step at 720p, 121 frames on a v6e-8. Section 9 reads recorded AOT compiles on the tiny preset
+# and compiles live on the full one (tens of minutes on a CPU host).*
+
+# %%
+# %xmode Minimal
+from tpupedia import session
+
+preset = session.start()  # preset, simulated devices, known warnings silenced (notebook 01)
+preset.name
+
+# %% [markdown]
+# ## 1. One home for the model's facts
+#
+# `tpupedia.models.hunyuan` holds every HunyuanVideo-1.5 fact the pipeline, the dry-run and the
+# docs use. The upstream material disagrees with itself about the model's size (54 double
+# blocks in one place; 53 blocks of width 3072 and ~13B parameters, or 20 + 40 blocks, in
+# others). The configuration itself settles it: build the transformer on `meta` (shapes only,
+# no memory) from diffusers' defaults for the 720p t2v checkpoint and count.
+
+# %%
+from tpupedia.models import hunyuan as family
+
+full = family.build()  # on `meta`: 54 blocks, no weights allocated
+config = full.config
+params = sum(p.numel() for p in full.parameters())
+print(f"{config.num_layers} dual-stream blocks, {config.num_attention_heads} heads of {config.attention_head_dim} "
+      f"(width {config.num_attention_heads * config.attention_head_dim}), MLP ratio {config.mlp_ratio}, "
+      f"{config.num_refiner_layers} text-refiner layers")
+print(f"{params / 1e9:.2f} B parameters, {params * 2 / 1e9:.1f} GB in bf16")
+
+# %%
+assert config.num_layers == family.FULL_LAYERS == 54
+assert config.num_attention_heads * config.attention_head_dim == 2048 and 8.0e9 < params < 8.6e9
+
+# %% [markdown]
+# The frame rule is the VAE's: it keeps the first frame and compresses the rest 4x in time, so a
+# video has `4n + 1` frames; space is compressed 16x and the transformer's patch is 1, so every
+# latent pixel is a token. Each step also carries three text slots whatever the prompt: 1000
+# Qwen2.5-VL tokens, 256 ByT5 glyph tokens and 729 image tokens (zeros and fully masked for
+# text-to-video, but still in the sequence in diffusers' layout).
+
+# %%
+text_slots = sum(n for n, _ in family.TEXT_SLOTS.values())
+print(f"{'frames':>6} {'latent':>6} {'video tokens':>13} {'+ text slots':>13} {'mask elements':>15}")
+for frames in (9, 49, 121):
+    tokens = family.video_tokens(1280, 720, frames)
+    print(f"{frames:>6} {family.latent_frames(frames):>6} {tokens:>13,} {tokens + text_slots:>13,} "
+          f"{family.mask_elements(1280, 720, frames):>15,}")
+
+# %%
+assert family.video_tokens(1280, 720, 121) == 31 * 45 * 80 == 111_600
+assert family.mask_elements(1280, 720, 121) == (111_600 + 1_985) ** 2  # about 12.9 G per sample
+
+# %% [markdown]
+# The tiny preset is a random 2-block checkpoint written with `save_pretrained` and loaded with
+# the same `from_pretrained(..., use_safetensors=True)` the full preset uses. It shares the full
+# checkpoint's rules: its VAE compresses 16x in space and 4x in time, its tokenizer has
+# Qwen2.5-VL's special tokens. A request it cannot produce is refused before anything loads:
+
+# %%
+from tpupedia.errors import expect
+from tpupedia.pipelines import hunyuan as pipeline
+
+request = pipeline.Request(prompt='A neon sign that says "OPEN" flickers on a rainy street at night.',
+                           negative_prompt="blurry, low quality", **family.default_request(preset))
+expect(lambda: pipeline.validate(pipeline.Request(**{**request.__dict__, "frames": 120}), pipeline.Options()),
+       family.ModelInputError, max_lines=1)
+_ = expect(lambda: pipeline.validate(pipeline.Request(**{**request.__dict__, "height": 100}), pipeline.Options()),
+           family.ModelInputError, max_lines=1)
+
+# %% [markdown]
+# ## 2. A forward that `jax.jit` can trace
+#
+# Load the checkpoint's transformer and try to jit its stock forward under torchax. It fails
+# on its first data-dependent branch: `is_t2v = torch.all(image_embeds == 0)` feeds a Python
+# `if`, which asks a traced boolean (`bool[]`) for a concrete value.
+
+# %%
+import torch
+from diffusers import HunyuanVideo15Transformer3DModel
+
+from tpupedia import torchax_utils
+
+source, label = family.model_source(preset)
+dtype = getattr(torch, preset.dtype)
+stock_transformer = HunyuanVideo15Transformer3DModel.from_pretrained(source, subfolder="transformer", dtype=dtype,
+                                                                     use_safetensors=True).eval()
+t_cfg = stock_transformer.config
+g = torch.Generator().manual_seed(0)
+x = torch.randn(2, t_cfg.in_channels, 3, 4, 4, generator=g).to(dtype)
+timestep = torch.tensor([900.0, 900.0]).to(dtype)
+text = torch.randn(2, 1000, t_cfg.text_embed_dim, generator=g).to(dtype)
+text_mask = (torch.arange(1000) < torch.tensor([[37], [12]])).to(dtype)  # 37 and 12 real tokens, the rest padding
+glyph = torch.zeros(2, 256, t_cfg.text_embed_2_dim, dtype=dtype)
+glyph_mask = torch.zeros(2, 256, dtype=dtype)  # no quoted text: all padding
+image = torch.zeros(2, 729, t_cfg.image_embed_dim, dtype=dtype)
+kwargs = dict(encoder_hidden_states_2=glyph, encoder_attention_mask_2=glyph_mask, image_embeds=image, return_dict=False)
+
+env = torchax_utils.default_env()
+torchax_utils.register_common_outputs()
+
+
+def to_jax(*tensors):
+    with env:
+        return [t.to("jax") for t in tensors]
+
+
+def stock_under_jit():
+    module = HunyuanVideo15Transformer3DModel.from_pretrained(source, subfolder="transformer", dtype=dtype,
+                                                              use_safetensors=True).eval()
+    with env:
+        module.to("jax")
+        args = to_jax(x, timestep, text, text_mask, glyph, glyph_mask, image)
+        return torchax_utils.JitModule(module)(*args[:4], encoder_hidden_states_2=args[4],
+                                               encoder_attention_mask_2=args[5], image_embeds=args[6], return_dict=False)
+
+
+import jax
+
+error = expect(stock_under_jit, jax.errors.ConcretizationTypeError, max_lines=2)
+
+# %% [markdown]
+# The second construct would fail next: diffusers reorders the text tokens per sample with
+# boolean masks (`text[text_mask]`, valid tokens first), and a tensor whose length depends on
+# the data has no static shape. `tpupedia.models.hunyuan.static_forward` keeps every other op and
+# replaces the two constructs:
+#
+# | stock forward | `static_forward` |
+# |---|---|
+# | `if is_t2v: image = image * 0.0` | `torch.where(is_t2v, image * 0.0, image)` |
+# | `cat([image[m3], byt5[m2], qwen[m1], ...])` per sample | a stable `argsort` of `~valid` (valid first, order kept), then `gather` |
+#
+# On PyTorch it is the stock forward bit for bit, padding included:
+
+# %%
+with torch.no_grad():
+    reference = stock_transformer(x, timestep, text, text_mask, **kwargs)[0]
+    rewritten = family.static_forward(stock_transformer, x, timestep, text, text_mask, **kwargs)[0]
+print("bit-identical to the stock forward:", torch.equal(rewritten, reference), "| output", tuple(reference.shape))
+
+# %%
+assert "bool[]" in str(error) and torch.equal(rewritten, reference)
+
+# %% [markdown]
+# ## 3. Masks without the S x S matrix
+#
+# Traced under `jax.jit` with torchax's own attention, the rewritten forward compiles, and
+# returns NaN:
+
+# %%
+import numpy as np
+
+transformer = HunyuanVideo15Transformer3DModel.from_pretrained(source, subfolder="transformer", dtype=dtype,
+                                                               use_safetensors=True).eval()
+with env:
+    transformer.to("jax")
+static_fm = torchax_utils.FunctionalModule(transformer, family.static_forward, return_dict=False)
+inputs = [jax.numpy.asarray(t.float().numpy()).astype(jax.numpy.dtype(preset.dtype))
+          for t in (x, timestep, text, text_mask)]
+extra = [jax.numpy.asarray(t.float().numpy()).astype(jax.numpy.dtype(preset.dtype)) for t in (glyph, glyph_mask, image)]
+
+
+def forward(weights, buffers, x, t, text, mask, glyph, glyph_mask, image):
+    return static_fm(weights, buffers, x, t, text, mask, None, glyph, glyph_mask, image)[0]
+
+
+with torchax_utils.restoring_ops(env):
+    torchax_utils.stock_ops(env)  # torchax's own scaled_dot_product_attention
+    naive = np.asarray(jax.jit(forward)(*static_fm.state(), *inputs, *extra))
+print(f"NaN in the output: {np.isnan(naive).mean():.0%} of the values")
+
+# %% [markdown]
+# The processor builds `valid[i] & valid[j]` for every pair of tokens, so a padded token's *row*
+# sees no key at all. A softmax over a row of `-inf` is `0 / 0`. PyTorch's CPU kernel returns 0
+# for such rows, and the stock model relies on it; a plain softmax returns NaN, and the NaN does
+# not stay in the padded rows: the next block multiplies the padded tokens by their zero mask,
+# and `0 * NaN` is NaN, which then reaches every token through attention's weighted sum.
+#
+# Two fixes are needed. Rows with no visible key must give 0 (the upstream port found this
+# too, and the stack's SDPA override does it). And the mask should never be built: it is fully
+# described by the `(B, S)` validity vector. `hunyuan.PaddingAttnProcessor` is diffusers'
+# processor with the vector kept and handed to an `attend(q, k, v, valid)` function; under
+# torchax that is `tpupedia.attention.padded_attention`, where splash (notebook 04) takes the
+# vector as segment ids and the reference path broadcasts it inside the score computation.
+
+# %%
+import functools
+
+from torchax.interop import call_jax
+
+from tpupedia import attention
+
+shapes_seen = []
+exact = jax.jit(functools.partial(attention.padded_attention, backend="reference"))
+
+
+def attend(q, k, v, valid):
+    shapes_seen.append(tuple(valid.shape))
+    return call_jax(exact, q, k, v, valid)
+
+
+family.make_jit_friendly(transformer, attend)
+with torchax_utils.restoring_ops(env):
+    torchax_utils.install_masked_row_safe_sdpa(env)  # the text refiner's small (B, 1, 1000, 1000) mask
+    with jax.default_matmul_precision("highest"):  # a parity check: full fp32 matmuls on a TPU too
+        fixed = np.asarray(jax.jit(forward)(*static_fm.state(), *inputs, *extra))
+forward_error = float(np.abs(fixed - reference.float().numpy()).max())
+print(f"NaN: {np.isnan(fixed).mean():.0%}; max abs difference from the stock forward on PyTorch: {forward_error:.1e}")
+print("what each block's attention received:", sorted(set(shapes_seen)), "(batch, tokens)")
+
+# %%
+tokens = 3 * 4 * 4 + text_slots
+assert np.isnan(naive).any() and not np.isnan(fixed).any()
+assert forward_error <= (1e-5 if dtype == torch.float32 else 5e-2)
+assert set(shapes_seen) == {(2, tokens)}  # a vector, never (2, 1, S, S)
+
+# %% [markdown]
+# What the matrix costs is a question for the compiler. Compile the tiny model twice, with
+# diffusers' processor and with the vector handed to splash (interpret mode here, the same kernel
+# a TPU compiles), and look for a boolean `(2, 1, S, S)` tensor in the optimized HLO text:
+
+# %%
+import re
+
+
+def mask_tensors(module):
+    fm = torchax_utils.FunctionalModule(module, family.static_forward, return_dict=False)
+    step = jax.jit(lambda w, b, *a: fm(w, b, a[0], a[1], a[2], a[3], None, *a[4:])[0])
+    hlo = step.lower(*fm.state(), *inputs, *extra).compile().as_text()
+    return sorted(set(re.findall(rf"pred\[2,1,{tokens},{tokens}\]", hlo)))
+
+
+splash_padded = jax.jit(functools.partial(attention.padded_attention, backend="splash", interpret=True))
+family.make_jit_friendly(transformer, lambda q, k, v, valid: call_jax(splash_padded, q, k, v, valid))
+matrix_version = HunyuanVideo15Transformer3DModel.from_pretrained(source, subfolder="transformer", dtype=dtype,
+                                                                  use_safetensors=True).eval()
+with env:
+    matrix_version.to("jax")
+with torchax_utils.restoring_ops(env):
+    torchax_utils.install_masked_row_safe_sdpa(env)
+    in_stock, in_ours = mask_tensors(matrix_version), mask_tensors(transformer)
+print("diffusers' processor:", in_stock or "none", "| vector + splash:", in_ours or "none")
+
+# %%
+assert in_stock and not in_ours
+
+# %% [markdown]
+# At full size the same comparison comes from an ahead-of-time compile for a `v6e:2x4` slice
+# (notebook 09's dry-run; `--mask matrix` keeps diffusers' processor, `--mask vector` is the
+# pipeline's). One block is compiled at 720p and 121 frames, the other 53 blocks' weights are
+# added from their shapes. The tiny preset reads the recorded compiles.
+
+# %%
+import json
+from pathlib import Path
+
+from tpupedia import dryrun
+
+records = json.loads((Path("..") / dryrun.DEFAULT_RECORDS).read_text())["records"]
+
+
+def hunyuan_record(sharding="tp", mesh=(2, 4), mask="vector", layers=54, frames=121):
+    for r in records:
+        if (r["model"], r["sharding"], r.get("mask"), r["layers_compiled"], r["frames"], r["attention"]) == (
+                "hunyuan", sharding, mask, layers, frames, "splash") and tuple(r["mesh"].values()) == mesh:
+            return r
+    raise LookupError(f"no recorded dry-run for hunyuan {sharding} {mesh} mask={mask} layers={layers}")
+
+
+def hunyuan_plan(sharding="tp", mesh=(2, 4), mask="vector", layers=54):
+    if preset.compile_full_size:  # minutes to tens of minutes of compiling on a CPU host
+        return dryrun.run("hunyuan", "v6e:2x4", "720p", 121, sharding=sharding, attention="splash",
+                          layers=layers, mesh_shape=mesh, mask=mask).as_dict()
+    return hunyuan_record(sharding, mesh, mask, layers)
+
+
+GiB = 2**30
+masks = {m: hunyuan_plan(mask=m, layers=1) for m in ("matrix", "vector")}
+print(f"{'text mask':>10} {'arguments':>10} {'temporaries':>12}  (GiB per chip, 720p, 121 frames, 1 block compiled)")
+for m, r in masks.items():
+    print(f"{m:>10} {r['arguments_bytes'] / GiB:>10.2f} {r['temporaries_bytes'] / GiB:>12.2f}")
+materialized = family.mask_elements(1280, 720, 121) / GiB  # one byte per boolean, one sample per chip on dp=2
+print(f"the matrix itself, had it been stored: {materialized:.1f} GiB per chip")
+
+# %% [markdown]
+# The same memory, to the byte's neighbourhood. On this stack the TPU compiler never stores the
+# matrix: the splash override of notebook 04 reduces it straight back to the two validity
+# vectors, and XLA fuses the broadcast-and-compare into those reductions. So the vector is not
+# a memory rescue here; it is a guarantee. Correctness and memory no longer depend on a fusion
+# decision, no shape-checking branch is compiled, and the reference path (GPUs, and CPUs for
+# checks) receives a vector it can broadcast lazily instead of a 13 G-element tensor built by
+# `repeat`. What costs memory on the reference path is the `(B, H, S, S)` score matrix itself,
+# which is why notebook 04's kernel exists.
+
+# %%
+temps = {m: r["temporaries_bytes"] for m, r in masks.items()}
+assert abs(temps["matrix"] - temps["vector"]) <= 0.05 * temps["vector"]
+assert materialized > 5 * temps["vector"] / GiB  # storing the matrix would have dominated the step
+
+# %% [markdown]
+# ## 4. Stage 1: two text encoders
+#
+# diffusers wraps the prompt in a chat template with a long system message, runs Qwen2.5-VL's
+# text model over 1108 tokens, keeps the **third hidden state from the end** and crops the
+# template's first 108 tokens, leaving 1000. The stage compiles that whole selection: the jitted
+# function returns one `(1, 1000, width)` array, not the tuple of every layer's hidden states.
+# The ByT5 glyph encoder runs only if the prompt quotes text (`"OPEN"` here); otherwise its slot is
+# zeros with an all-false mask, as in diffusers. The settings it used are read from diffusers'
+# own signature, not copied:
+
+# %%
+from tpupedia import devices
+from tpupedia.pipelines import hunyuan as pipeline
+from tpupedia.pipelines.hunyuan import _prompt_defaults
+
+mesh = devices.make_mesh(pipeline.common.default_mesh_shape(jax.device_count()), ("dp", "tp"))
+pipe = pipeline.Hunyuan(source, label, dtype, mesh, pipeline.Options(quiet=True))
+resolved = pipeline.resolve(request, pipe.configs)
+print({k: v for k, v in _prompt_defaults().items() if k != "system_message"})
+print(f"guidance {resolved.guidance} and shift {resolved.shift}, from the checkpoint's guider and scheduler")
+embeds, text_timings = pipe.encode_text(request)
+for name, value in embeds.items():
+    print(f"{name:30} {tuple(value.shape)} {value.dtype} {int(value.ne(0).any(-1).sum()) if value.dim() == 3 else int(value.sum())} non-zero tokens")
+
+# %% [markdown]
+# The same tensors as diffusers' `encode_prompt` on PyTorch:
+
+# %%
+from diffusers import HunyuanVideo15Pipeline
+
+stock = HunyuanVideo15Pipeline.from_pretrained(source, dtype=dtype, use_safetensors=True)
+stock.set_progress_bar_config(disable=True)
+with torch.no_grad():
+    theirs = dict(zip(("prompt_embeds", "prompt_embeds_mask", "prompt_embeds_2", "prompt_embeds_mask_2"),
+                      stock.encode_prompt(request.prompt, device="cpu", dtype=dtype)))
+text_error = max(float((embeds[k] - v).abs().max()) for k, v in theirs.items())
+print(f"max abs difference from diffusers over the 4 positive-prompt tensors: {text_error:.0e}")
+
+# %%
+assert pipe.traces["text"] == 1  # prompt and negative prompt share one program
+assert embeds["prompt_embeds_mask_2"].sum() > 0 and embeds["negative_prompt_embeds_mask_2"].sum() == 0
+assert text_error <= (1e-5 if dtype == torch.float32 else 2e-2)
+
+# %% [markdown]
+# ## 5. Flow matching as a pure step
+#
+# HunyuanVideo-1.5 is trained with flow matching: the model predicts a velocity `v`, and a step
+# moves the latents along it, `x <- x + (sigma_next - sigma) * v` (Euler). The pipeline spaces
+# sigmas evenly from 1 towards 0 and the scheduler *shifts* them towards the noisy end,
+# `sigma' = s * sigma / (1 + (s - 1) * sigma)`, so more of the steps are spent where the video's
+# layout forms; timesteps are `1000 * sigma'`. The stock `FlowMatchEulerDiscreteScheduler.step`
+# finds its index with `.nonzero().item()` and keeps it as Python state, which `jax.jit` cannot
+# trace; every number it needs is known on the host, so `schedulers.flow_match_tables` stacks
+# them (from the stock scheduler's own `set_timesteps`) and `flow_match_euler_step` indexes
+# them with the traced step.
+
+# %%
+from diffusers import FlowMatchEulerDiscreteScheduler
+
+from tpupedia.pipelines import schedulers
+
+steps = 8
+print(f"{'shift':>5}  sigmas over {steps} steps")
+for shift in (1.0, 3.0, resolved.shift):
+    sched = FlowMatchEulerDiscreteScheduler.from_pretrained(source, subfolder="scheduler", shift=shift)
+    sched.set_timesteps(sigmas=np.linspace(1.0, 0.0, steps + 1)[:-1])
+    print(f"{shift:>5}  " + " ".join(f"{s:.3f}" for s in sched.sigmas.tolist()))
+
+# %%
+sigma = np.linspace(1.0, 0.0, steps + 1)[:-1]
+expected_sigmas = resolved.shift * sigma / (1 + (resolved.shift - 1) * sigma)
+assert np.allclose(sched.sigmas[:-1].numpy(), expected_sigmas, atol=1e-6)
+
+# %% [markdown]
+# Against the stock step on the same velocities, in float32 and bfloat16. The stock step adds
+# `dt * v` (in the velocity's dtype) to the latents in float32 and casts back; the pure step
+# does the same operations, but under `jax.jit` XLA fuses the multiply and the add into one
+# multiply-add, rounded once instead of twice. So each step may differ by one unit in the last
+# place of its dtype (2^-23 relative in float32, 2^-7 in bfloat16), never more:
+
+# %%
+import jax.numpy as jnp
+
+tables = {k: jnp.asarray(v) for k, v in schedulers.flow_match_tables(sched).items()}
+pure = jax.jit(lambda i, x, v: schedulers.flow_match_euler_step(tables, i, x, v))
+ulps = {}
+for dt, eps in ((torch.float32, 2.0**-23), (torch.bfloat16, 2.0**-7)):
+    gen = torch.Generator().manual_seed(1)
+    x_stock = torch.randn(1, 4, 3, 4, 4, generator=gen).to(dt)
+    worst = 0.0
+    for i, t in enumerate(sched.timesteps):
+        v = torch.randn(1, 4, 3, 4, 4, generator=gen).to(dt)
+        x_next = sched.step(v, t, x_stock, return_dict=False)[0]
+        ours = pure(jnp.int32(i), *(jnp.asarray(a.float().numpy()).astype(jnp.dtype(str(dt)[6:])) for a in (x_stock, v)))
+        scale = (x_stock.float().abs() + abs(float(tables["dt"][i])) * v.float().abs()).numpy()
+        worst = max(worst, float((np.abs(np.asarray(ours.astype(jnp.float32)) - x_next.float().numpy()) / (eps * scale)).max()))
+        x_stock = x_next
+    ulps[str(dt)[6:]] = worst
+    sched.set_timesteps(sigmas=np.linspace(1.0, 0.0, steps + 1)[:-1])  # `step` advanced its index: reset
+print("largest difference from the stock step, in units of the last place:", {k: round(v, 2) for k, v in ulps.items()})
+
+# %%
+assert all(u <= 1.0 for u in ulps.values())
+assert pure._cache_size() == 2  # one program per dtype, whatever the step
+
+# %% [markdown]
+# ## 6. Stage 2: denoise
+#
+# One compiled step for all steps, as in notebook 06:
+#
+# * the input is the latents with the 32 condition channels and the mask channel, which are
+#   zeros for text-to-video (diffusers' `prepare_cond_latents_and_mask`);
+# * the guidance pair (negative, positive prompt) is **one batch of 2** on the `dp` axis, where
+#   diffusers' guider runs two batch-1 forwards;
+# * the timestep is cast to the latents' dtype before the model sees it, as diffusers casts it
+#   (in bfloat16, 937.5 becomes 936);
+# * guidance `uncond + g * (cond - uncond)`, then the pure Euler step; the latents are donated.
+#
+# The initial latents come from diffusers' `randn_tensor` with a CPU `torch.Generator(seed)`.
+
+# %%
+stds = []
+latents, denoise_timings = pipe.denoise(request, embeds, on_step=lambda i, x: stds.append(float(jnp.std(x))))
+print("latents", tuple(latents["latents"].shape), latents["latents"].dtype, "| traced", pipe.traces["denoise"],
+      "time(s) for", request.steps, "steps")
+print("latent std after each step:", " ".join(f"{s:.3f}" for s in stds))
+
+# %% [markdown]
+# Where the first block's weights went (Megatron tensor parallelism, notebook 02: q/k/v and the
+# first MLP layer split by output rows, the attention output and second MLP layer by input
+# columns):
+
+# %%
+from IPython.display import Markdown
+
+plan = pipe.plans["transformer"]
+Markdown(plan.table(r"^transformer_blocks\.0\.(attn\.(to_q|to_out\.0)|ff\.net\.(0\.proj|2))\.weight$"))
+
+# %%
+assert pipe.traces["denoise"] == 1
+assert plan["transformer_blocks.0.attn.to_q.weight"].spec == jax.sharding.PartitionSpec("tp", None)
+assert plan["transformer_blocks.0.ff.net.2.weight"].spec == jax.sharding.PartitionSpec(None, "tp")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+print(f"text    first {text_timings['first_s']:.2f} s")
+print(f"denoise first {denoise_timings['first_s']:.2f} s, steady {denoise_timings['steady_s'] * 1e3:.0f} ms/step")
+
+# %% [markdown]
+# ## 7. Stage 3: decode, and parity with stock diffusers
+#
+# The VAE runs under torchax with its decoder jitted (with `vae_tiling`, each 256-pixel tile is
+# one call of that program, which is how 720p fits one chip). Frames come out as diffusers'
+# `output_type="np"`: float32 `(frames, height, width, 3)` in [0, 1].
+
+# %%
+from tpupedia import video
+
+decoded, decode_timings = pipe.decode(request, latents["latents"])
+frames = decoded["frames"].numpy()
+video.show_frames(frames, f"{label}: {request.frames} frames at {request.width}x{request.height}")
+
+# %% [markdown]
+# The stock `HunyuanVideo15Pipeline`, eager PyTorch, same checkpoint, prompt and seed:
+
+# %%
+with torch.no_grad():
+    expected = stock(prompt=request.prompt, negative_prompt=request.negative_prompt, num_frames=request.frames,
+                     height=request.height, width=request.width, num_inference_steps=request.steps,
+                     generator=torch.Generator().manual_seed(request.seed), output_type="np").frames[0]
+video_error = float(np.abs(frames - expected).max())
+print(f"frames: max abs difference from stock diffusers {video_error:.0e} (one 8-bit level is 4e-03)")
+
+# %%
+assert frames.shape == expected.shape == (request.frames, request.height, request.width, 3)
+assert video_error <= (1e-4 if dtype == torch.float32 else 5e-2)
+assert frames.std() > 0.01  # not a constant image that would match anything
+
+# %% [markdown]
+# `tpupedia generate hunyuan` runs these three stages with the stage files of notebook 06
+# (atomic writes, fingerprints, resume, refusal of a file made for another request):
+#
+# ```
+# tpupedia generate hunyuan --preset tiny --prompt "a fox in the snow" --out fox.mp4
+# tpupedia generate hunyuan --preset full --prompt "..." --vae-tiling --deepcache 11:45:4 --out video.mp4
+# ```
+
+# %% [markdown]
+# ## 8. DeepCache: fewer blocks on most steps
+#
+# Adjacent denoising steps see similar inputs, so the features deep inside the transformer
+# change slowly. DeepCache runs some steps in full and, on the others, starts from the state a
+# full step left just before its last block ("the tail"), recomputing only the tail with this
+# step's timestep. Which steps are which is decided on the host before anything runs: every step
+# before `start` and from `end` on is full, and between them one step in `interval`.
+#
+# Inside `jax.jit` a per-step branch would need `lax.cond` with both programs compiled and
+# matching output structures; the upstream port hit exactly that (pytree mismatches, leaked
+# tracers) and compiled two separate programs instead. So does `tpupedia.pipelines.deepcache`:
+# a *full* program that also returns the tail's input state, and a *cached* program that takes it.
+# The Python loop picks one per step. The upstream default, `11:45:4` over 50 steps:
+
+# %%
+from tpupedia.pipelines import deepcache
+
+schedule = deepcache.UPSTREAM_DEFAULT
+full_steps = schedule.full_steps(50)
+print(f"{schedule}: {len(full_steps)} full steps of 50:", full_steps)
+print("".join("F" if i in full_steps else "." for i in range(50)), "(F = full, . = cached)")
+
+# %% [markdown]
+# The best it can do follows from the costs. A cached step of the 54-block model runs 1 block
+# of 54 (plus the small timestep embedding and final layer), so with 25 cached steps the
+# transformer's work falls from 50 step-equivalents to `25 + 25/54`:
+
+# %%
+bound = 50 / (len(full_steps) + (50 - len(full_steps)) / family.FULL_LAYERS)
+print(f"upper bound on the speed-up: {bound:.2f}x (the upstream project reports 1.93-1.96x in theory, "
+      f"1.72x measured at 121 frames and 1.83x at 49 frames on a TPU v6e-8)")
+
+# %%
+assert len(full_steps) == 25 and full_steps[:11] == list(range(11)) and full_steps[-5:] == list(range(45, 50))
+assert 1.9 < bound < 2.0
+
+# %% [markdown]
+# Two properties are tested rather than assumed. With `interval = 1` every step is full, and the
+# result is the plain pipeline's bit for bit (the full program computes the same ops and also
+# hands out the cached state):
+
+# %%
+import dataclasses
+
+exact_request = dataclasses.replace(request, deepcache=deepcache.Schedule(0, request.steps, 1))
+latents_every, timings_every = pipe.denoise(exact_request, embeds)
+print("interval 1 equals the plain pipeline bit for bit:", torch.equal(latents_every["latents"], latents["latents"]),
+      f"({timings_every['full_steps']} full steps, traced full {pipe.traces['full']}x)")
+
+# %%
+assert torch.equal(latents_every["latents"], latents["latents"])
+
+# %% [markdown]
+# And its cost on this model: `bench_deepcache` runs the pipeline twice from the same seed, with
+# and without a schedule, and compares the videos (PSNR in dB and SSIM; identical videos give
+# infinity and 1). The tiny model has random weights and 2 blocks, so the quality figure says
+# little about the real model, and the time saved is bounded by 2 blocks, not 54: the point here
+# is that the mechanism runs, recomputes the steps it says, and is measured the same way
+# `tpupedia bench deepcache` measures it on a TPU VM.
+
+# %%
+from tpupedia import bench
+
+trade_request = dataclasses.replace(request, steps=10, deepcache=deepcache.Schedule(2, 9, 3))
+trade = bench.bench_deepcache(preset, trade_request, pipeline.Options(quiet=True))["result"]
+print(f"{trade_request.deepcache} over {trade['steps']} steps: {trade['full_steps']} full, "
+      f"{trade['steps'] - trade['full_steps']} cached")
+print(f"quality against the uncached video: PSNR {trade['psnr_db']:.1f} dB, SSIM {trade['ssim']:.3f}")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+print(f"denoising, compile steps left out: {trade['plain_s']:.2f} s without, {trade['cached_s']:.2f} s with "
+      f"DeepCache ({trade['speedup']:.2f}x, on this CPU)")
+
+# %%
+assert trade["full_steps"] == len(trade_request.deepcache.full_steps(10)) == 6
+assert 0 < trade["ssim"] < 1 and np.isfinite(trade["psnr_db"])
+
+# %% [markdown]
+# ## 9. Three sharding tables, planned for a v6e-8
+#
+# The tables are data (`tpupedia.sharding`), so the dry-run can compile the full 54-block step
+# (batch 2, 720p, 121 frames, splash attention, the vector mask) for a `v6e:2x4` slice under each:
+#
+# * `tp`: Megatron. Column-parallel q/k/v and first MLP layer, row-parallel attention output and
+#   second MLP layer (`fc2`), whose partial sums need an **all-reduce** per block and stream.
+# * `tp_fc2_replicated`: the upstream default. The row-parallel layers are replicated, so their
+#   all-reduce goes away; but their input is the column-parallel layers' output, split over
+#   `tp`, so it must be **all-gathered** first. And the replicated weights cost memory.
+# * `fsdp`: every weight split over all 8 chips, gathered when used.
+
+# %%
+from tpupedia import sharding
+
+for strategy in ("tp", "tp_fc2_replicated", "fsdp"):
+    print(f"{strategy}:")
+    for pattern, spec in sharding.rules("hunyuan", strategy, axis=("dp", "tp") if strategy == "fsdp" else "tp")[:3]:
+        print(f"    {pattern:60} -> {spec}")
+
+# %%
+plans = {(s, (2, 4)): hunyuan_plan(sharding=s) for s in ("tp", "tp_fc2_replicated", "fsdp")}
+plans[("tp", (1, 8))] = hunyuan_plan(sharding="tp", mesh=(1, 8))
+print(f"{'table':>18} {'mesh':>6} {'args GiB':>9} {'temp GiB':>9} {'all-reduce':>16} {'all-gather':>16} {'other':>6}")
+for (s, mesh_shape), r in plans.items():
+    counts, sent = r["collectives"], r["collective_bytes"]
+
+    def both(kind):
+        return f"{counts.get(kind, 0):>4} / {sent.get(kind, 0) / GiB:>6.1f}G"
+
+    other = sum(v for k, v in counts.items() if k not in ("all-reduce", "all-gather"))
+    print(f"{s:>18} {mesh_shape[0]}x{mesh_shape[1]:<4} {r['arguments_bytes'] / GiB:>9.2f} "
+          f"{r['temporaries_bytes'] / GiB:>9.2f} {both('all-reduce'):>16} {both('all-gather'):>16} {other:>6}")
+print("(per chip; collectives: ops in the compiled step / bytes sent per chip per step)")
+
+# %% [markdown]
+# Read the rows against the three bullet points above (recorded compile, libtpu 0.0.42.1):
+#
+# * Replicating `fc2` and the attention output projection **halves the all-reduce bytes** (70.2
+#   to 35.1 GiB per chip per step) and **adds all-gathers** (17.6 GiB): the compiler gathers the
+#   split activations for about half of the replicated layers and keeps a partial-sum all-reduce
+#   for the rest. Fewer bytes in all (52.7 against 70.2 GiB), for 3.2 GiB more weights per chip.
+#   The upstream project reports the same direction on a v6e-8: 7.29 s/step against 8.12.
+# * `fsdp` holds the fewest weights but gathers them every step, with several hundred
+#   all-to-all and permute ops, and needs the most temporaries.
+# * Putting all 8 chips on `tp` (no `dp`) makes every all-reduce carry both halves of the
+#   guidance batch over a ring twice as long: 2.3x the bytes of `dp=2, tp=4`.
+#
+# All of it is far under the compute floor (section 10): on this model the layout is chosen for
+# memory and overlap, not for bandwidth.
+
+# %%
+tp24, fc2, fsdp24, tp18 = (plans[k] for k in (("tp", (2, 4)), ("tp_fc2_replicated", (2, 4)), ("fsdp", (2, 4)),
+                                              ("tp", (1, 8))))
+sent = {k: sum(r["collective_bytes"].values()) for k, r in plans.items()}
+assert fc2["arguments_bytes"] > tp24["arguments_bytes"] + 2 * GiB  # replicated projections cost memory
+assert fc2["collective_bytes"]["all-reduce"] < 0.6 * tp24["collective_bytes"]["all-reduce"]
+assert fc2["collective_bytes"]["all-gather"] > 100 * max(tp24["collective_bytes"].get("all-gather", 0), 1.0)
+assert sent[("tp_fc2_replicated", (2, 4))] < sent[("tp", (2, 4))] < sent[("tp", (1, 8))]
+assert fsdp24["arguments_bytes"] == min(r["arguments_bytes"] for r in plans.values())
+assert all(r["fits"] for r in plans.values())
+
+# %% [markdown]
+# The argument column is not 16.7 GB / 4 under `tp`. The plans say why, without compiling:
+# every weight no rule matches stays whole on every chip, and the largest such weights are the
+# AdaLN modulation projections (`norm1.linear`, `norm1_context.linear`: width 2048 to 6 x 2048,
+# two per block), which none of the three tables (nor the upstream project's) splits.
+
+# %%
+import collections
+
+mesh8 = devices.make_mesh((2, 4), ("dp", "tp"))
+print(f"{'table':>18} {'weights per chip':>17} {'left whole':>11}  largest weights left whole")
+for strategy in ("tp", "tp_fc2_replicated", "fsdp"):
+    table_rules = sharding.rules("hunyuan", strategy, axis=("dp", "tp") if strategy == "fsdp" else "tp")
+    weight_plan = sharding.plan(full, table_rules, mesh8)
+    whole = collections.Counter()
+    for p in weight_plan.placements:
+        if p.rule is None or p.bytes_per_device == p.bytes_total:
+            whole[re.sub(r"\.\d+\.", ".N.", p.name)] += p.bytes_total
+    top = ", ".join(f"{name} {b / 1e9:.1f} GB" for name, b in whole.most_common(2))
+    print(f"{strategy:>18} {weight_plan.bytes_per_device / 1e9:>14.2f} GB {sum(whole.values()) / 1e9:>8.2f} GB  {top}")
+modulation = sum(p.numel() for n, p in full.named_parameters() if re.search(r"norm1(_context)?\.linear", n))
+print(f"AdaLN modulation: {modulation / 1e9:.2f} B parameters, {modulation / params:.0%} of the model")
+
+# %%
+tp_plan = sharding.plan(full, sharding.rules("hunyuan", "tp", axis="tp"), mesh8)
+assert abs(tp_plan.bytes_per_device - plans[("tp", (2, 4))]["arguments_bytes"]) < 0.02 * tp_plan.bytes_per_device
+assert modulation / params > 0.25  # a quarter of the weights, replicated by every table
+
+# %% [markdown]
+# ## 10. Next to the GPU
+#
+# None of the following was measured here: the upstream project reports these times for 121
+# frames at 720p, 50 steps (yangwhale/gpu-tpu-pedia, commit 3fa9ce1, `tpu/HunyuanVideo-1.5/` and
+# its GPU counterpart). Step times are per denoising step with the guidance pair.
+#
+# | setup | hardware | s/step | source |
+# |---|---|---|---|
+# | FlashAttention-2, sequence parallel over 8 GPUs | 8x H100 | ~5.2 | reported upstream |
+# | SageAttention (8-bit attention) | 8x H100 | ~3.25 | reported upstream |
+# | DeepCache on GPU | 8x H100 | ~2.84 | reported upstream |
+# | splash attention, TP with fc2 replicated | TPU v6e-8 | 7.29 | reported upstream |
+# | the same with an exp2 splash kernel (notebook 04) | TPU v6e-8 | 5.81 | reported upstream |
+# | DeepCache 11:45:4 | TPU v6e-8 | ~4.1 (1.72x) | reported upstream |
+#
+# What this repository can add without a TPU is the floor under those numbers: the compiled
+# step's FLOPs over the slice's peak, its weight bytes over HBM bandwidth and its collective bytes
+# over ICI bandwidth (notebook 09), per table:
+
+# %%
+for (s, mesh_shape), r in plans.items():
+    floors = r["floors"]
+    print(f"{s:>18} {mesh_shape[0]}x{mesh_shape[1]}: compute {floors['compute']:.2f} s, HBM {floors['memory']:.3f} s, "
+          f"ICI {floors['communication']:.3f} s per step -> {r['bound']}-bound, floor {r['roofline_seconds']:.2f} s")
+from tpupedia import hardware
+
+v6e8 = hardware.parse_topology("v6e:2x4")
+mfu = plans[("tp_fc2_replicated", (2, 4))]["flops"]["total"] / (7.29 * v6e8.num_chips * v6e8.chip.bf16_flops)
+print(f"at the reported 7.29 s/step (batch 2, per-step time), the v6e-8 runs at {mfu:.0%} of its bf16 peak")

@@ -1,0 +1,208 @@
+"""The HunyuanVideo-1.5 pipeline (notebook 07): parity with stock diffusers, the guidance pair as
+one batch, DeepCache that is exact at interval 1 and reproduces upstream's schedule, bad input
+refused before any model is loaded, and the command line."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tpupedia import presets
+from tpupedia.errors import TpupediaError
+from tpupedia.models import hunyuan as family
+from tpupedia.pipelines import deepcache, stages
+from tpupedia.pipelines import hunyuan as pipeline
+
+TINY = presets.get("tiny")
+REQUEST = pipeline.Request(prompt='a neon sign that says "OPEN" in the rain', negative_prompt="blurry", frames=9,
+                           height=64, width=64, steps=3, seed=7, fps=8)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return family.tiny_checkpoint(tmp_path_factory.mktemp("hunyuan-ckpt"))
+
+
+def _stock_frames(checkpoint: Path, request: pipeline.Request, guidance: float | None = None) -> np.ndarray:
+    from diffusers import HunyuanVideo15Pipeline
+    from diffusers.guiders import ClassifierFreeGuidance
+
+    pipe = HunyuanVideo15Pipeline.from_pretrained(checkpoint, use_safetensors=True)
+    pipe.set_progress_bar_config(disable=True)
+    if guidance is not None:
+        pipe.guider = ClassifierFreeGuidance(guidance_scale=guidance)
+    out = pipe(prompt=request.prompt, negative_prompt=request.negative_prompt, num_frames=request.frames,
+               height=request.height, width=request.width, num_inference_steps=request.steps,
+               generator=torch.Generator().manual_seed(request.seed), output_type="np")
+    return out.frames[0]
+
+
+def _frames(workdir: Path, checkpoint: Path, request: pipeline.Request) -> np.ndarray:
+    settings = pipeline.Hunyuan.settings_for(str(checkpoint), family.component_configs(str(checkpoint)), request,
+                                             pipeline.Options(), torch.float32, "decode")
+    return stages.read(workdir, "decode", settings).tensors["frames"].numpy()
+
+
+def _run(checkpoint: Path, request: pipeline.Request, workdir: Path, **options):
+    return pipeline.run(request, pipeline.Options(quiet=True, **options), preset=TINY, model=str(checkpoint),
+                        workdir=workdir, log=lambda _: None)
+
+
+def test_frames_match_stock_diffusers_with_glyph_text_and_guidance(checkpoint, tmp_path):
+    """Same weights, same seed: stock `HunyuanVideo15Pipeline` frames within 1e-4 (fp32). The
+    prompt quotes text, so the ByT5 glyph encoder runs; the checkpoint's guider has scale 6."""
+    expected = _stock_frames(checkpoint, REQUEST)
+    reports = _run(checkpoint, REQUEST, tmp_path)
+    assert [r.stage for r in reports] == ["text", "denoise", "decode"] and all(r.ran for r in reports)
+    text = stages.read(tmp_path, "text", pipeline.Hunyuan.settings_for(
+        str(checkpoint), family.component_configs(str(checkpoint)), REQUEST, pipeline.Options(), torch.float32, "text"))
+    assert text.tensors["prompt_embeds_mask_2"].sum() > 0  # the quoted text was encoded
+    assert text.tensors["negative_prompt_embeds_mask_2"].sum() == 0  # the negative prompt quotes nothing
+    frames = _frames(tmp_path, checkpoint, REQUEST)
+    assert frames.dtype == np.float32 and frames.shape == expected.shape == (9, 64, 64, 3)
+    error = float(np.abs(frames - expected).max())
+    print(f"max abs error vs stock diffusers: {error:.2e}")
+    assert error <= 1e-4, error
+    assert frames.std() > 0.01  # not a constant image that would match anything
+
+
+def test_guidance_one_runs_a_single_forward_per_step(checkpoint, tmp_path):
+    """Guidance 1 turns the guider off: no negative prompt is encoded, one batch-1 forward a step."""
+    request = dataclasses.replace(REQUEST, prompt="a quiet lake at dawn", guidance=1.0, steps=2)
+    expected = _stock_frames(checkpoint, request, guidance=1.0)
+    _run(checkpoint, request, tmp_path)
+    settings = pipeline.Hunyuan.settings_for(str(checkpoint), family.component_configs(str(checkpoint)), request,
+                                             pipeline.Options(), torch.float32, "text")
+    assert not any(k.startswith("negative_") for k in stages.read(tmp_path, "text", settings).tensors)
+    assert float(np.abs(_frames(tmp_path, checkpoint, request) - expected).max()) <= 1e-4
+
+
+def test_deepcache_with_interval_one_is_the_plain_pipeline_bit_for_bit(checkpoint, tmp_path):
+    plain = dataclasses.replace(REQUEST, prompt="a fox", steps=4)
+    every = dataclasses.replace(plain, deepcache=deepcache.Schedule(0, 4, 1))
+    _run(checkpoint, plain, tmp_path / "plain")
+    _run(checkpoint, every, tmp_path / "every")
+    read = lambda d, r: stages.read(d, "denoise", pipeline.Hunyuan.settings_for(  # noqa: E731
+        str(checkpoint), family.component_configs(str(checkpoint)), r, pipeline.Options(), torch.float32, "denoise"))
+    a, b = read(tmp_path / "plain", plain), read(tmp_path / "every", every)
+    assert torch.equal(a.tensors["latents"], b.tensors["latents"])
+    assert b.meta["extra"]["timings"]["full_steps"] == 4
+
+
+def test_deepcache_compiles_two_programs_and_caches_the_steps_between(checkpoint, tmp_path, monkeypatch):
+    request = dataclasses.replace(REQUEST, prompt="a fox", steps=4, deepcache=deepcache.Schedule(1, 4, 2))
+    assert request.deepcache.full_steps(4) == [0, 1, 3]
+    seen = {}
+    real = pipeline.Hunyuan.denoise
+
+    def spy(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        seen.update(self.traces)
+        return out
+
+    monkeypatch.setattr(pipeline.Hunyuan, "denoise", spy)
+    _run(checkpoint, request, tmp_path)
+    assert seen["full"] == 1 and seen["cached"] == 1 and seen["denoise"] == 0  # one compile each, 4 steps
+    frames = _frames(tmp_path, checkpoint, request)
+    assert np.isfinite(frames).all() and frames.shape == (9, 64, 64, 3)
+
+
+def test_upstream_default_schedule():
+    """11:45:4 over 50 steps: steps 0-10, every 4th from 11 to 43, and 45-49 run in full (25)."""
+    full = deepcache.UPSTREAM_DEFAULT.full_steps(50)
+    assert full == [*range(11), 11, 15, 19, 23, 27, 31, 35, 39, 43, 45, 46, 47, 48, 49]
+    assert len(full) == 25 and str(deepcache.UPSTREAM_DEFAULT) == "11:45:4"
+    assert deepcache.parse("11:45:4") == deepcache.UPSTREAM_DEFAULT
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"frames": 10}, "frames=10"),
+    ({"height": 40}, "64x40"),
+    ({"prompt": "  "}, "prompt is empty"),
+    ({"steps": 0}, "steps=0"),
+    ({"shift": -1.0}, "shift=-1.0"),
+    ({"deepcache": deepcache.Schedule(0, 5, 1)}, "end <= steps=3"),
+    ({"deepcache": deepcache.Schedule(0, 3, 0)}, "interval=0"),
+])
+def test_bad_requests_are_refused_before_any_model_loads(change, message, monkeypatch, tmp_path):
+    monkeypatch.setattr(family, "model_source", lambda *a, **k: pytest.fail("a model was loaded before validation"))
+    with pytest.raises(TpupediaError, match=message):
+        pipeline.run(dataclasses.replace(REQUEST, **change), pipeline.Options(), preset=TINY, workdir=tmp_path,
+                     log=lambda _: None)
+    with pytest.raises(TpupediaError, match="needs 9 devices"):
+        pipeline.run(REQUEST, pipeline.Options(mesh=(3, 3)), preset=TINY, workdir=tmp_path, log=lambda _: None)
+    with pytest.raises(TpupediaError, match="vae='flax' is not one of torchax"):
+        pipeline.run(REQUEST, pipeline.Options(vae="flax"), preset=TINY, workdir=tmp_path, log=lambda _: None)
+
+
+def test_deepcache_text_is_parsed_or_refused():
+    for text in ("11:45", "a:b:c", "1:2:3:4"):
+        with pytest.raises(deepcache.DeepCacheError, match="START:END:INTERVAL"):
+            deepcache.parse(text)
+
+
+def test_quality_metrics():
+    rng = np.random.default_rng(0)
+    a = rng.random((3, 16, 16, 3))
+    assert deepcache.psnr(a, a) == float("inf") and deepcache.ssim(a, a) == pytest.approx(1.0)
+    noisy = np.clip(a + rng.normal(0, 0.1, a.shape), 0, 1)
+    assert 15 < deepcache.psnr(noisy, a) < 25  # noise of std 0.1 (clipped): about 20 dB
+    assert deepcache.ssim(noisy, a) < deepcache.ssim(np.clip(a + rng.normal(0, 0.01, a.shape), 0, 1), a) < 1
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TPUPEDIA_PRESET": "tiny", "JAX_PLATFORMS": "cpu", "TPUPEDIA_CACHE": str(cwd / "cache")}
+    return subprocess.run([sys.executable, "-m", "tpupedia.cli", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_cli_generates_a_video_and_refuses_a_bad_schedule_in_one_line(tmp_path):
+    done = _cli("generate", "hunyuan", "--preset", "tiny", "--prompt", "a fox", "--out", "fox.mp4", "--workdir", "w",
+                "--quiet", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    video = tmp_path / "fox.mp4"
+    assert video.stat().st_size > 1000 and video.read_bytes()[4:8] == b"ftyp"  # an ISO-BMFF (mp4) file
+    bad = _cli("generate", "hunyuan", "--preset", "tiny", "--prompt", "a fox", "--deepcache", "2:9:1", cwd=tmp_path)
+    assert bad.returncode == 2
+    lines = bad.stderr.strip().splitlines()
+    assert len(lines) == 1 and "2:9:1" in lines[0] and "steps=4" in lines[0], bad.stderr
+
+
+def test_bench_deepcache_records_steps_quality_and_time(checkpoint, tmp_path):
+    from tpupedia import bench
+
+    request = dataclasses.replace(REQUEST, prompt="a fox", steps=4, deepcache=deepcache.Schedule(1, 4, 2))
+    record = bench.bench_deepcache(TINY, request, pipeline.Options(quiet=True), model=str(checkpoint))
+    result = record["result"]
+    assert record["bench"] == "deepcache" and record["config"]["deepcache"] == "1:4:2"
+    assert result["full_steps"] == 3 and result["steps"] == 4
+    assert 0 < result["ssim"] <= 1 and result["psnr_db"] > 0 and result["plain_s"] > 0 and result["cached_s"] > 0
+
+
+def test_bfloat16_as_the_full_preset_runs_it(checkpoint, tmp_path):
+    """The released checkpoint runs in bf16: every stage on the tiny model, close to stock diffusers in bf16."""
+    from diffusers import HunyuanVideo15Pipeline
+
+    request = dataclasses.replace(REQUEST, steps=2)
+    pipeline.run(request, pipeline.Options(quiet=True, dtype="bfloat16"), preset=TINY, model=str(checkpoint),
+                 workdir=tmp_path, log=lambda _: None)
+    configs = family.component_configs(str(checkpoint))
+    read = lambda stage: stages.read(tmp_path, stage, pipeline.Hunyuan.settings_for(  # noqa: E731
+        str(checkpoint), configs, request, pipeline.Options(), torch.bfloat16, stage)).tensors
+    assert read("text")["prompt_embeds"].dtype == read("denoise")["latents"].dtype == torch.bfloat16
+    frames = read("decode")["frames"]
+    assert frames.dtype == torch.float32 and torch.isfinite(frames).all()
+    pipe = HunyuanVideo15Pipeline.from_pretrained(checkpoint, dtype=torch.bfloat16, use_safetensors=True)
+    pipe.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        expected = pipe(prompt=request.prompt, negative_prompt=request.negative_prompt, num_frames=request.frames,
+                        height=request.height, width=request.width, num_inference_steps=request.steps,
+                        generator=torch.Generator().manual_seed(request.seed), output_type="np").frames[0]
+    assert float((frames - torch.from_numpy(np.asarray(expected, np.float32))).abs().mean()) < 0.05
