@@ -22,7 +22,7 @@ LESSONS := $(sort $(wildcard lessons/[0-9][0-9]_*.py))
 test unit nbval notebooks: export TPUPEDIA_PRESET := tiny
 test unit nbval notebooks: export JAX_PLATFORMS := cpu
 
-.PHONY: env test unit nbval docs serve lab notebooks clean
+.PHONY: env test unit nbval docs serve lab notebooks clean chromium
 
 env: $(STAMP)
 
@@ -35,9 +35,18 @@ $(STAMP): requirements/ci.txt requirements/lock.txt pyproject.toml
 
 # tests/ holds the unit and parity tests, the notebook hygiene checks and the strict docs build
 # (tests/test_docs.py runs `mkdocs build --strict`); nbval then re-runs every notebook.
-test: env
+test: env chromium
 	$(BIN)/python -m pytest tests
 	$(BIN)/python -m tpupedia.notebooks nbval notebooks
+
+# The browser test (tests/test_browser.py) drives the system Chromium. Install it with apt when we
+# can (root, apt present); never fail here: without Chromium the test skips and says why.
+chromium:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	  { if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	      (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null 2>&1 \
+	        || echo "chromium: apt install failed; tests/test_browser.py will be skipped"; \
+	    else echo "chromium: not installed and apt not usable here; tests/test_browser.py will be skipped"; fi; }
 
 unit: env
 	$(BIN)/python -m pytest tests

@@ -352,8 +352,8 @@ assert traces["growing"] == new_tokens and traces["buffer"] == 1
 #
 # The cache must hold **prompt + new tokens** positions. The upstream course sized it to the
 # number of new tokens only (50 for a 12-token prompt). On the CPU, PyTorch refuses that with an
-# `IndexError`; on an accelerator under JAX, writes past the end of an array are silently
-# dropped, and the model quietly generates different text. Both are shown below.
+# `IndexError`; under JAX, on every backend (this CPU included), writes past the end of an array
+# are silently dropped, and the model quietly generates different text. Both are shown below.
 
 # %%
 from transformers import StaticCache

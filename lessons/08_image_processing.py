@@ -362,8 +362,9 @@ torch.testing.assert_close(out_jit, reference, atol=1e-5, rtol=0)
 # %% [markdown]
 # ## 6. Precision: bfloat16 preprocessing
 #
-# bfloat16 keeps float32's range but only 8 significant bits (float32 has 24): its relative
-# step is 2⁻⁸ ≈ 0.4 %. It is the TPU's native matmul type, so it is tempting to run
+# bfloat16 keeps float32's range but only 8 significant bits (float32 has 24): neighbouring
+# values are 2⁻⁷ ≈ 0.8 % apart (its machine epsilon), so rounding to the nearest errs by at most
+# 2⁻⁸ ≈ 0.4 %. It is the TPU's native matmul type, so it is tempting to run
 # everything in it. Upstream, switching preprocessing to bf16 raised the maximum error from
 # 0.0078 (one 8-bit level) to 1.71 (reported upstream, TPU v6e; the comparison was against an
 # 8-bit OpenCV result), about 218 times worse.
@@ -420,8 +421,8 @@ print("\n".join(lines))
 # * **fp32 on torchax matches the CPU** to about 1e-7, float32 rounding noise, far below one
 #   8-bit level.
 # * **bf16 pixels cost about one 8-bit level**, on torchax and on the CPU alike: this is a
-#   property of bf16, not of the TPU. Values near ±1 are stored with a step of 2⁻⁸ ≈ 0.004, and
-#   every op rounds again.
+#   property of bf16, not of the TPU. Values in [0.5, 1) are stored with a step of 2⁻⁸ ≈ 0.004
+#   (2⁻⁷ from 1 to 2), and every op rounds again.
 # * **bf16 coordinates are about two orders of magnitude worse still.** Sampling positions run
 #   up to the crop's width; above 256 a bf16 number cannot even hold every integer (its step is
 #   2 between 256 and 512), so samples land on the wrong pixel and every sharp edge is smeared
