@@ -35,6 +35,13 @@
 # 3. **ahead-of-time (AOT) compilation**: compiling for a TPU v6e-8 you do not have, and reading
 #    how much memory each chip would need.
 #
+# **Upstream** means the project this course learns from and corrects: the Chinese-language
+# yangwhale/gpu-tpu-pedia (commit 3fa9ce1), whose TPU ports of CogVideoX and HunyuanVideo-1.5
+# these notebooks rebuild. Its figures appear here labelled *reported upstream* with their
+# hardware; where they do not survive a check, the knowledge base's corrections page says why.
+# Every number, measured here, compiled here (AOT) or reported upstream, is collected on the
+# [results page](../results/index.md).
+#
 # *Budget: about 15 s on a 2-core CPU (tiny); the same on a TPU VM (full).*
 
 # %% [markdown]

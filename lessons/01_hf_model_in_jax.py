@@ -71,16 +71,22 @@ if not preset.pretrained:  # the checkpoint this notebook wrote with save_pretra
 
 # %% [markdown]
 # The reference for everything that follows is the model's output in plain PyTorch on the CPU.
+# Llama-2's tokenizer prepends `<s>` and has **no pad token** (`pad_token_id` is `None`); the
+# tiny preset's offline tokenizer has the same special tokens, so code that assumes a pad token
+# fails here first. Where a filler id is needed below, it is the end-of-sequence id, as
+# `generate` itself falls back to.
 
 # %%
 prompt = "The TPU v6e has"
+pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 ids = tokenizer(prompt, return_tensors="pt").input_ids
 with torch.no_grad():
     reference_logits = model(ids).logits
 new_tokens = 8
 reference_tokens = model.generate(ids, max_new_tokens=new_tokens, do_sample=False,
-                                  pad_token_id=tokenizer.pad_token_id)
-print("prompt tokens:", ids.shape[1], "| logits:", tuple(reference_logits.shape))
+                                  pad_token_id=pad_id)
+print("prompt tokens:", ids.shape[1], f"(first {ids[0, 0].item()} = {tokenizer.bos_token}) | pad token:",
+      tokenizer.pad_token, "| logits:", tuple(reference_logits.shape))
 
 # %% [markdown]
 # ## 2. Eager torchax: every op through JAX
@@ -314,7 +320,7 @@ def buffer_forward(params, buffers, x):
 
 with env:
     fixed = jax_jit(buffer_forward)
-    buffer = torch.full((1, total), tokenizer.pad_token_id, dtype=torch.long).to("jax")
+    buffer = torch.full((1, total), pad_id, dtype=torch.long).to("jax")
     buffer[:, :prompt_len] = ids_jax
     for pos in range(prompt_len, total):
         buffer[:, pos] = fixed(jitted.params, jitted.buffers, buffer)[:, pos - 1].argmax(-1)
@@ -408,7 +414,7 @@ print("cache = new only:    ", torch.equal(too_short, reference_tokens),
 # %%
 with env:
     model.to("cpu")
-short_cache_error = expect(lambda: model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+short_cache_error = expect(lambda: model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_id,
                               past_key_values=StaticCache(config=config, max_cache_len=new_tokens)),
        IndexError)
 

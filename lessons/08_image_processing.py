@@ -330,7 +330,8 @@ with env:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-print(f"measured here: {jax.devices()[0].platform}, {jax.device_count()} simulated devices, "
+kind = "simulated " if preset.simulated_devices else ""  # real chips on a TPU VM
+print(f"measured here: {jax.devices()[0].platform}, {jax.device_count()} {kind}devices, "
       f"{tuple(crop_u8.shape[-2:])} -> {size}")
 print(f"  whole pipeline, jit, first call (trace + compile + run): {first * 1e3:.0f} ms")
 for stage, (eager_s, jit_s) in timings.items():

@@ -11,7 +11,7 @@ def test_tiny_checkpoint_roundtrips_through_from_pretrained(tmp_path):
     model, tok = llm.load_causal_lm(presets.get("tiny"), path)
     assert model.dtype == torch.float32 and not model.training
     ids = tok("hello", return_tensors="pt").input_ids
-    assert tok.decode(ids[0]) == "hello"
+    assert tok.decode(ids[0]) == "<s>hello" and tok.decode(ids[0], skip_special_tokens=True) == "hello"
     assert model(ids).logits.shape == (1, ids.shape[1], 320)
 
 
@@ -33,5 +33,19 @@ def test_model_source_per_preset(monkeypatch):
 def test_offline_tokenizer_covers_every_byte():
     tok = llm.offline_tokenizer()
     text = "TPU v6e — 918 TFLOP/s ✓"
-    assert tok.decode(tok(text).input_ids) == text
-    assert len(tok) == 259 and tok.pad_token_id == 0 and tok.eos_token_id == 2
+    assert tok.decode(tok(text).input_ids, skip_special_tokens=True) == text
+    assert len(tok) == 259
+
+
+def test_tiny_tokenizer_has_llama2_special_tokens_and_no_pad(tmp_path):
+    """Llama-2's tokenizer (meta-llama/Llama-2-7b-hf): <unk>=0, <s>=1 prepended, </s>=2, no pad
+    token. The tiny preset's saved and reloaded tokenizer must behave the same, so code that
+    assumes a pad token fails in CI, not on the TPU VM."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(llm.tiny_checkpoint(tmp_path / "ckpt"))
+    assert (tok.unk_token, tok.unk_token_id) == ("<unk>", 0)
+    assert (tok.bos_token, tok.bos_token_id) == ("<s>", 1)
+    assert (tok.eos_token, tok.eos_token_id) == ("</s>", 2)
+    assert tok.pad_token is None and tok.pad_token_id is None
+    assert tok("hello").input_ids[0] == 1 and tok("hello").input_ids.count(1) == 1

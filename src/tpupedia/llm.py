@@ -61,14 +61,20 @@ def tiny_llama_config(**overrides):
 
 
 def offline_tokenizer():
-    """A byte-level BPE tokenizer built in memory (no files, no network): 256 bytes + 3 specials."""
+    """A byte-level BPE tokenizer built in memory (no files, no network): 256 bytes + 3 specials,
+    with Llama-2's special tokens and their quirks, so the tiny preset meets what the full
+    checkpoint does: `<unk>` = 0, `<s>` = 1 prepended to every encoding, `</s>` = 2, and **no
+    pad token** (`pad_token_id` is None: pad with `eos_token_id`, as notebook 01 does)."""
     from tokenizers.pre_tokenizers import ByteLevel
+    from tokenizers.processors import TemplateProcessing
     from transformers import Qwen2Tokenizer
 
     alphabet = sorted(ByteLevel.alphabet())
-    vocab = {"<|pad|>": 0, "<|bos|>": 1, "<|eos|>": 2, **{c: i + 3 for i, c in enumerate(alphabet)}}
-    tok = Qwen2Tokenizer(vocab=vocab, merges=[], pad_token="<|pad|>", bos_token="<|bos|>",
-                         eos_token="<|eos|>", unk_token=None)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate(alphabet)}}
+    tok = Qwen2Tokenizer(vocab=vocab, merges=[], bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                         pad_token=None)
+    tok._tokenizer.post_processor = TemplateProcessing(  # Llama's add_bos_token=True
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)])
     tok.chat_template = _CHAT_TEMPLATE
     return tok
 
