@@ -132,6 +132,34 @@ assert moments.shape == (1, 8, 3, 4, 5) and decoded.shape == (1, 3, 16, 32, 40)
 assert enc_err <= 1e-4 and dec_err <= 1e-4
 
 # %% [markdown]
+# The same comparison as pictures: three decoded frames from diffusers and from the port (random
+# weights, so the content is noise; values mapped from [-1, 1] to [0, 1]), and the per-pixel
+# error map, the largest difference over the three colour channels:
+
+# %%
+import matplotlib.pyplot as plt
+
+frames_shown = [0, 7, 15]
+to_image = lambda v, f: np.clip((v[0, :, f].transpose(1, 2, 0) + 1) / 2, 0, 1)  # noqa: E731
+error_map = np.abs(decoded - ref_video)[0].max(axis=0)  # (frames, H, W)
+fig, axes = plt.subplots(3, len(frames_shown), figsize=(2.4 * len(frames_shown), 6.2))
+for col, f in enumerate(frames_shown):
+    axes[0, col].imshow(to_image(ref_video, f))
+    axes[1, col].imshow(to_image(decoded, f))
+    shown = axes[2, col].imshow(error_map[f], cmap="magma", vmin=0, vmax=float(error_map.max()))
+    axes[0, col].set_title(f"frame {f}", fontsize=9)
+for row, name in enumerate(("diffusers", "Flax NNX port", "|difference|")):
+    axes[row, 0].set_ylabel(name, fontsize=9)
+for ax in axes.flat:
+    ax.set_xticks([])
+    ax.set_yticks([])
+fig.colorbar(shown, ax=axes[2, :], fraction=0.05, label="max abs error")
+plt.show()
+
+# %%
+assert error_map.max() <= 1e-4  # the colour scale above tops out at float32 rounding noise
+
+# %% [markdown]
 # Four latent frames decode to 16 video frames, not 13: the decoder works in frame batches of two
 # latents, and only the first batch of a video carries the odd "first frame" that the causal
 # design keeps single. A 49-frame CogVideoX clip has 13 latents, so its first batch has three.
