@@ -272,7 +272,11 @@ assert all(r.bound == "compute" for r in strategies.values())  # at 480p every s
 # the time it took. The upstream project reports, on a TPU v6e-8, **2.13 s per step** for
 # CogVideoX1.5-5B at 720p, 81 frames, and **7.29 s per step** for HunyuanVideo-1.5 at 720p, 121
 # frames (with its "TP + fc2 replicated" sharding). Both are *reported upstream*, not measured
-# here; the FLOPs are our analytic counts.
+# here; the FLOPs are our analytic counts, for the guidance pair as a batch of 2. Mind what each
+# time is: the CogVideoX figure is the whole run (text encoder and VAE included) divided by 50,
+# so the MFU below is a lower bound for its denoising steps; the HunyuanVideo-1.5 figure times
+# the denoising steps (the knowledge base's corrections page, entry 21, sorts the CogVideoX
+# figures out).
 
 # %%
 reported = {
