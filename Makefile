@@ -9,7 +9,10 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export NO_MKDOCS_2_WARNING := 1
-export HF_HUB_OFFLINE := 1
+# Offline (the tiny preset builds its checkpoints) unless the full preset is asked for, which
+# downloads real ones; a value set in your environment wins.
+HF_HUB_OFFLINE ?= $(if $(filter full,$(TPUPEDIA_PRESET)),0,1)
+export HF_HUB_OFFLINE
 export TOKENIZERS_PARALLELISM := false
 export PYDEVD_DISABLE_FILE_VALIDATION := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1

@@ -37,8 +37,15 @@
 # | 6 | state outside modules (schedulers) | `'Tensor' object has no attribute '_env'` |
 # | 7 | a whole diffusers pipeline, compiled | |
 #
-# *Budget: about 2 minutes on a 2-core CPU (tiny). The models are tiny and random on every
-# preset: this notebook is about mechanics, not about any particular checkpoint.*
+# The models are tiny and random on every preset: this notebook is about mechanics, not about
+# any particular checkpoint, so `full` loads nothing more.
+#
+# | preset | loads | memory | compute time |
+# |---|---|---|---|
+# | `tiny` (CPU, CI) | tiny random GPT-2, Llama and CogVideoX models built in code | about 1.2 GB of host RAM | about 20 s, measured here on a 2-core CPU |
+# | `full` (TPU v6e-8) | the same tiny models | a few MB per chip | under a minute, mostly compiling (not measured here: no TPU) |
+#
+# *Reading time: about 13 minutes.*
 
 # %% [markdown]
 # ## 0. Set-up
@@ -73,6 +80,18 @@ from torchax.interop import JittableModule, call_jax, jax_jit, jax_view, torch_v
 
 env = torchax.default_env()
 print(f"torchax {torchax.__version__}, jax {jax.__version__}, torch {torch.__version__.split('+')[0]}")
+
+# %% [markdown]
+# Every section ends by comparing a torchax result with PyTorch on the CPU at float32 rounding
+# (1e-5 or tighter). On a TPU, JAX runs float32 matmuls and convolutions as bfloat16 passes
+# unless asked otherwise (lesson 08 shows the request in the compiled program), which would
+# break those checks by orders of magnitude; a CPU ignores the setting. This notebook is all
+# parity checks on float32 models, so it asks for full precision once, for every cell. (The one
+# timing in section 4 compares eager with compiled under the same setting.)
+
+# %%
+jax.config.update("jax_default_matmul_precision", "highest")
+assert jax.config.jax_default_matmul_precision == "highest"
 
 # %% [markdown]
 # ## 1. The torchax tensor and the environment

@@ -31,7 +31,12 @@
 # The functions live in `tpupedia.image`; they are plain torch, so the same code runs on torch
 # CPU (our reference), on CUDA, and through torchax on a TPU.
 #
-# *Budget: about 30 s on a 2-core CPU (tiny); a few seconds on a TPU VM (full).*
+# | preset | loads | memory | compute time |
+# |---|---|---|---|
+# | `tiny` (CPU, CI) | a synthetic 360×640 clip drawn in code | about 1.5 GB of host RAM | about 20 s, measured here on a 2-core CPU |
+# | `full` (TPU v6e-8) | the same clip drawn at 1080×1920 | tens of MB on one chip | seconds (reported upstream for these steps on a v6e-8: well under a second each after compiling; not measured here) |
+#
+# *Reading time: about 12 minutes.*
 
 # %% [markdown]
 # ## 0. Set-up
@@ -242,7 +247,7 @@ def resize_counted(x, size):
     return image.resize_bilinear(x, size)
 
 
-with env:
+with env, jax.default_matmul_precision("highest"):  # parity checks ask for full fp32 (section 6)
     jit_resize = jax_jit(resize_counted, kwargs_for_jax_jit={"static_argnums": (1,)})
     for _ in range(3):
         jit_resize(crop.to("jax"), size)
@@ -271,7 +276,7 @@ torch.testing.assert_close(resized, image.resize_bilinear(crop, size), atol=1e-5
 # %%
 taps = image.gaussian_kernel1d(7, 1.5)
 print("taps:", [round(t, 4) for t in taps.tolist()])
-with env:
+with env, jax.default_matmul_precision("highest"):  # a parity check: full fp32 convolutions (section 6)
     blurred = jax_jit(image.gaussian_blur)(resized.to("jax")).cpu()
 
 # %%
@@ -353,8 +358,14 @@ for stage, (eager_s, jit_s) in timings.items():
 # dispatch, the cost jit removes. On a B200 GPU the same steps took 0.046 / 0.042 / 0.185 s.
 #
 # Only correctness is asserted: eager and jit agree with the torch CPU run of the same code.
+# The timings above ran at JAX's default matmul precision, as a speed path should; the check
+# below recomputes both outputs asking for full float32 convolutions, because on a TPU the
+# default would already cost more than the 1e-5 it asserts (section 6 shows why).
 
 # %%
+with env, jax.default_matmul_precision("highest"):
+    out_jit = jax_jit(pipeline, kwargs_for_jax_jit=static_size)(crop_j, size).cpu()
+    out_eager = pipeline(crop_j, size).cpu()
 reference = pipeline(crop_u8, size)  # torch on the CPU, float32
 assert out_jit.shape == (1, 3, *size)
 torch.testing.assert_close(out_eager, reference, atol=1e-5, rtol=0)
@@ -463,6 +474,68 @@ for ax, name in zip(axes, ["torchax bf16", "torchax bf16 coordinates"]):
     ax.axis("off")
     fig.colorbar(im, ax=ax, fraction=0.03)
 plt.show()
+
+# %% [markdown]
+# ### A third precision: what a TPU does with float32 by default
+#
+# There is one more bf16 in this story, and it is invisible in the code: on a TPU, JAX runs a
+# float32 matmul or convolution at `Precision.DEFAULT`, which the matrix unit carries out as a
+# single bfloat16 pass (JAX's `jax.lax.Precision` documentation: `HIGH` takes three bf16
+# passes, `HIGHEST` full float32). So "torchax fp32" in the table above is float32 only because
+# a CPU ignores the setting; on a TPU its convolutions would round their inputs to 8 significant
+# bits. A CPU cannot show that error, but it can show the request, and where it survives: in the
+# lowered program of the blur, and in the program the TPU compiler builds for a v6e (AOT here).
+
+# %%
+import re
+
+from torchax.interop import jax_view
+
+from tpupedia import aot, devices
+
+
+def conv_precisions(text):
+    return sorted(set(re.findall(r"precision_config = \[#stablehlo<precision (\w+)>", text)))
+
+
+blur_jax = jax.jit(jax_view(image.gaussian_blur))  # the same torch function, as a JAX function
+with env:
+    resized_jax = resized.to("jax").jax()
+lowered = {"default": blur_jax.lower(resized_jax).as_text()}
+with jax.default_matmul_precision("highest"):
+    lowered["highest"] = blur_jax.lower(resized_jax).as_text()
+for name, text in lowered.items():
+    print(f"{name:>8}: {text.count('stablehlo.convolution')} convolutions, precision {conv_precisions(text)}")
+
+# %% [markdown]
+# The same request on a matmul compiled for a `v6e:2x4` slice: the TPU compiler keeps it on
+# the instruction (`operand_precision={highest,highest}`); at the default there is none, and
+# the chip takes its fast path.
+
+# %%
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+one_chip = NamedSharding(devices.topology_mesh("v6e:2x4", (2, 4), ("data", "model")), P())
+square = aot.abstract((256, 256), jax.numpy.float32, one_chip)
+tpu_text = {}
+for name in ("default", "highest"):
+    with jax.default_matmul_precision(name):
+        tpu_text[name] = aot.compile_aot(lambda a, b: a @ b, square, square).compiled.as_text()
+for name, text in tpu_text.items():
+    requests = sorted(set(re.findall(r"operand_precision=\{[^}]*\}", text)))
+    print(f"{name:>8}:", requests or "no precision request")
+
+# %% [markdown]
+# So the rule this course follows: **parity checks ask for `"highest"`** (a `with
+# jax.default_matmul_precision("highest"):` around the call, active while JAX traces it), and
+# **speed paths keep the default**. A bf16 model loses nothing to the default, since its inputs
+# are bf16 already; and some TPU kernels refuse the request outright on bf16 inputs (lesson 04).
+
+# %%
+assert conv_precisions(lowered["default"]) == ["DEFAULT"] and conv_precisions(lowered["highest"]) == ["HIGHEST"]
+assert "operand_precision={highest,highest}" in tpu_text["highest"]
+assert "operand_precision" not in tpu_text["default"]
 
 # %% [markdown]
 # ## 7. What to keep in float32

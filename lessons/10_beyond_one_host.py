@@ -33,8 +33,12 @@
 # 4. one video's step on a 4-host and a 16-host slice, compiled ahead of time;
 # 5. what bigger slices buy: videos per hour from the roofline and from a reported step time.
 #
-# *Budget: about 2 minutes on a 2-core CPU (each launch starts fresh Python processes). On a
-# TPU slice the same commands run unchanged; nothing here has been run on one by this project.*
+# | preset | loads | memory | compute time |
+# |---|---|---|---|
+# | `tiny` (CPU, CI) | tiny random checkpoints, in several local processes | about 1 GB of host RAM per process | about 2 minutes, measured here on a 2-core CPU (each launch starts fresh Python processes) |
+# | `full` (multi-host TPU slice) | the real checkpoints, on every host | as lessons 06 and 07, per chip | not measured here: the same commands run unchanged on a slice, but nothing here has been run on one by this project |
+#
+# *Reading time: about 6 minutes.*
 
 # %%
 # %xmode Minimal
@@ -103,9 +107,11 @@ import json
 
 from safetensors.torch import load_file
 
+from tpupedia import results
+
 for stage, name in (("text", "prompt_embeds"), ("denoise", "latents"), ("decode", "frames")):
     a, b = (load_file(scratch / run / f"{stage}.safetensors")[name].float() for run in ("two", "one"))
-    print(f"{stage:8} {name:14} max abs difference, 2 processes vs 1: {float((a - b).abs().max()):.0e}")
+    print(f"{stage:8} {name:14} max abs difference, 2 processes vs 1:", results.error_text(float((a - b).abs().max())))
 machine = json.loads((scratch / "two" / "denoise.json").read_text())["extra"]["machine"]
 print("the 2-process run's devices:", machine["devices"], "in", machine["processes"], "processes")
 

@@ -92,3 +92,14 @@ def test_libtpu_prints_nothing_on_a_cpu_host():
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "8"
     assert out.stderr.strip() == ""
+
+
+@pytest.mark.parametrize("count, shape", [(8, (2, 4)), (4, (2, 2)), (2, (2, 1)), (1, (1, 1)), (3, (1, 3))])
+def test_default_mesh_shape_uses_every_device_present(count, shape):
+    """Notebooks build meshes from the devices present, so a GPU machine with 1 or 4 GPUs runs
+    the cells a v6e-8 runs; the product is always the device count."""
+    assert devices.default_mesh_shape(count) == shape
+
+
+def test_kernels_are_interpreted_off_tpu():
+    assert devices.platform() == "cpu" and devices.interpret_kernels()

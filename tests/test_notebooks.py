@@ -128,3 +128,23 @@ def test_nbval_strict_fails_when_a_stored_output_is_changed(tmp_path):
     assert result.returncode != 0, result.stdout[-2000:]
     assert "ridge point: 574" in result.stdout and "ridge point: 575" in result.stdout
     assert "1 failed" in result.stdout
+
+
+def test_reading_time_is_computed_from_the_prose_and_a_wrong_one_is_caught(tmp_path):
+    lesson = tmp_path / "00_x.py"
+    prose = " ".join(["word"] * 401)
+    lesson.write_text(f"# %% [markdown]\n# {prose}\n#\n# *Reading time: about 3 minutes.*\n\n# %%\nx = 1\n")
+    assert notebooks.reading_minutes(lesson) == 3  # 406 words / 200, rounded up; code not counted
+    assert notebooks.check_reading_time(lesson) == []
+    lesson.write_text(lesson.read_text().replace("about 3 minutes", "about 30 minutes"))
+    assert "about 3 minutes" in notebooks.check_reading_time(lesson)[0]
+
+
+@pytest.mark.parametrize("page", ["learning-path.md", "zh/learning-path.md"])
+def test_learning_path_reading_times_match_the_lessons(page):
+    """The learning path's reading column is the same number each notebook's header states."""
+    import re
+
+    rows = re.findall(r"^\| (\d\d) \| (\d+) (?:min|分钟) \|", (ROOT / "docs" / page).read_text(), flags=re.M)
+    computed = {lesson.stem[:2]: notebooks.reading_minutes(lesson) for lesson, _ in notebooks.pairs()}
+    assert rows and {n: int(m) for n, m in rows} == computed

@@ -16,9 +16,9 @@ def test_full_from_environment(monkeypatch):
     assert p.name == "full" and p.pretrained and p.simulated_devices is None
 
 
-def test_tiny_simulates_eight_devices_and_interprets_kernels():
+def test_tiny_simulates_eight_devices():
     p = presets.get("tiny")
-    assert p.simulated_devices == 8 and p.interpret_kernels and not p.pretrained
+    assert p.simulated_devices == 8 and not p.pretrained
 
 
 def test_unknown_preset_names_value_and_choices(monkeypatch):

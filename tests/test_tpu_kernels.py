@@ -44,9 +44,14 @@ def _abstract(shape, dtype, mesh, spec=P()):
     return aot.abstract(shape, dtype, NamedSharding(mesh, spec))
 
 
-def _compile_for_tpu(fn, *args):
-    """Compile for the TPU; the program must fit and contain the Mosaic kernel (not a fallback)."""
-    result = aot.compile_aot(fn, *args)
+def _compile_for_tpu(fn, *args, precision="highest"):
+    """Compile for the TPU; the program must fit and contain the Mosaic kernel (not a fallback).
+
+    Float32 kernels compile at ``"highest"`` matmul precision, the way lesson 04 runs them (its
+    parity checks request it for the whole notebook); bf16 ones at the default, as section 7 does.
+    """
+    with jax.default_matmul_precision(precision):
+        result = aot.compile_aot(fn, *args)
     assert result.fits, result.summary()
     assert "tpu_custom_call" in result.compiled.as_text(), "no Mosaic kernel in the compiled program"
     return result
@@ -127,6 +132,25 @@ SPLASH_CONFIGS = [
 @pytest.mark.filterwarnings("ignore::tpupedia.attention.AttentionLayoutWarning")
 @pytest.mark.parametrize("config", SPLASH_CONFIGS, ids=[c[0] for c in SPLASH_CONFIGS])
 def test_splash_configurations_the_notebooks_run_compile_for_tpu(mesh, one_chip, config):
+    """float32 configurations compile at the highest precision the parity checks request and at
+    the default the pipelines' speed paths keep; bf16 ones at the default."""
+    dtype = config[7]
+    for precision in ("highest", "default") if dtype == jnp.float32 else ("default",):
+        _compile_splash_config(mesh, one_chip, config, precision)
+
+
+def test_bf16_splash_refuses_highest_precision(mesh):
+    """Why lesson 04 compiles its bf16 kernels at the default precision: asked for "highest",
+    Mosaic lowers the bf16 q.k contraction with fp32 contract precision and cannot compile it
+    (libtpu 0.0.42.1). If a libtpu update lifts this, lesson 04's section 7 note must change."""
+    x = _abstract((2, 8, 1024, 64), jnp.bfloat16, mesh, P("dp", "tp"))
+    fn = functools.partial(attention.splash_attention, block_sizes=(512, 512, 512), interpret=False, mesh=mesh)
+    with jax.default_matmul_precision("highest"), pytest.raises(Exception, match="Bad lhs type"):
+        aot.compile_aot(fn, x, x, x)
+    _compile_for_tpu(fn, x, x, x, precision="default")
+
+
+def _compile_splash_config(mesh, one_chip, config, precision):
     _, b, h, hkv, sq, skv, d, dtype, causal, mask, sharded, layout, blocks = config
     m = mesh if sharded else one_chip
     q = _abstract((b, h, sq, d), dtype, m)
@@ -137,11 +161,11 @@ def test_splash_configurations_the_notebooks_run_compile_for_tpu(mesh, one_chip,
     if mask == "bool":  # what Hugging Face passes; checked at run time, so every splash branch compiles
         mask_arg = _abstract((b, 1, sq, skv), jnp.bool_, m)
         fn = lambda q, k, v, msk: attention.attention(q, k, v, msk, backend="splash", **common)  # noqa: E731
-        _compile_for_tpu(fn, q, kv, kv, mask_arg)
+        _compile_for_tpu(fn, q, kv, kv, mask_arg, precision=precision)
     elif mask == "valid":
         valid = _abstract((b, sq), jnp.bool_, m)
         fn = lambda q, k, v, qv, kvv: attention.splash_attention(q, k, v, qv, kvv, **common)  # noqa: E731
-        _compile_for_tpu(fn, q, kv, kv, valid, valid)
+        _compile_for_tpu(fn, q, kv, kv, valid, valid, precision=precision)
     else:
         fn = lambda q, k, v: attention.splash_attention(q, k, v, is_causal=causal, **common)  # noqa: E731
-        _compile_for_tpu(fn, q, kv, kv)
+        _compile_for_tpu(fn, q, kv, kv, precision=precision)

@@ -39,6 +39,8 @@ __all__ = [
     "simulate_cpu_devices",
     "platform",
     "make_mesh",
+    "default_mesh_shape",
+    "interpret_kernels",
     "tpu_topology",
     "topology_mesh",
 ]
@@ -131,6 +133,20 @@ def platform() -> str:
     import jax
 
     return jax.default_backend()
+
+
+def default_mesh_shape(device_count: int) -> tuple[int, int]:
+    """`(dp, tp)` for the devices present: dp=2 (a batch of two, such as a guidance pair) when
+    they split evenly, tp the rest. Eight TPU chips or eight simulated CPU devices give (2, 4);
+    one GPU gives (1, 1), four give (2, 2). Notebooks and pipelines build their meshes from this,
+    so the same cell runs on any device count."""
+    return (2, device_count // 2) if device_count >= 2 and device_count % 2 == 0 else (1, device_count)
+
+
+def interpret_kernels() -> bool:
+    """Whether Pallas TPU kernels must run in interpret mode here: everywhere but on a TPU (a
+    GPU cannot run Mosaic TPU kernels either). Introduced in notebook 04."""
+    return platform() != "tpu"
 
 
 def make_mesh(

@@ -8,6 +8,11 @@ directory that `tiny_checkpoint` writes with `save_pretrained`: a random two-lay
 offline byte-level tokenizer. CI therefore exercises exactly the code a TPU user runs, on a
 checkpoint it can build without a network.
 
+Two more things notebook 01 needs in several cells live here too: `compare_logits`, the one
+measure of "the same logits" for float32 and bfloat16 runs, and `static_cache` /
+`cache_arrays` / `empty_cache_arrays`, which carry a transformers `StaticCache` in and out of a
+jitted decode step as plain arrays.
+
 Introduced in notebook 01 (a Hugging Face model in JAX); `tpupedia bench llama` uses it too.
 """
 
@@ -15,7 +20,9 @@ from __future__ import annotations
 
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tpupedia.models import llama
 from tpupedia.presets import Preset
@@ -28,6 +35,15 @@ __all__ = [
     "tiny_checkpoint",
     "model_source",
     "load_causal_lm",
+    "FP32_ABS_BOUND",
+    "BF16_RELATIVE_BOUND",
+    "TOP1_MARGIN_STEPS",
+    "bf16_step",
+    "LogitsAgreement",
+    "compare_logits",
+    "static_cache",
+    "cache_arrays",
+    "empty_cache_arrays",
 ]
 
 FULL_MODEL_ID = llama.FULL_ID  # the family's facts live in tpupedia.models.llama
@@ -117,3 +133,187 @@ def load_causal_lm(preset: Preset, source: str | os.PathLike | None = None, dtyp
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, use_safetensors=True)
     tokenizer = AutoTokenizer.from_pretrained(source)
     return model.eval(), tokenizer
+
+
+# ---------------------------------------------------------------------------------------------
+# "The same logits": one measure for both presets (notebook 01)
+
+FP32_ABS_BOUND = 1e-5
+"""float32 runs (the tiny preset): largest absolute logit difference allowed. Two float32
+programs that round in different places differ by ~1e-7 relative per operation; 1e-5 leaves
+room for a few layers of that, and is far below any bfloat16 effect."""
+
+BF16_RELATIVE_BOUND = 2.0**-4
+"""bfloat16 runs (the full preset): largest `max |diff| / max |reference|` allowed. A bfloat16
+number keeps 8 significant bits, so one rounding moves it by up to 2^-8 of its size. Two
+programs that round in different places (PyTorch on a CPU, XLA on a TPU) collect a few such
+roundings per layer in the residual stream; over Llama-2-7B's 32 layers, a few hundred
+independent roundings add up to about sqrt(256) = 16 of them: 16 * 2^-8 = 2^-4."""
+
+TOP1_MARGIN_STEPS = 4
+"""A position is *decided* when the reference's top-2 margin exceeds this many bfloat16 steps at
+the size of its top logit; the argmax must agree at every decided position. Below that margin
+a near tie may legitimately go either way in bfloat16."""
+
+
+def bf16_step(value: Any) -> Any:
+    """The spacing of bfloat16 numbers at `abs(value)` (elementwise, numpy): 2^(e - 7) for
+    2^e <= |value| < 2^(e+1). Between 1/256 and 1/128 of the value; 0.0625 at 10, 0.125 at 20."""
+    import numpy as np
+
+    magnitude = np.maximum(np.abs(np.asarray(value, dtype=np.float64)), np.finfo(np.float32).tiny)
+    return np.exp2(np.floor(np.log2(magnitude)) - 7)
+
+
+def _as_float32(x: Any):
+    """A numpy float32 copy of a torch tensor, a torchax tensor or a JAX array."""
+    import numpy as np
+    import torch
+
+    if hasattr(x, "jax") and hasattr(x, "torch") and callable(x.jax):  # a torchax tensor
+        x = x.jax()
+    if isinstance(x, torch.Tensor):
+        return x.detach().to("cpu", torch.float32).numpy()
+    return np.asarray(x).astype(np.float32)  # a jax.Array (bfloat16 goes through ml_dtypes)
+
+
+@dataclass(frozen=True, eq=False)
+class LogitsAgreement:
+    """How close two sets of logits are, as numbers (see `compare_logits`)."""
+
+    dtype: str
+    max_abs: float
+    """max |got - reference| over every position and vocabulary entry."""
+    reference_max: float
+    """max |reference|: the scale the relative measure divides by."""
+    bound: float
+    """The largest `max_abs` allowed: `FP32_ABS_BOUND`, or `BF16_RELATIVE_BOUND * reference_max`."""
+    positions: int
+    top1_agree: int
+    """Positions whose argmax is the same in both."""
+    decided: int
+    """Positions whose reference top-2 margin exceeds `TOP1_MARGIN_STEPS` bfloat16 steps."""
+    decided_agree: int
+    """Decided positions whose argmax is the same in both (must equal `decided`)."""
+    per_position: tuple[float, ...]
+    """max |got - reference| at each position (over the vocabulary)."""
+
+    @property
+    def relative(self) -> float:
+        return self.max_abs / self.reference_max if self.reference_max else float("inf")
+
+    @property
+    def ok(self) -> bool:
+        """Within the bound, and the same top-1 token at every decided position."""
+        return self.max_abs <= self.bound and self.decided_agree == self.decided
+
+    def __str__(self) -> str:
+        from tpupedia.results import error_text
+
+        if self.dtype == "float32":  # rounding noise: shown as the bound, its digits vary by CPU
+            size = f"max |diff| {error_text(self.max_abs, self.bound)}"
+        else:
+            size = f"max |diff| {self.max_abs:.3g} (bound {self.bound:.3g}, relative {self.relative:.3g})"
+        return (f"{size} | top-1 agrees at {self.top1_agree}/{self.positions} positions, "
+                f"{self.decided_agree}/{self.decided} decided ones")
+
+
+def compare_logits(got: Any, reference: Any, dtype: str) -> LogitsAgreement:
+    """Compare `got` with `reference` logits (`(..., vocab)`; torch, torchax or JAX) for a model
+    that ran in `dtype` (`"float32"` or `"bfloat16"`, a preset's `dtype`).
+
+    float32 is held to `FP32_ABS_BOUND` absolute. bfloat16 logits of size 10-20 sit one step
+    (0.06-0.125) apart, so an absolute bound cannot hold; there the bound is relative,
+    `BF16_RELATIVE_BOUND * max |reference|`. For both, the top-1 token must agree at every
+    position whose reference top-2 margin exceeds `TOP1_MARGIN_STEPS` bfloat16 steps.
+
+    Introduced in notebook 01 (a Hugging Face model in JAX).
+    """
+    import numpy as np
+
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype must be 'float32' or 'bfloat16', not {dtype!r}")
+    a, b = _as_float32(got), _as_float32(reference)
+    if a.shape != b.shape:
+        raise ValueError(f"shapes differ: {a.shape} vs {b.shape}")
+    a, b = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
+    diff = np.abs(a - b)
+    reference_max = float(np.abs(b).max())
+    top2 = np.sort(b, axis=-1)[:, -2:]
+    decided = (top2[:, 1] - top2[:, 0]) > TOP1_MARGIN_STEPS * bf16_step(top2[:, 1])
+    same = a.argmax(-1) == b.argmax(-1)
+    bound = FP32_ABS_BOUND if dtype == "float32" else BF16_RELATIVE_BOUND * reference_max
+    return LogitsAgreement(
+        dtype=dtype,
+        max_abs=float(diff.max()),
+        reference_max=reference_max,
+        bound=float(bound),
+        positions=len(b),
+        top1_agree=int(same.sum()),
+        decided=int(decided.sum()),
+        decided_agree=int((same & decided).sum()),
+        per_position=tuple(float(x) for x in diff.max(-1)),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# A StaticCache as explicit state (notebook 01, section 7)
+
+
+def static_cache(config: Any, keys: list, values: list, lengths: list):
+    """A transformers `StaticCache` around given per-layer key and value tensors.
+
+    A jitted decode step is a pure function: the cache goes in as arrays and comes out as arrays
+    (`cache_arrays`). Inside the step this rebuilds the cache object the model expects, setting
+    on each `StaticLayer` what its `lazy_initialization` would (transformers 5.x), but around
+    the tensors given instead of new zeros:
+
+    * `keys[i]`, `values[i]`: `(batch, kv_heads, max_cache_len, head_dim)`, layer `i`'s cache;
+    * `lengths[i]`: a 0-d integer tensor, the tokens already written (`cumulative_length`).
+      transformers 5 derives the rotary positions and the mask offset of the next tokens from
+      it, so a step needs no `cache_position`.
+
+    `max_cache_len` is `keys[0].shape[-2]`. Only full-attention layers (Llama) are supported.
+
+    Introduced in notebook 01 (a Hugging Face model in JAX), section 7.
+    """
+    from transformers import StaticCache
+    from transformers.cache_utils import StaticLayer
+
+    if not (len(keys) == len(values) == len(lengths)):
+        raise ValueError(f"one key, value and length per layer: got {len(keys)}, {len(values)}, {len(lengths)}")
+    cache = StaticCache(config=config, max_cache_len=keys[0].shape[-2])
+    if len(cache.layers) != len(keys):
+        raise ValueError(f"the config has {len(cache.layers)} layers, the arrays {len(keys)}")
+    for layer, k, v, n in zip(cache.layers, keys, values, lengths):
+        if type(layer) is not StaticLayer:
+            raise TypeError(f"only full-attention StaticLayer caches are supported, not {type(layer).__name__}")
+        layer.keys, layer.values, layer.cumulative_length = k, v, n
+        layer.dtype, layer.device = k.dtype, k.device
+        layer.batch_size, layer.num_heads, _, layer.k_head_dim = k.shape
+        layer.v_head_dim = v.shape[-1]
+        layer.is_initialized = True
+    return cache
+
+
+def cache_arrays(cache) -> tuple[list, list, list]:
+    """`(keys, values, lengths)` per layer of a `StaticCache`: what a decode step returns so that
+    the next step can rebuild the cache with `static_cache`. Introduced in notebook 01."""
+    layers = cache.layers
+    return [l.keys for l in layers], [l.values for l in layers], [l.cumulative_length for l in layers]
+
+
+def empty_cache_arrays(config: Any, max_cache_len: int, batch_size: int = 1, dtype: Any = None,
+                       device: Any = None) -> tuple[list, list, list]:
+    """Zero `(keys, values, lengths)` for `static_cache`: room for `max_cache_len` tokens, which
+    must be **prompt + new tokens** (under JAX, writes past the end are dropped silently). Call
+    inside `with env:` for `device="jax"`. Introduced in notebook 01."""
+    import torch
+
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    shape = (batch_size, config.num_key_value_heads, max_cache_len, head_dim)
+    layers = range(config.num_hidden_layers)
+    keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in layers]
+    values = [torch.zeros(shape, dtype=dtype, device=device) for _ in layers]
+    lengths = [torch.tensor(0, device=device) for _ in layers]
+    return keys, values, lengths

@@ -9,7 +9,8 @@ functions are what `make test` enforces on every committed notebook:
 * every code cell ran, in order, in one session, and errors appear only in cells tagged
   `raises-exception` (`check_executed`);
 * no stored output holds a token-like string or a path from the machine that ran it
-  (`check_outputs_clean`).
+  (`check_outputs_clean`);
+* the header's reading time is the one its prose implies (`check_reading_time`).
 
 Usage: `python -m tpupedia.notebooks execute lessons/00_start_here.py`,
 `python -m tpupedia.notebooks check` or `python -m tpupedia.notebooks nbval`.
@@ -30,6 +31,9 @@ __all__ = [
     "check_pair",
     "check_executed",
     "check_outputs_clean",
+    "WORDS_PER_MINUTE",
+    "reading_minutes",
+    "check_reading_time",
     "check_all",
 ]
 
@@ -152,11 +156,37 @@ def check_outputs_clean(notebook: Path) -> list[str]:
     return problems
 
 
+WORDS_PER_MINUTE = 200
+_READING = re.compile(r"\*Reading time: about (\d+) minutes\.\*")
+
+
+def reading_minutes(lesson: Path) -> int:
+    """Minutes to read a lesson's prose: its markdown cells' words / `WORDS_PER_MINUTE`, rounded
+    up. Code is not counted (the learning path says so)."""
+    import jupytext
+
+    words = sum(len("".join(c.source).split()) for c in jupytext.read(lesson).cells if c.cell_type == "markdown")
+    return -(-words // WORDS_PER_MINUTE)
+
+
+def check_reading_time(lesson: Path) -> list[str]:
+    """The header states `*Reading time: about N minutes.*` with N = `reading_minutes`."""
+    import jupytext
+
+    prose = " ".join("".join(c.source) for c in jupytext.read(lesson).cells if c.cell_type == "markdown")
+    stated = _READING.findall(" ".join(prose.split()))
+    computed = reading_minutes(lesson)
+    if stated != [str(computed)]:
+        return [f"{Path(lesson).name}: header states reading time {stated or 'nowhere'}; its prose implies "
+                f"*Reading time: about {computed} minutes.*"]
+    return []
+
+
 def check_all(root: Path | None = None) -> list[str]:
     """Every hygiene problem in the repository's lessons and notebooks."""
     problems = []
     for lesson, notebook in pairs(root):
-        problems += check_pair(lesson, notebook)
+        problems += check_pair(lesson, notebook) + check_reading_time(lesson)
         if notebook.exists():
             problems += check_executed(notebook) + check_outputs_clean(notebook)
     return problems

@@ -2,7 +2,7 @@
 
 `tiny`
     Random weights from configs written in code, tokenizers built offline, 8 simulated CPU
-    devices, Pallas kernels in interpret mode. Seconds per cell on a 2-core CPU; this is what CI runs.
+    devices. Seconds per cell on a 2-core CPU; this is what CI runs.
 `full`
     The real model ids through `from_pretrained`, real devices (a TPU VM, or a GPU). The same
     code path as `tiny`; only the sizes and the weight source change.
@@ -37,8 +37,6 @@ class Preset:
     """Number of simulated CPU devices to create, or `None` to use the machine's real devices."""
     pretrained: bool
     """Load real checkpoints with `from_pretrained` (`True`) or build random tiny models."""
-    interpret_kernels: bool
-    """Run Pallas kernels in interpret mode (needed off-TPU)."""
     dtype: str
     """The dtype models run in: `float32` on the tiny preset (exact parity checks), `bfloat16`
     on the full one (how the checkpoints are released and TPUs run them)."""
@@ -55,7 +53,6 @@ PRESETS: dict[str, Preset] = {
         description="random tiny models, offline tokenizers, 8 simulated CPU devices (CI, laptops)",
         simulated_devices=8,
         pretrained=False,
-        interpret_kernels=True,
         dtype="float32",
         compile_full_size=False,
         frame_size=(360, 640),
@@ -65,7 +62,6 @@ PRESETS: dict[str, Preset] = {
         description="real checkpoints via from_pretrained on the machine's real devices (TPU VM, GPU)",
         simulated_devices=None,
         pretrained=True,
-        interpret_kernels=False,
         dtype="bfloat16",
         compile_full_size=True,
         frame_size=(1080, 1920),

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from tpupedia.errors import TpupediaError
 
-__all__ = ["ResultsError", "LIBRARIES", "version", "machine", "write_json_atomic", "load", "merge"]
+__all__ = ["ResultsError", "LIBRARIES", "version", "machine", "write_json_atomic", "load", "merge", "error_text"]
 
 LIBRARIES = ("torch", "jax", "jaxlib", "libtpu", "flax", "torchax", "transformers", "diffusers")
 
@@ -80,3 +80,12 @@ def merge(record: dict[str, Any], path: str | os.PathLike, key: Callable[[dict[s
     records.append(record)
     records.sort(key=lambda r: json.dumps(key(r), default=str))
     return write_json_atomic(path, {"records": records})
+
+
+def error_text(value: float, floor: float = 1e-5) -> str:
+    """A measured error as a stored notebook output shows it: below `floor` only as the bound
+    (`"< 1e-05"`), above it to two significant digits. Float32 rounding noise is real, but its
+    digits differ from one CPU to the next (an AMD and an Intel host print 4.2e-07 and 4.8e-07
+    for the same forward), and nbval compares outputs exactly; so the floor is the check's own
+    tolerance, the bound the reader needs. Introduced in notebook 04 (its `below`)."""
+    return f"< {floor:.0e}" if value < floor else f"{value:.1e}"

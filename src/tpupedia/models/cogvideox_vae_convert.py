@@ -7,6 +7,12 @@ The NNX module tree uses diffusers' attribute names, so a state-dict key maps to
 splitting on dots; only the *leaf* changes, by the rules in `WEIGHT_RULES` (a kernel transpose
 for convolutions, `weight` -> `scale` for norms). Checkpoints are read from safetensors only;
 nothing here unpickles.
+
+One loading path for both presets (`tpupedia.models.checkpoints`): `model_source(preset)` names the
+real `zai-org/CogVideoX1.5-5B` on the full preset and, on the tiny one, a random tiny VAE that
+`tiny_checkpoint` writes once with `save_pretrained` into the `vae/` folder of a cached directory;
+diffusers' `from_pretrained(source, subfolder="vae")` and this module's `from_pretrained` then read
+either the same way.
 """
 
 from __future__ import annotations
@@ -38,6 +44,9 @@ __all__ = [
     "from_state_dict",
     "from_diffusers",
     "from_pretrained",
+    "NORM_NOISE",
+    "tiny_checkpoint",
+    "model_source",
     "LayerDiff",
     "compare_layers",
     "first_divergence",
@@ -86,27 +95,27 @@ def nnx_path(key: str, ndim: int) -> tuple[tuple[str | int, ...], WeightRule]:
 
 
 def convert_state_dict(state_dict: Mapping[str, Any], dtype: Any = None) -> dict[tuple, jax.Array]:
-    """diffusers state dict (torch tensors or numpy/jax arrays) -> {nnx path: array}."""
+    """diffusers state dict (torch tensors or numpy/jax arrays) -> {nnx path: array}, cast to `dtype`
+    (bf16 values stay exact: bf16 -> float32 -> bf16 is lossless)."""
     out = {}
     for key, t in state_dict.items():
-        arr = _to_numpy(t)
-        path, rule = nnx_path(key, arr.ndim)
+        a = _to_jax(t)
+        path, rule = nnx_path(key, a.ndim)
         if rule.transpose is not None:
-            arr = np.transpose(arr, rule.transpose)
-        a = jnp.asarray(arr)
+            a = jnp.transpose(a, rule.transpose)
         out[path] = a.astype(dtype) if dtype is not None else a
     return out
 
 
-def _to_numpy(t: Any) -> np.ndarray:
-    if hasattr(t, "detach"):  # torch.Tensor; numpy has no bfloat16, so go through float32
+def _to_jax(t: Any) -> jax.Array:
+    if hasattr(t, "detach"):  # torch.Tensor; numpy has no bfloat16, so go through float32 (exact)
         import torch
 
         t = t.detach().cpu()
-        return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
-    if isinstance(t, jax.Array) and t.dtype == jnp.bfloat16:
-        t = t.astype(jnp.float32)
-    return np.asarray(t)
+        if t.dtype == torch.bfloat16:
+            return jnp.asarray(t.float().numpy()).astype(jnp.bfloat16)
+        return jnp.asarray(t.numpy())
+    return jnp.asarray(t)
 
 
 def abstract_vae(config: CogVideoXVAEConfig, **kwargs: Any) -> AutoencoderKLCogVideoX:
@@ -162,7 +171,9 @@ def from_pretrained(
 ) -> AutoencoderKLCogVideoX:
     """Load `config.json` + `*.safetensors` from a directory (as written by diffusers'
     `save_pretrained(..., safe_serialization=True)`), or from a Hub id via
-    `huggingface_hub.snapshot_download` (honours HF_HUB_OFFLINE). Never unpickles."""
+    `huggingface_hub.snapshot_download` (honours HF_HUB_OFFLINE), optionally from its `subfolder`
+    (`"vae"` in a pipeline repository). Parameters and compute are cast to `dtype` whatever the
+    checkpoint stores (bf16 -> float32 is exact). Never unpickles: `.bin` files are ignored."""
     path = Path(path_or_id)
     if not path.is_dir():
         from huggingface_hub import snapshot_download
@@ -170,19 +181,83 @@ def from_pretrained(
         prefix = f"{subfolder}/" if subfolder else ""
         path = Path(snapshot_download(str(path_or_id), allow_patterns=[f"{prefix}*.json", f"{prefix}*.safetensors"]))
     if subfolder:
+        if not (path / subfolder).is_dir():
+            found = sorted(p.name for p in path.iterdir())
+            raise FileNotFoundError(f"no subfolder {subfolder!r} in {path.name!r}; found {found}")
         path = path / subfolder
     config_file = path / "config.json"
-    files = sorted(path.glob("*.safetensors"))
+    files = _weight_files(path)
     if not config_file.is_file() or not files:
-        raise FileNotFoundError(f"need config.json and *.safetensors in {path.name!r}; found {sorted(p.name for p in path.iterdir())}")
+        found = sorted(p.name for p in path.iterdir())
+        raise FileNotFoundError(f"need config.json and *.safetensors in {path.name!r}; found {found}")
     from safetensors import safe_open
 
     state: dict[str, Any] = {}
     for f in files:
-        with safe_open(f, framework="flax") as fh:
+        with safe_open(f, framework="flax") as fh:  # "numpy" cannot hold bfloat16; "flax" can
             for k in fh.keys():
                 state[k] = fh.get_tensor(k)
     return from_state_dict(json.loads(config_file.read_text()), state, dtype=dtype, precision=precision)
+
+
+def _weight_files(path: Path) -> list[Path]:
+    """The safetensors files of one checkpoint: those its shard index names, else diffusers' default
+    file, else every `*.safetensors` (so a variant such as `*.fp16.safetensors` never clashes)."""
+    index = path / "diffusion_pytorch_model.safetensors.index.json"
+    if index.is_file():
+        return [path / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    default = path / "diffusion_pytorch_model.safetensors"
+    return [default] if default.is_file() else sorted(path.glob("*.safetensors"))
+
+
+NORM_NOISE = 0.1
+"""Standard deviation of the noise `tiny_checkpoint` adds to every 1-d parameter: GroupNorm scales
+start at exactly 1 and shifts at 0, where a swapped scale and bias would go unnoticed."""
+
+
+class _VAEOnlyRepo:
+    """What `checkpoints.cached_pipeline` saves for the tiny preset: the VAE in `vae/`, where a
+    pipeline repository keeps it, and a `model_index.json` naming it (the file the cache checks)."""
+
+    def __init__(self, vae: Any):
+        self.vae = vae
+
+    def save_pretrained(self, directory: str | os.PathLike, safe_serialization: bool = True) -> None:
+        self.vae.save_pretrained(Path(directory) / "vae", safe_serialization=safe_serialization)
+        index = {"vae": ["diffusers", type(self.vae).__name__]}
+        (Path(directory) / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def tiny_checkpoint(directory: str | os.PathLike | None = None, seed: int = 0) -> Path:
+    """A random tiny `diffusers.AutoencoderKLCogVideoX` (`cogvideox.tiny_vae_config()`, float32,
+    1-d parameters perturbed by `NORM_NOISE`) saved with `save_pretrained(safe_serialization=True)`
+    into `<directory>/vae`; cached and written atomically by `checkpoints.cached_pipeline`."""
+    from tpupedia.models import checkpoints, cogvideox
+
+    spec = ["vae-only", cogvideox.tiny_vae_config(), NORM_NOISE, seed]
+
+    def build() -> _VAEOnlyRepo:
+        import torch
+        from diffusers import AutoencoderKLCogVideoX as TorchVAE
+
+        torch.manual_seed(seed)
+        vae = TorchVAE(**cogvideox.tiny_vae_config()).eval()
+        with torch.no_grad():
+            for p in vae.parameters():
+                if p.ndim == 1:
+                    p.add_(NORM_NOISE * torch.randn_like(p))
+        return _VAEOnlyRepo(vae)
+
+    return checkpoints.cached_pipeline("cogvideox-vae-tiny", spec, build, directory)
+
+
+def model_source(preset: Any, model: str | os.PathLike | None = None) -> tuple[str, str]:
+    """`(where to load from, label to print)`: `model` if given, else `$TPUPEDIA_COGVIDEOX` (a
+    CogVideoX pipeline checkpoint), else the preset's: `zai-org/CogVideoX1.5-5B` on full, the
+    `tiny_checkpoint` on tiny (labelled `preset:tiny`). Load its `vae` subfolder."""
+    from tpupedia.models import checkpoints, cogvideox
+
+    return checkpoints.choose_source(preset, model, cogvideox.ENV_MODEL, cogvideox.FULL_ID, tiny_checkpoint)
 
 
 # ----------------------------------------------------------------------------------- layer diff

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar
 
+from tpupedia.devices import default_mesh_shape
 from tpupedia.errors import TpupediaError
 from tpupedia.pipelines import stages
 
@@ -103,11 +104,6 @@ def parse_mesh(text: str) -> tuple[int, int]:
     if min(shape) < 1:
         raise PipelineError(f"mesh {text!r}: dp and tp must be positive")
     return shape
-
-
-def default_mesh_shape(device_count: int) -> tuple[int, int]:
-    """dp=2 (the guidance pair) when the devices split evenly, tp the rest."""
-    return (2, device_count // 2) if device_count >= 2 and device_count % 2 == 0 else (1, device_count)
 
 
 def config_fingerprint(config: dict) -> str:
