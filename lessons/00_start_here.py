@@ -148,7 +148,7 @@ assert slice_.accelerator_type == "v6e-8" and slice_.num_chips == 8
 #
 # The shape comes from the devices present (`devices.default_mesh_shape`): eight simulated CPU
 # devices or eight v6e chips give `(2, 4)`; a machine with one GPU gets `(1, 1)` and runs the
-# same cells, with nothing to communicate.
+# same cells, with nothing to communicate (section 5's TPU compile also needs `libtpu` there).
 
 # %%
 mesh = devices.make_mesh(devices.default_mesh_shape(jax.device_count()), ("data", "model"))

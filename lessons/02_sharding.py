@@ -31,11 +31,11 @@
 #
 # | preset | loads | memory | compute time |
 # |---|---|---|---|
-# | `tiny` (CPU, CI) | a tiny random Llama built in code | about 1.4 GB of host RAM | about 45 s, measured here on a 2-core CPU, most of it the TPU compile of section 5 |
+# | `tiny` (CPU, CI) | a tiny random Llama built in code | about 1.4 GB of host RAM | 30–45 s, measured here on a 2-core CPU, most of it the TPU compile of section 5 |
 # | `full` (TPU v6e-8) | the same tiny Llama; section 5 compiles a 2-layer, 2,048-wide Llama for the chips | about 175 MiB per chip for the section-5 program (AOT here: 122.5 arguments + 31.3 outputs + 20.1 temporaries) | about the same: the section-5 compile runs on the host CPU (not measured on a TPU VM) |
 #
 # The sharding lessons need eight devices: on a machine with fewer (one GPU, say), run this
-# notebook with `tiny`, which simulates eight. *Reading time: about 11 minutes.*
+# notebook with `tiny`, which simulates eight. *Reading time: about 12 minutes.*
 
 # %%
 # %xmode Minimal
@@ -136,16 +136,16 @@ Markdown("\n".join(lines))
 # them on those families). `sharding.RULES` also has tables for the CogVideoX and
 # HunyuanVideo-1.5 transformers used in lessons 06 and 07.
 #
-# **A naming trap from upstream.** Some public CogVideoX TPU scripts (summarised in this course's
-# reference notes) label a table "TP (Megatron column-row)" that shards `to_q/to_k/to_v` and the
-# first MLP layer on **dim 1** and `to_out`/the second MLP layer on **dim 0**. For torch's
-# `(out, in)` weights that is the opposite of Megatron, and the same scripts' "FSDP" table is the
-# actual Megatron layout. The HunyuanVideo scripts get it right (dim 0 for q/k/v/fc1). We keep the
-# upstream layout as the strategy `"tp_transposed"` and measure it below instead of trusting
-# either label.
-
-# %%
-sharding.RULES[("cogvideox", "tp_transposed")]
+# **A naming trap from upstream.** Upstream's CogVideoX scripts (yangwhale/gpu-tpu-pedia, commit
+# 3fa9ce1: `tpu/CogVideoX/generate_torchax.py` and the staged `stage2_transformer.py`) label a
+# table "TP (Megatron column-row)" that shards the attention projections `to_q/to_k/to_v` and the
+# first MLP layer on **dim 1**, and the output projection and second MLP layer on **dim 0**. For
+# torch's `(out, in)` weights that is the opposite of Megatron, and the same scripts' "FSDP" table
+# is the actual Megatron layout; their HunyuanVideo-1.5 tables get it right (dim 0 for q/k/v and
+# the first MLP layer). The `tp_transposed` column above is that upstream layout in Llama's
+# names; section 3 measures it instead of trusting either label (the knowledge base's
+# [corrections page](../kb/corrections.md#3-the-cogvideox-tp-megatron-table-is-the-transpose-of-megatron)
+# has the entry).
 
 # %% [markdown]
 # Our model for this lesson: a tiny random Llama (hidden 64, 2 layers, 8 query heads and 4

@@ -65,9 +65,7 @@ preset = session.start()  # preset, simulated devices, known warnings silenced (
 import re
 import time
 
-import diffusers
 import jax
-import jax.numpy as jnp
 import numpy as np
 import torch
 import transformers
