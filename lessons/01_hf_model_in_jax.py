@@ -539,17 +539,12 @@ step = jax_jit(cache_step)  # the cache length is in the arrays' shapes: one com
 
 
 def decode_with_cache(cache_len):
-    """Prefill the prompt, then one token per step; returns prompt + new tokens on the CPU."""
+    """Prefill the prompt into a zero cache of `cache_len` tokens, then one argmax token per step
+    (`llm.greedy_decode`); returns prompt + new tokens on the CPU."""
     with env, jax.default_matmul_precision("highest"):
-        keys, values, lengths = llm.empty_cache_arrays(config, cache_len, dtype=model.dtype, device="jax")
-        logits, keys, values, lengths = step(jitted.params, jitted.buffers, ids_jax, keys, values, lengths)
-        out = [ids]
-        for i in range(new_tokens):
-            token = logits.argmax(-1, keepdim=True)
-            out.append(token.to("cpu"))
-            if i + 1 < new_tokens:
-                logits, keys, values, lengths = step(jitted.params, jitted.buffers, token, keys, values, lengths)
-    return torch.cat(out, dim=1)
+        tokens, _ = llm.greedy_decode(step, jitted.params, jitted.buffers, ids, config, cache_len, new_tokens,
+                                      dtype=model.dtype)
+    return tokens
 
 
 # %% [markdown]

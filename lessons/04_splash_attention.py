@@ -40,7 +40,7 @@
 #
 # | preset | loads | memory | compute time |
 # |---|---|---|---|
-# | `tiny` (CPU, CI) | random arrays; a tiny Llama and CogVideoX transformer in section 8 | about 2.3 GB of host RAM (the TPU compiles in section 7) | about 100 s, measured here on a 2-core CPU |
+# | `tiny` (CPU, CI) | random arrays; a tiny Llama and CogVideoX transformer in section 8 | about 2.3 GB of host RAM (the TPU compiles in section 7) | 70–100 s, measured here on a 2-core CPU |
 # | `full` (TPU v6e-8) | the same, kernels compiled by Mosaic; section 7 also compiles the 4096-block case live (about a minute on the host) | section 7's CogVideoX-size kernels: about 940 MiB per chip (AOT here, printed there) | a few minutes, mostly host compiles (not measured on a TPU VM) |
 #
 # *Reading time: about 13 minutes.*
@@ -79,6 +79,8 @@ assert jax.config.jax_default_matmul_precision == "highest"
 # %%
 import numpy as np
 
+from tpupedia.results import error_text as below  # noise digits vary by CPU: print the bound met
+
 rng = np.random.default_rng(0)
 S, D = 256, 64
 q = rng.standard_normal((S, D)).astype(np.float32)
@@ -109,10 +111,6 @@ def online_softmax_attention(q, k, v, scale, block=64):
 
 
 err = np.abs(online_softmax_attention(q, k, v, scale) - softmax_attention(q, k, v, scale)).max()
-def below(err, bound=1e-5):  # tiny float differences vary by CPU; print the bound they meet
-    return f"< {bound:.0e}" if err < bound else f"{err:.1e}"
-
-
 print("online vs direct softmax attention: max abs diff", below(err))
 
 # %%

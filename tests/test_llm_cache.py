@@ -32,18 +32,10 @@ def _cached_greedy(model, ids, new_tokens, cache_len):
             out = jitted.functional_call("forward", params, buffers, token, past_key_values=cache, use_cache=True)
             return (out.logits[:, -1], *llm.cache_arrays(cache))
 
-        step = jax_jit(step)
-        keys, values, lengths = llm.empty_cache_arrays(config, cache_len, dtype=model.dtype, device="jax")
-        logits, keys, values, lengths = step(jitted.params, jitted.buffers, ids.to("jax"), keys, values, lengths)
-        out = [ids]
-        for i in range(new_tokens):
-            token = logits.argmax(-1, keepdim=True)
-            out.append(token.to("cpu"))
-            if i + 1 < new_tokens:
-                logits, keys, values, lengths = step(jitted.params, jitted.buffers, token, keys, values, lengths)
-        final_lengths = [int(n.to("cpu")) for n in lengths]
+        decoded = llm.greedy_decode(jax_jit(step), jitted.params, jitted.buffers, ids, config, cache_len,
+                                    new_tokens, dtype=model.dtype)
         model.to("cpu")
-    return torch.cat(out, dim=1), final_lengths
+    return decoded
 
 
 def test_cached_greedy_decode_equals_uncached_greedy_decode():

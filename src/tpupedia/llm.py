@@ -44,6 +44,7 @@ __all__ = [
     "static_cache",
     "cache_arrays",
     "empty_cache_arrays",
+    "greedy_decode",
 ]
 
 FULL_MODEL_ID = llama.FULL_ID  # the family's facts live in tpupedia.models.llama
@@ -317,3 +318,27 @@ def empty_cache_arrays(config: Any, max_cache_len: int, batch_size: int = 1, dty
     values = [torch.zeros(shape, dtype=dtype, device=device) for _ in layers]
     lengths = [torch.tensor(0, device=device) for _ in layers]
     return keys, values, lengths
+
+
+def greedy_decode(step: Any, params: Any, buffers: Any, ids: Any, config: Any, cache_len: int,
+                  new_tokens: int, dtype: Any = None) -> tuple[Any, list[int]]:
+    """Greedy decoding through a jitted cache step, `step(params, buffers, tokens, keys, values,
+    lengths) -> (last logits, keys, values, lengths)` (one built on `static_cache` and
+    `cache_arrays`): prefill the prompt `ids` (a CPU tensor) into a zero cache of `cache_len`
+    tokens, then feed back one argmax token per step. Call it inside `with env:`, with whatever
+    matmul precision the comparison needs. Returns prompt + `new_tokens` tokens on the CPU and the
+    token count each layer's cache ended with (the last token is never fed back).
+
+    Introduced in notebook 01, section 7.
+    """
+    import torch
+
+    keys, values, lengths = empty_cache_arrays(config, cache_len, dtype=dtype, device="jax")
+    logits, keys, values, lengths = step(params, buffers, ids.to("jax"), keys, values, lengths)
+    out = [ids]
+    for i in range(new_tokens):
+        token = logits.argmax(-1, keepdim=True)
+        out.append(token.to("cpu"))
+        if i + 1 < new_tokens:
+            logits, keys, values, lengths = step(params, buffers, token, keys, values, lengths)
+    return torch.cat(out, dim=1), [int(n.to("cpu")) for n in lengths]

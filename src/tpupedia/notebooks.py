@@ -160,22 +160,28 @@ WORDS_PER_MINUTE = 200
 _READING = re.compile(r"\*Reading time: about (\d+) minutes\.\*")
 
 
+def _prose_words(lesson: Path) -> list[str]:
+    """The words of a lesson's markdown cells, in order."""
+    import jupytext
+
+    return [w for c in jupytext.read(lesson).cells if c.cell_type == "markdown" for w in "".join(c.source).split()]
+
+
 def reading_minutes(lesson: Path) -> int:
     """Minutes to read a lesson's prose: its markdown cells' words / `WORDS_PER_MINUTE`, rounded
     up. Code is not counted (the learning path says so)."""
-    import jupytext
+    return _minutes(_prose_words(lesson))
 
-    words = sum(len("".join(c.source).split()) for c in jupytext.read(lesson).cells if c.cell_type == "markdown")
-    return -(-words // WORDS_PER_MINUTE)
+
+def _minutes(words: list[str]) -> int:
+    return -(-len(words) // WORDS_PER_MINUTE)
 
 
 def check_reading_time(lesson: Path) -> list[str]:
     """The header states `*Reading time: about N minutes.*` with N = `reading_minutes`."""
-    import jupytext
-
-    prose = " ".join("".join(c.source) for c in jupytext.read(lesson).cells if c.cell_type == "markdown")
-    stated = _READING.findall(" ".join(prose.split()))
-    computed = reading_minutes(lesson)
+    words = _prose_words(lesson)
+    stated = _READING.findall(" ".join(words))
+    computed = _minutes(words)
     if stated != [str(computed)]:
         return [f"{Path(lesson).name}: header states reading time {stated or 'nowhere'}; its prose implies "
                 f"*Reading time: about {computed} minutes.*"]

@@ -87,5 +87,5 @@ def error_text(value: float, floor: float = 1e-5) -> str:
     (`"< 1e-05"`), above it to two significant digits. Float32 rounding noise is real, but its
     digits differ from one CPU to the next (an AMD and an Intel host print 4.2e-07 and 4.8e-07
     for the same forward), and nbval compares outputs exactly; so the floor is the check's own
-    tolerance, the bound the reader needs. Introduced in notebook 04 (its `below`)."""
+    tolerance, the bound the reader needs. Introduced in notebook 04 (as `below`)."""
     return f"< {floor:.0e}" if value < floor else f"{value:.1e}"
