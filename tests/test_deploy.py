@@ -1,8 +1,10 @@
-"""The deployment files for a v6e-16 slice (notebook 10) say what the slice is and run the batch
-command the CLI accepts."""
+"""The deployment files for a v6e-16 slice (notebook 10) say what the slice is, mount the bucket
+the way GKE and XPK require, and run the batch command the CLI accepts on weights copied into
+the bucket once; the guides name the model licences."""
 
 from __future__ import annotations
 
+import re
 import shlex
 from pathlib import Path
 
@@ -10,13 +12,61 @@ import yaml
 
 from tpupedia import cli, hardware
 
-DEPLOY = Path(__file__).resolve().parents[1] / "docs" / "deploy"
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+DEPLOY = DOCS / "deploy"
 SLICE = hardware.parse_topology("v6e:4x4")  # a v6e-16
+_ENV_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 
 
 def _generate_args(command: list[str]) -> list[str]:
     assert command[:3] == ["tpupedia", "generate", "cogvideox"], command
     return command[1:]
+
+
+def _split_env(words: list[str]) -> tuple[dict[str, str], list[str]]:
+    """Leading `NAME=VALUE` words of a shell command, as a dict, and the command after them."""
+    env = {}
+    while words and _ENV_WORD.match(words[0]):
+        name, value = words[0].split("=", 1)
+        env[name] = value
+        words = words[1:]
+    return env, words
+
+
+def _assert_runs_on_the_bucket_copy(command: list[str]) -> None:
+    """The batch loads the weights from the bucket (`--model /data/models/...`), not by preset."""
+    assert "--preset" not in command, command  # --preset and --model are mutually exclusive
+    args = cli.build_parser().parse_args(_generate_args(command))
+    assert args.preset is None
+    assert args.model and args.model.startswith("/data/models/") and len(args.model) > len("/data/models/")
+
+
+def _jobset_pod() -> dict:
+    doc = yaml.safe_load((DEPLOY / "jobset-v6e-16.yaml").read_text())
+    (job,) = doc["spec"]["replicatedJobs"]
+    return job["template"]["spec"]["template"]
+
+
+def _xpk_lines() -> list[str]:
+    """The script's commands, continuation lines joined, comments left out."""
+    text = (DEPLOY / "xpk-v6e-16.sh").read_text()
+    return [line for line in text.replace("\\\n", " ").splitlines() if not line.lstrip().startswith("#")]
+
+
+def _xpk_create_flags() -> dict[str, str]:
+    return _flags(shlex.split(next(line for line in _xpk_lines() if line.startswith("xpk workload create"))))
+
+
+def _flags(words: list[str]) -> dict[str, str]:
+    """`--name value` and `--name=value` flags of a command line."""
+    flags = {}
+    for i, w in enumerate(words):
+        if w.startswith("--") and "=" in w:
+            name, value = w.split("=", 1)
+            flags[name] = value
+        elif w.startswith("--") and i + 1 < len(words):
+            flags[w] = words[i + 1]
+    return flags
 
 
 def test_jobset_describes_a_v6e_16_and_runs_the_batch():
@@ -34,18 +84,53 @@ def test_jobset_describes_a_v6e_16_and_runs_the_batch():
     args = cli.build_parser().parse_args(_generate_args(container["command"]))
     assert args.prompts and args.outdir and args.compilation_cache.startswith("/data/")
     mounts = {m["mountPath"] for m in container["volumeMounts"]}
-    assert all(p.startswith(tuple(mounts)) for p in (args.prompts, args.outdir, args.compilation_cache))
+    assert all(p.startswith(tuple(mounts)) for p in (args.prompts, args.outdir, args.compilation_cache, args.model))
     assert pod["volumes"][0]["csi"]["driver"] == "gcsfuse.csi.storage.gke.io"
 
 
+def test_jobset_mounts_the_bucket_with_workload_identity_and_reads_weights_offline():
+    template = _jobset_pod()
+    pod = template["spec"]
+    # GKE injects the GCS FUSE sidecar only into pods with this annotation.
+    assert template["metadata"]["annotations"]["gke-gcsfuse/volumes"] == "true"
+    # The Kubernetes service account bound through Workload Identity to one with bucket access.
+    assert isinstance(pod.get("serviceAccountName"), str) and pod["serviceAccountName"].strip()
+    (container,) = pod["containers"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["HF_HUB_OFFLINE"] == "1" and env["TPUPEDIA_PRESET"] == "full"
+    assert "HF_HOME" not in env  # no shared Hugging Face cache on FUSE
+    _assert_runs_on_the_bucket_copy(container["command"])
+
+
 def test_xpk_script_targets_the_same_slice_and_command():
-    text = (DEPLOY / "xpk-v6e-16.sh").read_text()
-    create = next(line for line in text.replace("\\\n", " ").splitlines() if line.startswith("xpk workload create"))
-    words = shlex.split(create)
-    flags = {w: words[i + 1] for i, w in enumerate(words) if w.startswith("--") and i + 1 < len(words)}
+    flags = _xpk_create_flags()
     assert flags["--tpu-type"] == SLICE.accelerator_type == "v6e-16" and flags["--num-slices"] == "1"
-    env, *command = shlex.split(flags["--command"])
-    assert env == "TPUPEDIA_PRESET=full"
+    env, command = _split_env(shlex.split(flags["--command"]))
+    assert env == {"TPUPEDIA_PRESET": "full", "HF_HUB_OFFLINE": "1"}
     args = cli.build_parser().parse_args(_generate_args(command))
     assert args.prompts.startswith("/data/") and args.outdir.startswith("/data/")
-    assert "--mount-point=/data" in text
+    _assert_runs_on_the_bucket_copy(command)
+    assert "--mount-point=/data" in (DEPLOY / "xpk-v6e-16.sh").read_text()
+
+
+def test_xpk_storage_attach_has_the_flags_xpk_requires():
+    text = (DEPLOY / "xpk-v6e-16.sh").read_text()
+    (attach,) = [line for line in _xpk_lines() if line.startswith("xpk storage attach")]
+    flags = _flags(shlex.split(attach))
+    assert flags["--type"] == "gcsfuse"
+    assert flags["--mount-point"] == "/data"
+    assert re.fullmatch(r"[0-9]+", flags.get("--size", "")) and int(flags["--size"]) > 0  # XPK: "--size is required"
+    assert "--enable-gcsfuse-csi-driver" in text  # the cluster needs the GCS FUSE CSI driver
+    # The one-time weight download is written out, into the folder the run reads.
+    _, command = _split_env(shlex.split(_xpk_create_flags()["--command"]))
+    model_dir = command[command.index("--model") + 1]
+    assert f"--local-dir {model_dir}" in text and "huggingface-cli download zai-org/CogVideoX1.5-5B" in text
+
+
+def test_guides_name_the_model_licences():
+    for page in ("guides/cogvideox-tpu-vm.md", "guides/trillium-gke.md"):
+        text = " ".join((DOCS / page).read_text().split())
+        assert "CogVideoX LICENSE" in text, page
+        assert "Tencent Hunyuan Community License" in text, page
+        assert "Apache-2.0" in text, page
+        assert all(place in text for place in ("European Union", "United Kingdom", "South Korea")), page

@@ -139,17 +139,29 @@ def _generate_setup(args: argparse.Namespace):
     request = pipeline.Request(prompt=args.prompt or "(from --prompts)", negative_prompt=args.negative_prompt, **fields)
     options = common.Options(mesh=common.parse_mesh(args.mesh) if args.mesh else None, sharding=args.sharding,
                              attention=args.attention, vae=args.vae, quiet=args.quiet, dtype=args.dtype)
-    pipeline.validate(request, options)
+    configs = None  # a checkpoint named on the command line: its configs' rules (JSON only, no weights)
+    if family.named_source(args.model):
+        configs = family.component_configs(family.model_source(preset, args.model)[0])
+    pipeline.validate(request, options, configs=configs)
+    if getattr(args, "prompts", None) and args.outdir:
+        common.check_workdir(args.outdir, "--outdir")
+    elif getattr(args, "workdir", None):
+        common.check_workdir(args.workdir)
     if distributed.requested():  # one process of a `tpupedia launch` job (notebook 10)
         distributed.initialize()
     elif preset.simulated_devices:
         devices.simulate_cpu_devices(preset.simulated_devices)
     else:
         distributed.initialize()  # joins the slice on a multi-host TPU VM; a no-op on one host
-    if args.compilation_cache:
+    cache = args.compilation_cache
+    if cache is None and preset.pretrained:  # full-size programs take minutes to compile: keep them
+        from tpupedia.models import checkpoints
+
+        cache = str(checkpoints.cache_dir() / "jax-compilation-cache")
+    if cache and cache != "off":
         import jax
 
-        jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
+        jax.config.update("jax_compilation_cache_dir", cache)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     session.quiet()
@@ -250,7 +262,9 @@ def _add_generate_arguments(p: argparse.ArgumentParser, family: str, *, stages: 
     p.add_argument("--vae", choices=list(vaes), default=None, help=f"VAE implementation (default {vaes[0]})")
     p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
                    help="auto: bfloat16 on the full preset, float32 on the tiny one")
-    p.add_argument("--compilation-cache", default=None, help="JAX persistent compilation cache directory")
+    p.add_argument("--compilation-cache", default=None,
+                   help="JAX persistent compilation cache directory, or off (default: on the full preset "
+                        "$TPUPEDIA_CACHE/jax-compilation-cache, off on the tiny one)")
     p.add_argument("--quiet", action="store_true", help="no progress bar or per-stage lines")
     if family == "hunyuan":
         p.add_argument("--shift", type=float, default=None, help="flow-matching shift (default: the checkpoint's scheduler)")

@@ -16,16 +16,17 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tpupedia.models import ModelInputError, checkpoints
+from tpupedia.models import ModelInputError, checkpoints, tokenizer_files
+from tpupedia.models.shapes import ShapeFacts
 
 __all__ = [
     "FAMILY", "FULL_ID", "FULL_LAYERS", "TEMPORAL_COMPRESSION", "SPATIAL_COMPRESSION", "PATCH_SIZE",
-    "PATCH_SIZE_T", "TEXT_TOKENS", "CFG_BATCH", "SCHEDULER_CONFIG", "ModelInputError",
+    "PATCH_SIZE_T", "LATENT_CHANNELS", "DEFAULT_SHAPES", "shape_facts", "TEXT_TOKENS", "CFG_BATCH", "SCHEDULER_CONFIG", "ModelInputError",
     "full_transformer_config", "tiny_transformer_config", "tiny_vae_config", "tiny_text_encoder_config",
     "full_text_encoder_config", "default_request", "check_frames", "check_size", "latent_frames",
     "padded_latent_frames", "video_tokens", "step_flops", "build", "step_inputs", "FunctionalRoPEAttnProcessor",
     "make_jit_friendly",
-    "tiny_checkpoint", "model_source", "component_configs", "load_scheduler", "rotary_embeddings",
+    "tiny_checkpoint", "model_source", "named_source", "component_configs", "load_scheduler", "rotary_embeddings",
 ]
 
 FAMILY = "cogvideox"
@@ -35,6 +36,10 @@ TEMPORAL_COMPRESSION = 4  # the VAE keeps the first frame and compresses the res
 SPATIAL_COMPRESSION = 8  # and 8x in height and width
 PATCH_SIZE = 2  # the transformer's 2x2 spatial patches
 PATCH_SIZE_T = 2  # CogVideoX 1.5: 2 latent frames per patch (1.0 has none)
+LATENT_CHANNELS = 16
+DEFAULT_SHAPES = ShapeFacts(spatial=SPATIAL_COMPRESSION, temporal=TEMPORAL_COMPRESSION, patch=PATCH_SIZE,
+                            patch_t=PATCH_SIZE_T, latent_channels=LATENT_CHANNELS)
+"""CogVideoX1.5-5B's shape facts: the presets' and the dry-run's; a checkpoint's come from `shape_facts`."""
 TEXT_TOKENS = 226  # the T5 text length of the released checkpoints (transformer max_text_seq_length)
 CFG_BATCH = 2  # classifier-free guidance: the negative and the positive prompt in one batch
 
@@ -87,8 +92,9 @@ def tiny_vae_config() -> dict[str, Any]:
 
 
 def tiny_text_encoder_config() -> dict[str, Any]:
-    """A 2-layer T5 encoder over the 384-symbol ByT5 byte vocabulary."""
-    return dict(vocab_size=384, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
+    """A 2-layer T5 encoder over the tiny SentencePiece vocabulary (`tokenizer_files.write_t5_spiece`:
+    at most 96 pieces + 100 extra ids, in 256 embedding rows, as 32,100 ids sit in 32,128 rows)."""
+    return dict(vocab_size=256, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
 
 
 def default_request(preset: Any) -> dict[str, Any]:
@@ -99,42 +105,52 @@ def default_request(preset: Any) -> dict[str, Any]:
     return dict(frames=9, height=32, width=32, steps=4, guidance=6.0, seed=42, fps=8)
 
 
-def check_frames(frames: int) -> None:
-    """Refuse a frame count the VAE cannot produce: it must be 4n+1."""
-    if not isinstance(frames, int) or frames < 1 or (frames - 1) % TEMPORAL_COMPRESSION:
+def shape_facts(configs: dict[str, dict]) -> ShapeFacts:
+    """A checkpoint's shape facts from its component configs, as `CogVideoXPipeline` reads them:
+    spatial compression 2^(VAE blocks - 1), the VAE's `temporal_compression_ratio`, the
+    transformer's `patch_size`/`patch_size_t` and `in_channels` (the latents it denoises)."""
+    vae, transformer = configs["vae"], configs["transformer"]
+    return ShapeFacts(spatial=2 ** (len(vae["block_out_channels"]) - 1), temporal=int(vae["temporal_compression_ratio"]),
+                      patch=int(transformer["patch_size"]), patch_t=transformer.get("patch_size_t"),
+                      latent_channels=int(transformer["in_channels"]))
+
+
+def check_frames(frames: int, facts: ShapeFacts = DEFAULT_SHAPES) -> None:
+    """Refuse a frame count the VAE cannot produce: it must be temporal * n + 1 (4n+1 for the released VAE)."""
+    if not facts.frames_ok(frames):
+        t = facts.temporal
         raise ModelInputError(
-            f"frames={frames}: CogVideoX generates 4n+1 frames (the VAE keeps the first frame and "
-            f"compresses the rest 4x in time), e.g. 9, 49, 81. With CogVideoX 1.5 (patch_size_t=2) "
-            f"diffusers pads an odd latent count by one latent frame and drops it after denoising "
+            f"frames={frames}: CogVideoX generates {t}n+1 frames (the VAE keeps the first frame and "
+            f"compresses the rest {t}x in time), e.g. {t * 2 + 1}, {t * 12 + 1}, {t * 20 + 1}. With CogVideoX 1.5 "
+            f"(patch_size_t=2) diffusers pads an odd latent count by one latent frame and drops it after denoising "
             f"(CogVideoXPipeline.__call__, diffusers 0.42); the model authors recommend 16n+1 frames, n <= 10, for 1.5.")
 
 
-def check_size(width: int, height: int) -> None:
-    """Refuse a size the VAE and the 2x2 patches cannot tile: positive multiples of 16."""
-    multiple = SPATIAL_COMPRESSION * PATCH_SIZE
-    if width <= 0 or height <= 0 or width % multiple or height % multiple:
-        raise ModelInputError(f"size {width}x{height}: width and height must be positive multiples of {multiple} "
-                              f"(the VAE's {SPATIAL_COMPRESSION}x times the {PATCH_SIZE}x{PATCH_SIZE} patches)")
+def check_size(width: int, height: int, facts: ShapeFacts = DEFAULT_SHAPES) -> None:
+    """Refuse a size the VAE and the patches cannot tile: positive multiples of spatial * patch (16)."""
+    if not facts.size_ok(width, height):
+        raise ModelInputError(f"size {width}x{height}: width and height must be positive multiples of "
+                              f"{facts.size_multiple} (the VAE's {facts.spatial}x times the {facts.patch}x{facts.patch} patches)")
 
 
-def latent_frames(frames: int) -> int:
-    """Latent frames for `frames` video frames: (F - 1) / 4 + 1."""
-    return (frames - 1) // TEMPORAL_COMPRESSION + 1
+def latent_frames(frames: int, facts: ShapeFacts = DEFAULT_SHAPES) -> int:
+    """Latent frames for `frames` video frames: (F - 1) / 4 + 1 for the released VAE."""
+    return facts.latent_frames(frames)
 
 
-def padded_latent_frames(frames: int, patch_size_t: int | None = PATCH_SIZE_T) -> tuple[int, int]:
+def padded_latent_frames(frames: int, facts: ShapeFacts = DEFAULT_SHAPES) -> tuple[int, int]:
     """`(latent frames the transformer sees, padding frames)`: CogVideoX 1.5 pads to a multiple
     of `patch_size_t` at the front, as diffusers does, and drops the padding before decoding."""
-    count = latent_frames(frames)
-    padding = (-count) % patch_size_t if patch_size_t else 0
+    count = facts.latent_frames(frames)
+    padding = (-count) % facts.patch_t if facts.patch_t else 0
     return count + padding, padding
 
 
-def video_tokens(width: int, height: int, frames: int, patch_size_t: int | None = PATCH_SIZE_T) -> int:
+def video_tokens(width: int, height: int, frames: int, facts: ShapeFacts = DEFAULT_SHAPES) -> int:
     """Video tokens of one sample: temporal patches x (H/16) x (W/16)."""
-    padded, _ = padded_latent_frames(frames, patch_size_t)
-    per = SPATIAL_COMPRESSION * PATCH_SIZE
-    return padded // (patch_size_t or 1) * (height // per) * (width // per)
+    padded, _ = padded_latent_frames(frames, facts)
+    per = facts.size_multiple
+    return padded // (facts.patch_t or 1) * (height // per) * (width // per)
 
 
 def step_flops(width: int, height: int, frames: int, layers: int = FULL_LAYERS, batch: int = CFG_BATCH,
@@ -245,34 +261,48 @@ ENV_MODEL = "TPUPEDIA_COGVIDEOX"
 
 SCHEDULERS = ("CogVideoXDPMScheduler", "CogVideoXDDIMScheduler")
 def tiny_checkpoint(directory: "str | os.PathLike | None" = None, seed: int = 0, scheduler: str = "dpm",
-                    patch_size_t: int | None = PATCH_SIZE_T) -> "Path":
-    """Write a whole random CogVideoX pipeline (T5 encoder with the offline ByT5 tokenizer,
-    transformer, VAE, scheduler) with `save_pretrained` (safetensors) and return its directory
+                    patch_size_t: int | None = PATCH_SIZE_T, vae: dict | None = None,
+                    transformer: dict | None = None) -> "Path":
+    """Write a whole random CogVideoX pipeline (T5 encoder with a SentencePiece tokenizer in the
+    Hub's file layout, trained offline: `tokenizer_files.write_t5_spiece`; transformer, VAE,
+    scheduler) with `save_pretrained` (safetensors) and return its directory
     (`tpupedia.models.checkpoints.cached_pipeline`: cached, named by its configs, written
-    atomically). `patch_size_t=None` gives the CogVideoX 1.0 layout, 2 the 1.5 layout.
+    atomically). `patch_size_t=None` gives the CogVideoX 1.0 layout, 2 the 1.5 layout; `vae` and
+    `transformer` override config entries (a checkpoint with other shape facts, for the tests).
     """
     classes = ("dpm", "ddim")
     if scheduler not in classes:
         raise ModelInputError(f"scheduler={scheduler!r} is not one of {', '.join(classes)}")
-    spec = [tiny_transformer_config(), tiny_vae_config(), tiny_text_encoder_config(), SCHEDULER_CONFIG,
-            scheduler, patch_size_t, seed]
+    text_length = tiny_transformer_config()["max_text_seq_length"]
+    transformer_config = tiny_transformer_config() | {"patch_size_t": patch_size_t} | (transformer or {})
+    vae_config = tiny_vae_config() | (vae or {})
+    spec = [transformer_config, vae_config, tiny_text_encoder_config(), SCHEDULER_CONFIG, scheduler, seed, "spiece",
+            tokenizer_files.T5_CORPUS]
+
+    def write_tokenizer(folder):
+        return tokenizer_files.write_t5_spiece(folder, max_length=text_length)
 
     def build():
+        import tempfile
+
         import torch
         from diffusers import (AutoencoderKLCogVideoX, CogVideoXDDIMScheduler, CogVideoXDPMScheduler,
                                CogVideoXPipeline, CogVideoXTransformer3DModel)
-        from transformers import ByT5Tokenizer, T5Config, T5EncoderModel
+        from transformers import AutoTokenizer, T5Config, T5EncoderModel
 
+        with tempfile.TemporaryDirectory() as tmp:
+            tokenizer = AutoTokenizer.from_pretrained(write_tokenizer(tmp))
         torch.manual_seed(seed)
         return CogVideoXPipeline(
-            tokenizer=ByT5Tokenizer(),
+            tokenizer=tokenizer,
             text_encoder=T5EncoderModel(T5Config(**tiny_text_encoder_config())).eval(),
-            vae=AutoencoderKLCogVideoX(**tiny_vae_config()).eval(),
-            transformer=CogVideoXTransformer3DModel(**(tiny_transformer_config() | {"patch_size_t": patch_size_t})).eval(),
+            vae=AutoencoderKLCogVideoX(**vae_config).eval(),
+            transformer=CogVideoXTransformer3DModel(**transformer_config).eval(),
             scheduler={"dpm": CogVideoXDPMScheduler, "ddim": CogVideoXDDIMScheduler}[scheduler](**SCHEDULER_CONFIG),
         )
 
-    return checkpoints.cached_pipeline("cogvideox-tiny", spec, build, directory)
+    return checkpoints.cached_pipeline("cogvideox-tiny", spec, build, directory,
+                                       finish=lambda path: write_tokenizer(path / "tokenizer"))
 
 
 def model_source(preset: Any, model: "str | os.PathLike | None" = None) -> tuple[str, str]:
@@ -281,18 +311,22 @@ def model_source(preset: Any, model: "str | os.PathLike | None" = None) -> tuple
     return checkpoints.choose_source(preset, model, ENV_MODEL, FULL_ID, tiny_checkpoint)
 
 
+def named_source(model: "str | os.PathLike | None" = None) -> str | None:
+    """The checkpoint the user named (`model`, else `$TPUPEDIA_COGVIDEOX`), or `None` for the preset's."""
+    return checkpoints.named_source(model, ENV_MODEL)
+
+
 def component_configs(source: str) -> dict[str, dict]:
     """The checkpoint's component configs (no weights read), minus version and path entries."""
     from diffusers import AutoencoderKLCogVideoX, CogVideoXDPMScheduler, CogVideoXTransformer3DModel
     from transformers import T5Config
 
-    configs = {
-        "transformer": CogVideoXTransformer3DModel.load_config(source, subfolder="transformer"),
-        "vae": AutoencoderKLCogVideoX.load_config(source, subfolder="vae"),
-        "scheduler": CogVideoXDPMScheduler.load_config(source, subfolder="scheduler"),
-        "text_encoder": T5Config.from_pretrained(source, subfolder="text_encoder").to_dict(),
-    }
-    return {name: checkpoints.clean_config(c) for name, c in configs.items()}
+    return checkpoints.read_configs(source, {
+        "transformer": lambda s: CogVideoXTransformer3DModel.load_config(s, subfolder="transformer"),
+        "vae": lambda s: AutoencoderKLCogVideoX.load_config(s, subfolder="vae"),
+        "scheduler": lambda s: CogVideoXDPMScheduler.load_config(s, subfolder="scheduler"),
+        "text_encoder": lambda s: T5Config.from_pretrained(s, subfolder="text_encoder").to_dict(),
+    })
 
 
 def load_scheduler(source: str):
@@ -306,7 +340,8 @@ def load_scheduler(source: str):
     return getattr(diffusers, name).from_pretrained(source, subfolder="scheduler")
 
 
-def rotary_embeddings(transformer_config: dict, height: int, width: int, latent_frames: int):
+def rotary_embeddings(transformer_config: dict, height: int, width: int, latent_frames: int,
+                      facts: ShapeFacts = DEFAULT_SHAPES):
     """RoPE `(cos, sin)` for the video tokens, computed by diffusers' own
     `CogVideoXPipeline._prepare_rotary_positional_embeddings` (1.0 and 1.5 layouts) on the host."""
     from types import SimpleNamespace
@@ -314,5 +349,5 @@ def rotary_embeddings(transformer_config: dict, height: int, width: int, latent_
     from diffusers import CogVideoXPipeline
 
     owner = SimpleNamespace(transformer=SimpleNamespace(config=SimpleNamespace(**transformer_config)),
-                            vae_scale_factor_spatial=SPATIAL_COMPRESSION)
+                            vae_scale_factor_spatial=facts.spatial)
     return CogVideoXPipeline._prepare_rotary_positional_embeddings(owner, height, width, latent_frames, "cpu")

@@ -43,15 +43,16 @@ import types
 from pathlib import Path
 from typing import Any
 
-from tpupedia.models import ModelInputError, checkpoints
+from tpupedia.models import ModelInputError, checkpoints, tokenizer_files
+from tpupedia.models.shapes import ShapeFacts
 
 __all__ = ["FAMILY", "FULL_ID", "FULL_LAYERS", "TEMPORAL_COMPRESSION", "SPATIAL_COMPRESSION", "PATCH_SIZE",
-           "TEXT_SLOTS", "ENV_MODEL", "ModelInputError",
+           "LATENT_CHANNELS", "DEFAULT_SHAPES", "shape_facts", "TEXT_SLOTS", "ENV_MODEL", "ModelInputError",
            "full_transformer_config", "tiny_transformer_config", "tiny_vae_config", "tiny_text_encoder_configs",
            "tiny_qwen_tokenizer", "default_request", "check_frames", "check_size", "latent_frames", "latent_shape",
            "video_tokens", "step_flops", "build", "step_inputs", "static_forward", "make_static",
            "PaddingAttnProcessor", "make_jit_friendly", "conditioning", "blocks", "final", "deepcache_full",
-           "deepcache_cached", "mask_elements", "tiny_checkpoint", "model_source", "component_configs"]
+           "deepcache_cached", "mask_elements", "tiny_checkpoint", "model_source", "named_source", "component_configs"]
 
 FAMILY = "hunyuan"
 FULL_ID = "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_t2v"
@@ -60,6 +61,9 @@ TEMPORAL_COMPRESSION = 4
 SPATIAL_COMPRESSION = 16  # the VAE (16x) times patch size 1: one token per latent pixel
 PATCH_SIZE = 1
 LATENT_CHANNELS = 32
+DEFAULT_SHAPES = ShapeFacts(spatial=SPATIAL_COMPRESSION, temporal=TEMPORAL_COMPRESSION, patch=PATCH_SIZE,
+                            patch_t=1, latent_channels=LATENT_CHANNELS)
+"""The 720p checkpoint's shape facts: the presets' and the dry-run's; a checkpoint's come from `shape_facts`."""
 ENV_MODEL = "TPUPEDIA_HUNYUAN"
 """Environment variable naming a checkpoint (hub id or directory) to use instead of the preset's."""
 TEXT_SLOTS = {"qwen": (1000, 3584), "byt5": (256, 1472), "image": (729, 1152)}
@@ -129,36 +133,48 @@ def default_request(preset: Any) -> dict[str, Any]:
     return dict(frames=9, height=64, width=64, steps=4, seed=42, fps=8)
 
 
-def check_frames(frames: int) -> None:
-    """Refuse a frame count the VAE cannot produce: it must be 4n+1."""
-    if not isinstance(frames, int) or frames < 1 or (frames - 1) % TEMPORAL_COMPRESSION:
+def shape_facts(configs: dict[str, dict]) -> ShapeFacts:
+    """A checkpoint's shape facts from its component configs, as `HunyuanVideo15Pipeline` reads
+    them: the VAE's `spatial_compression_ratio`, `temporal_compression_ratio` and `latent_channels`,
+    the transformer's `patch_size` and `patch_size_t`."""
+    vae, transformer = configs["vae"], configs["transformer"]
+    return ShapeFacts(spatial=int(vae["spatial_compression_ratio"]), temporal=int(vae["temporal_compression_ratio"]),
+                      patch=int(transformer["patch_size"]), patch_t=transformer.get("patch_size_t"),
+                      latent_channels=int(vae["latent_channels"]))
+
+
+def check_frames(frames: int, facts: ShapeFacts = DEFAULT_SHAPES) -> None:
+    """Refuse a frame count the VAE cannot produce: it must be temporal * n + 1 (4n+1 for the released VAE)."""
+    if not facts.frames_ok(frames):
+        t = facts.temporal
+        rounded = max(1, (frames - 1) // t * t + 1) if isinstance(frames, int) else "?"
         raise ModelInputError(
-            f"frames={frames}: HunyuanVideo-1.5 generates 4n+1 frames (the VAE keeps the first frame and "
-            f"compresses the rest {TEMPORAL_COMPRESSION}x in time), e.g. 9, 49, 121; diffusers would round "
-            f"{frames} down to {max(1, (frames - 1) // TEMPORAL_COMPRESSION * TEMPORAL_COMPRESSION + 1)} silently")
+            f"frames={frames}: HunyuanVideo-1.5 generates {t}n+1 frames (the VAE keeps the first frame and "
+            f"compresses the rest {t}x in time), e.g. {t * 2 + 1}, {t * 12 + 1}, {t * 30 + 1}; diffusers would round "
+            f"{frames} down to {rounded} silently")
 
 
-def check_size(width: int, height: int) -> None:
-    """Refuse a size the VAE cannot tile: positive multiples of 16."""
-    multiple = SPATIAL_COMPRESSION * PATCH_SIZE
-    if width <= 0 or height <= 0 or width % multiple or height % multiple:
-        raise ModelInputError(f"size {width}x{height}: width and height must be positive multiples of {multiple} "
-                              f"(the VAE compresses {SPATIAL_COMPRESSION}x, one token per latent pixel)")
+def check_size(width: int, height: int, facts: ShapeFacts = DEFAULT_SHAPES) -> None:
+    """Refuse a size the VAE cannot tile: positive multiples of spatial * patch (16)."""
+    if not facts.size_ok(width, height):
+        raise ModelInputError(f"size {width}x{height}: width and height must be positive multiples of "
+                              f"{facts.size_multiple} (the VAE compresses {facts.spatial}x, patches of {facts.patch})")
 
 
-def latent_frames(frames: int) -> int:
+def latent_frames(frames: int, facts: ShapeFacts = DEFAULT_SHAPES) -> int:
     """Latent frames for `frames` (4n+1) video frames."""
-    return (frames - 1) // TEMPORAL_COMPRESSION + 1
+    return facts.latent_frames(frames)
 
 
-def latent_shape(frames: int, height: int, width: int, channels: int = LATENT_CHANNELS) -> tuple[int, ...]:
+def latent_shape(frames: int, height: int, width: int, facts: ShapeFacts = DEFAULT_SHAPES) -> tuple[int, ...]:
     """`(1, C, T, H/16, W/16)`, the latents diffusers draws (`prepare_latents`)."""
-    return (1, channels, latent_frames(frames), height // SPATIAL_COMPRESSION, width // SPATIAL_COMPRESSION)
+    return (1, facts.latent_channels, facts.latent_frames(frames), *facts.latent_size(height, width))
 
 
-def video_tokens(width: int, height: int, frames: int) -> int:
+def video_tokens(width: int, height: int, frames: int, facts: ShapeFacts = DEFAULT_SHAPES) -> int:
     """Video tokens of one sample (patch size 1: one per latent pixel)."""
-    return latent_frames(frames) * (height // SPATIAL_COMPRESSION) * (width // SPATIAL_COMPRESSION)
+    per = facts.size_multiple
+    return facts.latent_frames(frames) // (facts.patch_t or 1) * (height // per) * (width // per)
 
 
 def mask_elements(width: int, height: int, frames: int) -> int:
@@ -389,12 +405,16 @@ GUIDER_CONFIG: dict[str, Any] = dict(guidance_scale=6.0)
 """The tiny preset's `ClassifierFreeGuidance` (guidance on, so CI runs the guidance pair)."""
 
 
-def tiny_checkpoint(directory: "str | os.PathLike | None" = None, seed: int = 0) -> Path:
+def tiny_checkpoint(directory: "str | os.PathLike | None" = None, seed: int = 0, vae: dict | None = None,
+                    transformer: dict | None = None) -> Path:
     """Write a whole random `HunyuanVideo15Pipeline` (Qwen2.5-VL text model with the offline
-    tokenizer, T5 + ByT5 for glyphs, transformer, VAE, scheduler, guider) with `save_pretrained`
-    and return its directory (cached, named by its configs, written atomically)."""
-    spec = [tiny_transformer_config(), tiny_vae_config(), tiny_text_encoder_configs(), SCHEDULER_CONFIG,
-            GUIDER_CONFIG, _CHAT_TEMPLATE, seed]
+    tokenizer in Qwen's file layout, `tokenizer_files.write_qwen_bpe`, T5 + ByT5 for glyphs, transformer, VAE, scheduler, guider) with `save_pretrained`
+    and return its directory (cached, named by its configs, written atomically). `vae` and
+    `transformer` override config entries (a checkpoint with other shape facts, for the tests)."""
+    transformer_config = tiny_transformer_config() | (transformer or {})
+    vae_config = tiny_vae_config() | (vae or {})
+    spec = [transformer_config, vae_config, tiny_text_encoder_configs(), SCHEDULER_CONFIG,
+            GUIDER_CONFIG, _CHAT_TEMPLATE, seed, "qwen-layout"]
 
     def build():
         import torch
@@ -408,15 +428,16 @@ def tiny_checkpoint(directory: "str | os.PathLike | None" = None, seed: int = 0)
         return HunyuanVideo15Pipeline(
             text_encoder=Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(**configs["text_encoder"])).eval(),
             tokenizer=tiny_qwen_tokenizer(),
-            transformer=HunyuanVideo15Transformer3DModel(**tiny_transformer_config()).eval(),
-            vae=AutoencoderKLHunyuanVideo15(**tiny_vae_config()).eval(),
+            transformer=HunyuanVideo15Transformer3DModel(**transformer_config).eval(),
+            vae=AutoencoderKLHunyuanVideo15(**vae_config).eval(),
             scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG),
             text_encoder_2=T5EncoderModel(T5Config(**configs["text_encoder_2"])).eval(),
             tokenizer_2=ByT5Tokenizer(),
             guider=ClassifierFreeGuidance(**GUIDER_CONFIG),
         )
 
-    return checkpoints.cached_pipeline("hunyuan-tiny", spec, build, directory)
+    return checkpoints.cached_pipeline("hunyuan-tiny", spec, build, directory, finish=lambda path: (
+        tokenizer_files.write_qwen_bpe(path / "tokenizer", tiny_qwen_tokenizer())))
 
 
 def model_source(preset: Any, model: "str | os.PathLike | None" = None) -> tuple[str, str]:
@@ -425,18 +446,22 @@ def model_source(preset: Any, model: "str | os.PathLike | None" = None) -> tuple
     return checkpoints.choose_source(preset, model, ENV_MODEL, FULL_ID, tiny_checkpoint)
 
 
+def named_source(model: "str | os.PathLike | None" = None) -> str | None:
+    """The checkpoint the user named (`model`, else `$TPUPEDIA_HUNYUAN`), or `None` for the preset's."""
+    return checkpoints.named_source(model, ENV_MODEL)
+
+
 def component_configs(source: str) -> dict[str, dict]:
     """The checkpoint's component configs (no weights read), minus version and path entries."""
     from diffusers import AutoencoderKLHunyuanVideo15, FlowMatchEulerDiscreteScheduler, HunyuanVideo15Transformer3DModel
     from diffusers.guiders import ClassifierFreeGuidance
     from transformers import AutoConfig
 
-    configs = {
-        "transformer": HunyuanVideo15Transformer3DModel.load_config(source, subfolder="transformer"),
-        "vae": AutoencoderKLHunyuanVideo15.load_config(source, subfolder="vae"),
-        "scheduler": FlowMatchEulerDiscreteScheduler.load_config(source, subfolder="scheduler"),
-        "guider": ClassifierFreeGuidance.load_config(source, subfolder="guider"),
-        "text_encoder": AutoConfig.from_pretrained(source, subfolder="text_encoder").to_dict(),
-        "text_encoder_2": AutoConfig.from_pretrained(source, subfolder="text_encoder_2").to_dict(),
-    }
-    return {name: checkpoints.clean_config(c) for name, c in configs.items()}
+    return checkpoints.read_configs(source, {
+        "transformer": lambda s: HunyuanVideo15Transformer3DModel.load_config(s, subfolder="transformer"),
+        "vae": lambda s: AutoencoderKLHunyuanVideo15.load_config(s, subfolder="vae"),
+        "scheduler": lambda s: FlowMatchEulerDiscreteScheduler.load_config(s, subfolder="scheduler"),
+        "guider": lambda s: ClassifierFreeGuidance.load_config(s, subfolder="guider"),
+        "text_encoder": lambda s: AutoConfig.from_pretrained(s, subfolder="text_encoder").to_dict(),
+        "text_encoder_2": lambda s: AutoConfig.from_pretrained(s, subfolder="text_encoder_2").to_dict(),
+    })

@@ -37,9 +37,11 @@ __all__ = ["PipelineError", "Request", "Options", "validate", "parse_mesh", "def
 VAES = ("flax", "torchax")
 
 
-def validate(request: Request, options: Options, device_count: int | None = None) -> None:
-    """Refuse what cannot run, naming the bad value and what is allowed. Loads no model."""
-    CogVideoX.validate(request, options, device_count)
+def validate(request: Request, options: Options, device_count: int | None = None,
+             configs: dict[str, dict] | None = None) -> None:
+    """Refuse what cannot run, naming the bad value and what is allowed. Loads no model; with
+    `configs` (`family.component_configs`), the rules use that checkpoint's shape facts."""
+    CogVideoX.validate(request, options, device_count, configs)
 
 
 def settings(stage: str, source_label: str, configs: dict[str, dict], request: Request, *, vae: str = "flax",
@@ -140,11 +142,11 @@ class CogVideoX(common.StagedPipeline):
         guided = request.guidance > 1.0
 
         generator = torch.Generator().manual_seed(request.seed)
-        frames, padding = family.padded_latent_frames(request.frames, cfg.get("patch_size_t"))
-        shape = (1, frames, cfg["in_channels"], request.height // family.SPATIAL_COMPRESSION,
-                 request.width // family.SPATIAL_COMPRESSION)
+        facts = self.shapes
+        frames, padding = family.padded_latent_frames(request.frames, facts)
+        shape = (1, frames, facts.latent_channels, *facts.latent_size(request.height, request.width))
         latents = randn_tensor(shape, generator=generator, dtype=self.dtype) * scheduler.init_noise_sigma
-        cos, sin = family.rotary_embeddings(cfg, request.height, request.width, frames)
+        cos, sin = family.rotary_embeddings(cfg, request.height, request.width, frames, facts)
 
         transformer = CogVideoXTransformer3DModel.from_pretrained(
             self.source, subfolder="transformer", dtype=self.dtype, use_safetensors=True).eval()
@@ -210,7 +212,7 @@ class CogVideoX(common.StagedPipeline):
         from diffusers import AutoencoderKLCogVideoX
         from diffusers.video_processor import VideoProcessor
 
-        _, padding = family.padded_latent_frames(request.frames, self.configs["transformer"].get("patch_size_t"))
+        _, padding = family.padded_latent_frames(request.frames, self.shapes)
         vae = AutoencoderKLCogVideoX.from_pretrained(self.source, subfolder="vae", dtype=self.dtype,
                                                      use_safetensors=True).eval()
         z = latents[:, padding:].permute(0, 2, 1, 3, 4) / vae.config.scaling_factor
@@ -230,7 +232,7 @@ class CogVideoX(common.StagedPipeline):
                     video = vae.decode(z.to("jax")).sample
                     video = video.to("cpu")
         seconds = time.perf_counter() - start
-        frames = VideoProcessor(vae_scale_factor=family.SPATIAL_COMPRESSION).postprocess_video(
+        frames = VideoProcessor(vae_scale_factor=self.shapes.spatial).postprocess_video(
             video.float(), output_type="np")[0]
         return {"frames": torch.from_numpy(frames.astype("float32"))}, {"first_s": seconds}
 

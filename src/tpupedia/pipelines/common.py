@@ -22,7 +22,7 @@ from tpupedia.devices import default_mesh_shape
 from tpupedia.errors import TpupediaError
 from tpupedia.pipelines import stages
 
-__all__ = ["PipelineError", "Request", "Options", "validate", "parse_mesh", "default_mesh_shape", "StageReport",
+__all__ = ["PipelineError", "Request", "Options", "validate", "mesh_shape", "check_workdir", "SEED_LIMIT", "parse_mesh", "default_mesh_shape", "StageReport",
            "StagedPipeline", "run", "run_batch", "attention_backend", "torch_dtype", "to_jax_array", "to_torch",
            "timed", "config_fingerprint", "ATTENTION", "DTYPES", "SHARDINGS"]
 
@@ -55,7 +55,7 @@ class Options:
     """How to run it: these change speed and memory, not what the video is."""
 
     mesh: tuple[int, int] | None = None
-    """`(dp, tp)`; default `default_mesh_shape(device count)`."""
+    """`(dp, tp)`; default `mesh_shape`: dp=2 for a guidance pair, dp=1 without guidance."""
     sharding: str = "tp"
     attention: str = "auto"
     vae: str | None = None
@@ -66,6 +66,10 @@ class Options:
     dtype: str = "auto"
     """`auto`: bfloat16 on the full preset (as the checkpoints are released), float32 on the tiny
     preset (exact parity with stock diffusers); or `bfloat16` / `float32`."""
+
+
+SEED_LIMIT = 2**64
+"""Seeds are what `torch.Generator.manual_seed` takes: 0 <= seed < 2^64."""
 
 
 def validate(request: Request, options: Options, device_count: int | None = None, *,
@@ -80,8 +84,9 @@ def validate(request: Request, options: Options, device_count: int | None = None
             raise PipelineError(f"{name}={value} must be a positive integer")
     if request.guidance is not None and (not math.isfinite(request.guidance) or request.guidance < 0):
         raise PipelineError(f"guidance={request.guidance} must be a finite number >= 0 (1 or less turns guidance off)")
-    if request.seed < 0:
-        raise PipelineError(f"seed={request.seed} must be >= 0")
+    if not isinstance(request.seed, int) or not 0 <= request.seed < SEED_LIMIT:
+        raise PipelineError(f"seed={request.seed} must be an integer with 0 <= seed < 2^64 "
+                            f"(what torch.Generator.manual_seed takes)")
     for name, value, allowed in (("sharding", options.sharding, shardings), ("attention", options.attention, ATTENTION),
                                  ("dtype", options.dtype, DTYPES), ("vae", options.vae or vaes[0], vaes)):
         if value not in allowed:
@@ -90,6 +95,38 @@ def validate(request: Request, options: Options, device_count: int | None = None
         dp, tp = options.mesh
         raise PipelineError(f"mesh dp={dp},tp={tp} needs {dp * tp} devices, but {device_count} are available; "
                             f"choose dp*tp = {device_count}")
+
+
+def mesh_shape(options: Options, device_count: int, guidance_batch: int) -> tuple[int, int]:
+    """`(dp, tp)` for a run: `options.mesh` if given, which `dp` must divide the guidance batch
+    (2 with classifier-free guidance, the negative and positive prompt; 1 without), or else
+    `default_mesh_shape`, with dp=1 when there is no pair to split."""
+    if options.mesh is not None:
+        dp, tp = options.mesh
+        if guidance_batch % dp:
+            allowed = " or ".join(f"dp={d}" for d in range(1, guidance_batch + 1) if guidance_batch % d == 0)
+            raise PipelineError(f"mesh dp={dp},tp={tp}: the data-parallel axis splits the guidance batch of "
+                                f"{guidance_batch} ({'negative and positive prompt' if guidance_batch == 2 else 'guidance off'}), "
+                                f"so dp must divide it: {allowed}")
+        return options.mesh
+    if guidance_batch == 1:
+        return 1, device_count
+    return default_mesh_shape(device_count)
+
+
+def check_workdir(path: str | Path, flag: str = "--workdir") -> Path:
+    """`path` created if missing and writable, or a `PipelineError` naming it (before any model loads)."""
+    import os
+
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise PipelineError(f"{flag} {path}: cannot be created ({err.strerror or err}); "
+                            "give a folder you can write to") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise PipelineError(f"{flag} {path}: not writable; give a folder you can write to")
+    return path
 
 
 def parse_mesh(text: str) -> tuple[int, int]:
@@ -141,14 +178,17 @@ class StagedPipeline:
     family: ClassVar[Any]
     vaes: ClassVar[tuple[str, ...]] = ("torchax",)
 
-    def __init__(self, source: str, source_label: str, dtype: Any, mesh: Any, options: Options):
+    def __init__(self, source: str, source_label: str, dtype: Any, mesh: Any, options: Options,
+                 configs: dict[str, dict] | None = None):
         from tpupedia import torchax_utils
 
         self.source, self.source_label, self.dtype, self.mesh, self.options = source, source_label, dtype, mesh, options
         self.vae = self.vae_choice(options)
         self.env = torchax_utils.default_env()
         torchax_utils.register_common_outputs()
-        self.configs = self.family.component_configs(source)
+        self.configs = configs if configs is not None else self.family.component_configs(source)
+        self.shapes = self.family.shape_facts(self.configs)
+        """Compression ratios, patch sizes and latent channels of this checkpoint (`tpupedia.models.shapes`)."""
         self.plans: dict[str, Any] = {}
         """The sharding plan each component was placed with (`tpupedia.sharding.ShardingPlan`)."""
         self.traces: dict[str, int] = {}
@@ -160,11 +200,26 @@ class StagedPipeline:
         return options.vae or cls.vaes[0]
 
     @classmethod
-    def validate(cls, request: Request, options: Options, device_count: int | None = None) -> None:
-        """Everything checkable before a model loads: the common rules, then the family's."""
+    def validate(cls, request: Request, options: Options, device_count: int | None = None,
+                 configs: dict[str, dict] | None = None, *, shape_rules: bool = True) -> None:
+        """Everything checkable before a model loads: the common rules, then the family's frame and
+        size rules with the checkpoint's shape facts (`configs`; without them, the released
+        checkpoint's, unless `shape_rules=False`: a checkpoint whose configs are not read yet), and
+        the mesh against the guidance batch."""
         validate(request, options, device_count, vaes=cls.vaes)
-        cls.family.check_frames(request.frames)
-        cls.family.check_size(request.width, request.height)
+        if shape_rules or configs is not None:
+            facts = cls.family.shape_facts(configs) if configs is not None else cls.family.DEFAULT_SHAPES
+            cls.family.check_frames(request.frames, facts)
+            cls.family.check_size(request.width, request.height, facts)
+        batch = cls.guidance_batch(request, configs)
+        if batch is not None:
+            mesh_shape(options, device_count or math.prod(options.mesh or (1, 1)), batch)
+
+    @classmethod
+    def guidance_batch(cls, request: Request, configs: dict[str, dict] | None = None) -> int | None:
+        """Samples each transformer call carries: 2 with classifier-free guidance, else 1 (`None`:
+        unknown without the checkpoint's `configs`)."""
+        return 2 if request.guidance is not None and request.guidance > 1.0 else 1
 
     def _precision(self):
         import jax
@@ -298,12 +353,15 @@ def run(pipeline_cls: type[StagedPipeline], request: Request, options: Options, 
     if stage != "all" and stage not in STAGE_ORDER:
         raise PipelineError(f"stage={stage!r} is not one of all, {', '.join(STAGE_ORDER)}")
     mesh_devices = jax.devices() if collective else jax.local_devices()  # every process's devices, or ours
-    pipeline_cls.validate(request, options, len(mesh_devices))
-    shape = options.mesh or default_mesh_shape(len(mesh_devices))
+    # A checkpoint of our own choosing has the released shape facts; a named one is checked below.
+    pipeline_cls.validate(request, options, len(mesh_devices), shape_rules=not family.named_source(model))
+    workdir = check_workdir(workdir or f"tpupedia-runs/{family.FAMILY}")
     source, label = family.model_source(preset, model)
+    configs = family.component_configs(source)  # JSON only: the rules below use the checkpoint's facts
+    pipeline_cls.validate(request, options, len(mesh_devices), configs)
+    shape = mesh_shape(options, len(mesh_devices), pipeline_cls.guidance_batch(request, configs))
     mesh = devices.make_mesh(shape, ("dp", "tp"), devices=mesh_devices)
-    pipe = pipeline_cls(source, label, torch_dtype(options, preset), mesh, options)
-    workdir = Path(workdir or f"tpupedia-runs/{family.FAMILY}")
+    pipe = pipeline_cls(source, label, torch_dtype(options, preset), mesh, options, configs)
     leader = distributed.is_leader() or not collective
     barrier = distributed.barrier if collective else (lambda _: None)
     if not leader:
@@ -358,19 +416,25 @@ def run_batch(pipeline_cls: type[StagedPipeline], prompts: str | Path, base: Req
 
     items = batch.read_prompts(prompts)
     requests = {item.index: batch.item_request(item, base) for item in items}
-    for item in items:
-        try:
-            pipeline_cls.validate(requests[item.index], options, len(jax.local_devices()))
-        except TpupediaError as err:
-            raise PipelineError(f"prompt {item.index} ({item.prompt[:40]!r}): {err}") from None
-    outdir = Path(outdir)
-    outdir.mkdir(parents=True, exist_ok=True)
-    source, label = pipeline_cls.family.model_source(preset, model)
+    family = pipeline_cls.family
+
+    def check_all(configs=None):
+        for item in items:
+            try:
+                pipeline_cls.validate(requests[item.index], options, len(jax.local_devices()), configs,
+                                      shape_rules=configs is not None or not family.named_source(model))
+            except TpupediaError as err:
+                raise PipelineError(f"prompt {item.index} ({item.prompt[:40]!r}): {err}") from None
+
+    check_all()  # before anything is loaded; then with the checkpoint's configs
+    outdir = check_workdir(outdir, "--outdir")
+    source, label = family.model_source(preset, model)
+    configs = family.component_configs(source)
+    check_all(configs)
     dtype = torch_dtype(options, preset)
 
     def decode_settings(request):  # what the decode stage file of `request` must say, no model loaded
-        return pipeline_cls.settings_for(label, pipeline_cls.family.component_configs(source), request, options,
-                                         dtype, "decode")
+        return pipeline_cls.settings_for(label, configs, request, options, dtype, "decode")
 
     process, made = jax.process_index(), []
     for item in batch.share(items, process, jax.process_count()):

@@ -55,9 +55,11 @@ class Request(common.Request):
     a quarter): what fits 720p into one chip's memory; the blend changes pixels slightly."""
 
 
-def validate(request: Request, options: Options, device_count: int | None = None) -> None:
-    """Refuse what cannot run, naming the bad value and what is allowed. Loads no model."""
-    Hunyuan.validate(request, options, device_count)
+def validate(request: Request, options: Options, device_count: int | None = None,
+             configs: dict[str, dict] | None = None) -> None:
+    """Refuse what cannot run, naming the bad value and what is allowed. Loads no model; with
+    `configs` (`family.component_configs`), the rules use that checkpoint's shape facts and guider."""
+    Hunyuan.validate(request, options, device_count, configs)
 
 
 def resolve(request: Request, configs: dict[str, dict]) -> Request:
@@ -124,8 +126,15 @@ class Hunyuan(common.StagedPipeline):
         self.traces = {"text": 0, "denoise": 0, "full": 0, "cached": 0}
 
     @classmethod
-    def validate(cls, request: Request, options: Options, device_count: int | None = None) -> None:
-        super().validate(request, options, device_count)
+    def guidance_batch(cls, request: Request, configs: dict[str, dict] | None = None) -> int | None:
+        """2 when the checkpoint's guider runs the guidance pair for this request, else 1; `None`
+        without `configs` (the guider decides)."""
+        return None if configs is None else 2 if _guidance_on(resolve(request, configs), configs) else 1
+
+    @classmethod
+    def validate(cls, request: Request, options: Options, device_count: int | None = None,
+                 configs: dict[str, dict] | None = None, *, shape_rules: bool = True) -> None:
+        super().validate(request, options, device_count, configs, shape_rules=shape_rules)
         if request.shift is not None and (not math.isfinite(request.shift) or request.shift <= 0):
             raise PipelineError(f"shift={request.shift} must be a finite number > 0 (1 leaves the schedule unshifted)")
         if request.deepcache is not None:
@@ -244,9 +253,7 @@ class Hunyuan(common.StagedPipeline):
         tables = {k: jnp.asarray(v) for k, v in schedulers.flow_match_tables(scheduler).items()}
 
         cfg = self.configs["transformer"]
-        vae_cfg = self.configs["vae"]
-        shape = (1, vae_cfg["latent_channels"], family.latent_frames(request.frames),
-                 request.height // vae_cfg["spatial_compression_ratio"], request.width // vae_cfg["spatial_compression_ratio"])
+        shape = family.latent_shape(request.frames, request.height, request.width, self.shapes)
         latents = randn_tensor(shape, generator=torch.Generator().manual_seed(request.seed), dtype=self.dtype)
 
         transformer = HunyuanVideo15Transformer3DModel.from_pretrained(
