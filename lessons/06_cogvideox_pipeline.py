@@ -102,9 +102,10 @@ _ = expect(lambda: pipeline.validate(pipeline.Request(**{**request.__dict__, "wi
 #
 # Both presets load through the same `from_pretrained(..., use_safetensors=True)`. The tiny
 # preset first writes a random CogVideoX 1.5-layout checkpoint with `save_pretrained` (a T5
-# encoder over the byte-level ByT5 vocabulary, a 2-layer transformer, a 4-level VAE, the
-# 1.5-5B scheduler configuration), so CI runs the loading code a TPU VM runs. The component
-# configs are read without touching weights; their fingerprints go into every stage file.
+# encoder, a 2-layer transformer, a 4-level VAE, the 1.5-5B scheduler configuration), so CI runs
+# the loading code a TPU VM runs. The component configs are read without touching weights; their
+# fingerprints go into every stage file, and the shape facts the pipeline uses (how much the VAE
+# compresses, the patch sizes) come from them, as diffusers takes them, not from constants.
 
 # %%
 import jax
@@ -120,6 +121,31 @@ t = pipe.configs["transformer"]
 print(f"{label}: {t['num_layers']} layers, {t['num_attention_heads']} heads of {t['attention_head_dim']}, "
       f"text length {t['max_text_seq_length']}, scheduler {pipe.configs['scheduler']['_class_name']}")
 print("mesh", dict(mesh.shape), "on", jax.device_count(), jax.devices()[0].platform, "devices")
+print("shape facts from the configs:", pipe.shapes)
+same = ("spatial", "temporal", "patch", "patch_t")  # the tiny model is only narrower (fewer latent channels)
+assert all(getattr(pipe.shapes, k) == getattr(family.DEFAULT_SHAPES, k) for k in same)
+
+# %% [markdown]
+# The tokenizer is where a first full-size run used to fail. CogVideoX's tokenizer folder on the
+# Hub is a SentencePiece model, `spiece.model`, with no `tokenizer.json`; transformers 5 can read
+# it only with the `sentencepiece` package installed (without it, it falls back to a tiktoken
+# reader and raises). So the tiny checkpoint ships the same files, with a SentencePiece model
+# trained here in milliseconds (`tpupedia.models.tokenizer_files`), and loads them through the
+# same call: a missing package fails in CI, not on the TPU VM.
+
+# %%
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from tpupedia.models import tokenizer_files
+
+folder = Path(source) / "tokenizer"
+print("tokenizer folder:", tokenizer_files.layout(folder) if folder.is_dir() else f"{source} on the Hub")
+tokenizer = AutoTokenizer.from_pretrained(source, subfolder="tokenizer")
+ids = tokenizer(request.prompt).input_ids
+print(f"{type(tokenizer).__name__}: {request.prompt!r} -> {len(ids)} ids, last {tokenizer.convert_ids_to_tokens(ids[-1])!r}")
+assert type(tokenizer).__name__ == "T5Tokenizer" and ids[-1] == tokenizer.eos_token_id
 
 # %% [markdown]
 # Stage 1 tokenizes on the host exactly as diffusers' `_get_t5_prompt_embeds` does (pad to the

@@ -72,3 +72,20 @@ def test_a_batch_is_split_over_the_processes(tmp_path):
 
     made_by = {e["index"]: e["process"] for e in map(json.loads, (tmp_path / "out" / "index.jsonl").read_text().splitlines())}
     assert made_by == {0: 0, 1: 1, 2: 0}  # prompt i on process i mod 2, each on its own 4 devices
+
+
+def test_stop_escalates_to_sigkill_for_a_process_that_ignores_sigterm():
+    """What a JAX process in a distributed job does with SIGTERM (its preemption notifier catches
+    it): `stop` must still end it within the grace period, not after gloo's timeouts."""
+    import signal
+    import time
+
+    ignoring = subprocess.Popen([sys.executable, "-c", "import signal, sys, time\n"
+                                 "signal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('ready', flush=True)\n"
+                                 "time.sleep(120)"], stdout=subprocess.PIPE, text=True)
+    polite = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    assert ignoring.stdout.readline().strip() == "ready"
+    start = time.monotonic()
+    distributed.stop([ignoring, polite], grace_s=1.0)
+    assert time.monotonic() - start < 10
+    assert polite.returncode == -signal.SIGTERM and ignoring.returncode == -signal.SIGKILL

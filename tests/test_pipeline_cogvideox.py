@@ -183,3 +183,44 @@ def test_bench_generate_records_per_stage_timings(tmp_path):
     path = bench.merge_record(record, tmp_path / "pipelines.json", key=bench._pipeline_key)
     bench.merge_record(record, path, key=bench._pipeline_key)  # the same run again replaces its row
     assert len(results.load(path)) == 1
+
+
+@pytest.mark.parametrize("args, names", [
+    (["--model", "{tmp}/no-such-folder"], ["no-such-folder", "no such folder"]),
+    (["--model", "{tmp}"], ["model_index.json", "not a diffusers"]),
+    (["--model", "nobody/NoSuchModel"], ["nobody/NoSuchModel", "HF_HUB_OFFLINE=1"]),
+    (["--model", "{tmp}/half"], ["half", "transformer config"]),
+    (["--preset", "tiny", "--workdir", "{tmp}/a-file/stages"], ["a-file/stages", "cannot be created"]),
+    (["--preset", "tiny", "--seed", str(2**64)], [f"seed={2**64}", "2^64"]),
+    (["--preset", "tiny", "--seed", "-1"], ["seed=-1"]),
+    (["--preset", "tiny", "--mesh", "dp=4,tp=2"], ["dp=4", "dp=1 or dp=2"]),
+    (["--preset", "tiny", "--mesh", "dp=2,tp=4", "--guidance", "1"], ["dp=2", "guidance off", "dp=1"]),
+])
+def test_bad_command_lines_get_one_line_naming_the_value_before_anything_loads(args, names, tmp_path, capsys,
+                                                                               monkeypatch):
+    """Tried as a new user would: each ends in one line on stderr and exit 2, with no model built
+    (the tiny checkpoint is never written) and JAX never started."""
+    from tpupedia import cli, devices
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(family, "tiny_checkpoint", lambda *a, **k: pytest.fail("built a model"))
+    monkeypatch.setattr(devices, "simulate_cpu_devices", lambda *a, **k: pytest.fail("started JAX"))
+    (tmp_path / "a-file").write_text("not a folder")
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "model_index.json").write_text('{"_class_name": "CogVideoXPipeline"}')
+    argv = ["generate", "cogvideox", "--prompt", "a panda", *[a.format(tmp=tmp_path) for a in args]]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("tpupedia generate: "), err
+    for name in names:
+        assert name in err[0], (name, err[0])
+
+
+def test_the_default_mesh_puts_dp_where_there_is_a_pair_to_split():
+    from tpupedia.pipelines import common
+
+    assert common.mesh_shape(pipeline.Options(), 8, guidance_batch=2) == (2, 4)
+    assert common.mesh_shape(pipeline.Options(), 8, guidance_batch=1) == (1, 8)  # guidance off: all on tp
+    assert common.mesh_shape(pipeline.Options(mesh=(1, 8)), 8, guidance_batch=2) == (1, 8)
+    with pytest.raises(pipeline.PipelineError, match="dp=1 or dp=2"):
+        common.mesh_shape(pipeline.Options(mesh=(8, 1)), 8, guidance_batch=2)

@@ -82,6 +82,11 @@ def test_guidance_one_runs_a_single_forward_per_step(checkpoint, tmp_path):
                                              pipeline.Options(), torch.float32, "text")
     assert not any(k.startswith("negative_") for k in stages.read(tmp_path, "text", settings).tensors)
     assert float(np.abs(_frames(tmp_path, checkpoint, request) - expected).max()) <= 1e-4
+    denoise = stages.read(tmp_path, "denoise", pipeline.Hunyuan.settings_for(
+        str(checkpoint), family.component_configs(str(checkpoint)), request, pipeline.Options(), torch.float32, "denoise"))
+    assert denoise.meta["extra"]["mesh"] == {"dp": 1, "tp": 8}  # no pair to split: every device on tp
+    with pytest.raises(pipeline.PipelineError, match="guidance batch of 1"):  # the guider's setting, read from its config
+        _run(checkpoint, request, tmp_path / "dp2", mesh=(2, 4))
 
 
 def test_deepcache_with_interval_one_is_the_plain_pipeline_bit_for_bit(checkpoint, tmp_path):

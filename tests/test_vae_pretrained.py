@@ -14,7 +14,7 @@ from diffusers import AutoencoderKLCogVideoX as TorchVAE
 from flax import nnx
 
 from tpupedia import presets
-from tpupedia.models import cogvideox, cogvideox_vae_convert as convert
+from tpupedia.models import checkpoints, cogvideox, cogvideox_vae_convert as convert
 
 
 def _torch_vae(dtype: torch.dtype) -> TorchVAE:
@@ -97,7 +97,11 @@ def test_tiny_checkpoint_is_one_loading_path(tmp_path, monkeypatch):
     assert label == "preset:tiny" and Path(source).parent == tmp_path
     assert sorted(p.name for p in (Path(source) / "vae").iterdir()) == ["config.json", "diffusion_pytorch_model.safetensors"]
     assert convert.model_source(presets.get("tiny"))[0] == source  # cached, not rewritten
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     assert convert.model_source(presets.get("full")) == (cogvideox.FULL_ID, cogvideox.FULL_ID)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # offline and not downloaded: one clear error, not a failed download
+    with pytest.raises(checkpoints.CheckpointError, match=f"{cogvideox.FULL_ID}: no such folder here.*HF_HUB_OFFLINE=1"):
+        convert.model_source(presets.get("full"))
     tv = TorchVAE.from_pretrained(source, subfolder="vae", torch_dtype=torch.float32, use_safetensors=True)
     fv = convert.from_pretrained(source, subfolder="vae", dtype=jnp.float32)
     got, want = _params(fv), _expected(tv)

@@ -33,7 +33,7 @@ from tpupedia.errors import TpupediaError
 
 __all__ = [
     "ENV_COORDINATOR", "ENV_NUM_PROCESSES", "ENV_PROCESS_ID", "ENV_DEVICES_PER_PROCESS",
-    "DistributedError", "Processes", "requested", "initialize", "is_leader", "barrier", "free_port", "launch",
+    "DistributedError", "Processes", "requested", "initialize", "is_leader", "barrier", "free_port", "stop", "launch",
     "check",
 ]
 
@@ -164,14 +164,34 @@ def _relay(stream, prefix: str, out) -> None:
         out.flush()
 
 
-def launch(command: Sequence[str], processes: int, devices_per_process: int, grace_s: float = 10.0,
+def stop(children: Sequence[subprocess.Popen], grace_s: float = 5.0) -> None:
+    """SIGTERM every child still running, then SIGKILL whichever still runs `grace_s` later.
+
+    The escalation is needed: a process that has joined `jax.distributed` does not end on
+    SIGTERM, because JAX's preemption notifier catches it (it logs "SIGTERM caught") and the
+    process goes on until a collective with its dead peer times out (gloo's 30 s key-value
+    timeout, then more), which left a job running about 90 s after one of its processes died."""
+    running = [c for c in children if c.poll() is None]
+    for child in running:
+        child.terminate()
+    deadline = time.monotonic() + grace_s
+    while any(c.poll() is None for c in running) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for child in running:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def launch(command: Sequence[str], processes: int, devices_per_process: int, grace_s: float = 5.0,
            out=None, err=None) -> int:
     """Run `python -m tpupedia.cli COMMAND` as `processes` local processes of one JAX job.
 
     Each line a process writes to stdout (stderr) goes to `out` (`err`), prefixed with `[pN] `,
     whole lines only. Returns 0 when every process succeeds;
-    otherwise stops the others (a multi-controller job cannot finish without all of them) and
-    raises `DistributedError` naming the first process that failed and its exit status.
+    otherwise stops the others at once (a multi-controller job cannot finish without all of them;
+    `stop`: SIGTERM, then SIGKILL after `grace_s`) and raises `DistributedError` naming the first
+    process that failed and its exit status.
     """
     if processes < 1 or devices_per_process < 1:
         raise DistributedError(f"--local-processes {processes} and --devices-per-process {devices_per_process} "
@@ -193,15 +213,10 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int, gra
         children.append(child)
     failed = None
     while any(c.poll() is None for c in children):
-        for rank, c in enumerate(children):
-            if failed is None and c.poll() not in (None, 0):
-                failed = (rank, c.returncode)
-                deadline = time.monotonic() + grace_s
-                while any(o.poll() is None for o in children) and time.monotonic() < deadline:
-                    time.sleep(0.1)
-                for other in children:
-                    if other.poll() is None:
-                        other.terminate()
+        if failed is None:
+            failed = next(((rank, c.returncode) for rank, c in enumerate(children) if c.poll() not in (None, 0)), None)
+            if failed is not None:  # the others cannot finish without it: stop them now
+                stop(children, grace_s)
         time.sleep(0.1)
     for relay in relays:
         relay.join(timeout=5)

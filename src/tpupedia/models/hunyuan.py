@@ -147,7 +147,7 @@ def check_frames(frames: int, facts: ShapeFacts = DEFAULT_SHAPES) -> None:
     """Refuse a frame count the VAE cannot produce: it must be temporal * n + 1 (4n+1 for the released VAE)."""
     if not facts.frames_ok(frames):
         t = facts.temporal
-        rounded = max(1, (frames - 1) // t * t + 1) if isinstance(frames, int) else "?"
+        rounded = facts.frames_for(facts.latent_frames(max(1, frames))) if isinstance(frames, int) else "?"
         raise ModelInputError(
             f"frames={frames}: HunyuanVideo-1.5 generates {t}n+1 frames (the VAE keeps the first frame and "
             f"compresses the rest {t}x in time), e.g. {t * 2 + 1}, {t * 12 + 1}, {t * 30 + 1}; diffusers would round "
