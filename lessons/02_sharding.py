@@ -439,6 +439,45 @@ assert d["fsdp"].bytes_per_device < d["replicated"].bytes_total / 7
 assert results["tp"]["plan"].specs() == d["tp"].specs()  # apply_rules did what the plan said
 
 # %% [markdown]
+# ### Placing a model without staging it on one device
+#
+# `run` moved each copy with `m.to("jax")` and then resharded it. The first step puts every
+# tensor, whole, on the default device: harmless for this model, fatal for a 16.6 GB video
+# transformer on a 31.25 GiB chip (lesson 07's, at full size). `sharding.place` builds each
+# device's shards straight from host memory (`jax.make_array_from_callback` hands every device
+# the slice of the CPU tensor its shard covers) after checking every spec, and is what the
+# pipelines of lessons 06 and 07 use. `devices.live_bytes()` sums what each device holds from
+# `jax.live_arrays()`, so the difference is measured rather than claimed.
+
+# %%
+before = devices.live_bytes()
+
+
+def grown():
+    return {d: n - before[d] for d, n in devices.live_bytes().items()}
+
+
+staged = copy.deepcopy(model)
+with env:
+    staged.to("jax")  # step one of to("jax") + apply_rules
+staged_bytes = grown()
+sharding.free(staged)  # delete its device buffers now
+
+placed = copy.deepcopy(model)
+placed_plan = sharding.place(placed, sharding.rules("llama", "tp"), mesh, env)
+placed_bytes = grown()
+print("device  | to('jax') | place")
+for d in before:
+    print(f"{d:7s} | {staged_bytes[d]:>9,} | {placed_bytes[d]:>7,}")
+
+# %%
+first = str(jax.devices()[0])
+assert staged_bytes[first] == placed_plan.bytes_total and sum(staged_bytes.values()) == placed_plan.bytes_total
+assert set(placed_bytes.values()) == {placed_plan.bytes_per_device}  # each device: its shards, nothing more
+assert sharding.describe(placed).specs() == results["tp"]["plan"].specs()  # the same layout as apply_rules
+sharding.free(placed)
+
+# %% [markdown]
 # ## 4. Sharding a KV cache on heads
 #
 # In tensor-parallel decoding each device owns whole attention heads, so its cache slice is just
@@ -534,6 +573,8 @@ assert not any(shape in big_weights for op in tpu_ops for shape in op.shapes)
 #   the compiler inserts the communication.
 # * Keep sharding as data: a regex → spec table per model family and strategy, applied with
 #   `sharding.apply_rules`, checked before anything moves, with the unmatched tensors listed.
+#   For a model still on the CPU, `sharding.place` builds each device's shards from host memory,
+#   so no device ever holds the whole model.
 # * Torch weights are `(out, in)`: Megatron column-parallel is **dim 0**, row-parallel **dim 1**.
 #   Labels in other people's tables can be backwards; count the collectives.
 # * TP, FSDP and replication compute the same logits here (within 1e-5 of PyTorch on CPU); they

@@ -38,9 +38,13 @@
 # | preset | loads | memory | compute time |
 # |---|---|---|---|
 # | `tiny` (CPU, CI) | a random 2-layer CogVideoX checkpoint written with `save_pretrained`, 8 simulated devices | about 1 GB of host RAM | about 20 s, measured here on a 2-core CPU |
-# | `full` (TPU v6e-8) | `zai-org/CogVideoX1.5-5B`: about 21 GB of bf16 weights (T5-XXL 9.5 GB, transformer 11.2 GB, VAE 0.4 GB, from their parameter counts) | per chip: T5 9.5 GB (replicated) while encoding; the transformer step at 720p, 81 frames, 3.8 GiB of arguments + 1.6 GiB of temporaries (AOT here, the `tp` table on the 2×4 mesh); the VAE decode at 768×1360 about 22 GiB of temporaries on one chip (AOT here) | about 107 s for 50 steps at 720p once compiled (reported upstream, TPU v6e-8), plus section 8's live compile of the step, a few minutes on the host |
+# | `full` (TPU v6e-8) | `zai-org/CogVideoX1.5-5B`: about 21 GB of bf16 weights (T5-XXL 9.5 GB, transformer 11.2 GB, VAE 0.4 GB, from their parameter counts); on the host CPU too, for section 6's one-step parity check | per chip: T5 9.5 GB (replicated) while encoding; the transformer step at 720p, 81 frames, 3.8 GiB of arguments + 1.6 GiB of temporaries (AOT here, the `tp` table on the 2×4 mesh); the VAE decode at 768×1360 about 22 GiB of temporaries on one chip (AOT here) | about 107 s for 50 steps at 720p once compiled (reported upstream, TPU v6e-8), plus section 8's live compile of the step, a few minutes on the host |
 #
-# *Reading time: about 9 minutes.*
+# The full preset downloads `zai-org/CogVideoX1.5-5B`, released under the **CogVideoX LICENSE**
+# (linked from its model card on the Hugging Face Hub; the CogVideoX code is Apache-2.0, the
+# weights are not): read it before you run the full preset.
+#
+# *Reading time: about 10 minutes.*
 
 # %%
 # %xmode Minimal
@@ -116,7 +120,8 @@ from tpupedia import devices
 source, label = family.model_source(preset)
 dtype = getattr(torch, preset.dtype)
 mesh = devices.make_mesh(pipeline.default_mesh_shape(jax.device_count()), ("dp", "tp"))
-pipe = pipeline.CogVideoX(source, label, dtype, mesh, pipeline.Options(quiet=True))
+# section 6 compares these stages with stock diffusers: full fp32 matmuls on a TPU too
+pipe = pipeline.CogVideoX(source, label, dtype, mesh, pipeline.Options(quiet=True, matmul_precision="highest"))
 t = pipe.configs["transformer"]
 print(f"{label}: {t['num_layers']} layers, {t['num_attention_heads']} heads of {t['attention_head_dim']}, "
       f"text length {t['max_text_seq_length']}, scheduler {pipe.configs['scheduler']['_class_name']}")
@@ -160,25 +165,41 @@ for name, value in embeds.items():
 print("traced", pipe.traces["text"], "time(s) for 2 prompts")
 
 # %% [markdown]
-# The same embeddings as diffusers' own `encode_prompt`, on PyTorch:
+# The same embeddings as diffusers' own `encode_prompt`, on PyTorch. In float32 (tiny) the two
+# agree to rounding, so the bound is absolute. In bfloat16 (full) a value keeps 8 significant
+# bits, so how far two correct programs drift apart grows with the values themselves, and an
+# absolute bound fails wherever a channel is large. There the measure is notebook 01's: the
+# largest difference over the reference's largest value, at most 2^-4 (`llm.BF16_RELATIVE_BOUND`).
+# T5 runs once per prompt, so the host CPU computes the reference at full size too.
 
 # %%
 from diffusers import CogVideoXPipeline
 
-from tpupedia import results
+from tpupedia import llm, results
+
+
+def relative(got, want):
+    """max |got - want| / max |want|, in float32: notebook 01's bfloat16 measure."""
+    got, want = torch.as_tensor(got).float(), torch.as_tensor(want).float()
+    return float((got - want).abs().max() / want.abs().max())
+
 
 stock = CogVideoXPipeline.from_pretrained(source, dtype=dtype, use_safetensors=True)
 stock.set_progress_bar_config(disable=True)
 with torch.no_grad():
     positive, negative = stock.encode_prompt(request.prompt, request.negative_prompt, True, device="cpu",
                                              max_sequence_length=t["max_text_seq_length"])
-text_error = max(float((embeds["prompt_embeds"] - positive).abs().max()),
-                 float((embeds["negative_prompt_embeds"] - negative).abs().max()))
-print("max abs difference from diffusers:", results.error_text(text_error, 1e-5 if dtype == torch.float32 else 2e-2))
+pairs = ((embeds["prompt_embeds"], positive), (embeds["negative_prompt_embeds"], negative))
+if dtype == torch.float32:  # tiny: equal to float32 rounding
+    text_error, text_bound = max(float((a - b).abs().max()) for a, b in pairs), 1e-5
+    print("max abs difference from diffusers:", results.error_text(text_error, text_bound))
+else:  # full, bfloat16: relative to the largest value
+    text_error, text_bound = max(relative(a, b) for a, b in pairs), llm.BF16_RELATIVE_BOUND
+    print(f"max abs difference from diffusers over its largest |value|: {text_error:.1e} (bound {text_bound:.1e})")
 
 # %%
 assert pipe.traces["text"] == 1
-assert text_error <= (1e-5 if dtype == torch.float32 else 2e-2)
+assert text_error <= text_bound
 
 # %% [markdown]
 # ## 3. The scheduler as a pure function
@@ -335,22 +356,59 @@ assert read_back.shape == frames.shape
 #
 # The strongest check of the whole pipeline: the stock `CogVideoXPipeline`, eager PyTorch on the
 # CPU, given the same checkpoint, prompt and seed. Float32 on both sides (tiny preset); a TPU
-# would run float32 matmuls in bf16 passes unless asked for full precision, so the
-# comparison requests the highest matmul precision, which the CPU has anyway.
+# would run float32 matmuls in bf16 passes unless asked for full precision, so the pipeline
+# of section 2 was built with `matmul_precision="highest"`, which the CPU has anyway.
+#
+# On the full preset the whole video is out of the host's reach: 50 steps at 720p are about
+# 1.2e17 FLOPs (`family.step_flops`, section 8), over a day even at a sustained 1e12 FLOP/s. The
+# host can run one step at 9 frames and 256x256, about 1/160 of a 720p step. Both pipelines take
+# that step from our stage-1 embeddings and the same seed, and their latents are compared with
+# section 2's bfloat16 measure. The step is unguided: `u + g (c - u)` multiplies a difference
+# between the two sides by up to `2g - 1` (11 at `g = 6`), and guidance is plain arithmetic,
+# checked exactly on the tiny preset.
 
 # %%
-with torch.no_grad():
-    expected = stock(prompt=request.prompt, negative_prompt=request.negative_prompt, num_frames=request.frames,
-                     height=request.height, width=request.width, num_inference_steps=request.steps,
-                     guidance_scale=request.guidance, generator=torch.Generator().manual_seed(request.seed),
-                     output_type="np", max_sequence_length=t["max_text_seq_length"]).frames[0]
-video_error = float(np.abs(frames - expected).max())
-print("frames: max abs difference from stock diffusers",
-      results.error_text(video_error, 1e-4 if dtype == torch.float32 else 5e-2), "(pixel scale 1; one 8-bit level is 4e-03)")
+import dataclasses
+
+if preset.host_runs_whole_models:  # tiny: the whole video, seconds on the host CPU
+    with torch.no_grad():
+        expected = stock(prompt=request.prompt, negative_prompt=request.negative_prompt, num_frames=request.frames,
+                         height=request.height, width=request.width, num_inference_steps=request.steps,
+                         guidance_scale=request.guidance, generator=torch.Generator().manual_seed(request.seed),
+                         output_type="np", max_sequence_length=t["max_text_seq_length"]).frames[0]
+    video_error = float(np.abs(frames - expected).max())
+    print("frames: max abs difference from stock diffusers",
+          results.error_text(video_error, 1e-4), "(pixel scale 1; one 8-bit level is 4e-03)")
+else:  # full: one denoising step at 9 frames, 256x256, without guidance
+    one_step = dataclasses.replace(request, frames=9, height=256, width=256, steps=1, guidance=1.0)
+    ours = pipe.denoise(one_step, embeds)[0]["latents"]
+    with torch.no_grad():
+        theirs = stock(prompt_embeds=embeds["prompt_embeds"], num_frames=one_step.frames, height=one_step.height,
+                       width=one_step.width, num_inference_steps=1, guidance_scale=one_step.guidance,
+                       generator=torch.Generator().manual_seed(one_step.seed), output_type="latent").frames
+    step_error = relative(ours, theirs)
+    print(f"one step at {one_step.width}x{one_step.height}, {one_step.frames} frames "
+          f"({family.step_flops(one_step.width, one_step.height, one_step.frames)['total']:.1e} FLOPs): latents' "
+          f"max abs difference from stock diffusers over its largest |value|: {step_error:.1e} "
+          f"(bound {llm.BF16_RELATIVE_BOUND:.1e})")
 
 # %%
-assert expected.shape == frames.shape
-assert video_error <= (1e-4 if dtype == torch.float32 else 5e-2)
+if preset.host_runs_whole_models:
+    assert expected.shape == frames.shape
+    assert video_error <= 1e-4
+else:
+    assert ours.shape == theirs.shape
+    assert step_error <= llm.BF16_RELATIVE_BOUND
+
+# %% [markdown]
+# The stock pipeline is not needed again; on the full preset it holds 21 GB of host memory (the
+# header's parameter counts), so it goes now:
+
+# %%
+import gc
+
+del stock
+_ = gc.collect()
 
 # %% [markdown]
 # ## 7. The stage-file contract

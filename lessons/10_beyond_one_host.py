@@ -38,11 +38,17 @@
 # | `tiny` (CPU, CI) | tiny random checkpoints, in several local processes | about 1 GB of host RAM per process | about 2 minutes, measured here on a 2-core CPU (each launch starts fresh Python processes) |
 # | `full` (multi-host TPU slice) | the real checkpoints, on every host | as lessons 06 and 07, per chip | not measured here: the same commands run unchanged on a slice, but nothing here has been run on one by this project |
 #
-# *Reading time: about 6 minutes.*
+# On the full preset sections 1 to 3 print the commands every host of a slice runs instead of
+# running them: a TPU VM's chips belong to one process at a time (this notebook's), and local
+# CPU processes would run the real CogVideoX1.5-5B checkpoint on the CPU. Sections 4 and 5 run
+# as on the tiny preset.
+#
+# *Reading time: about 7 minutes.*
 
 # %%
 # %xmode Minimal
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -63,6 +69,14 @@ def tpupedia(*args):
     return done.stdout.splitlines()
 
 
+def on_every_host(*args):
+    """What the full preset shows instead: the command each host of a slice runs (GKE or XPK starts
+    one process per host with it, `docs/deploy/`)."""
+    print("on every host:", shlex.join([f"TPUPEDIA_PRESET={preset.name}", "tpupedia", *args]))
+
+
+local = ["launch", "--local-processes", "2", "--devices-per-process", "4", "--"]  # two "hosts" of 4 devices
+
 preset.name
 
 # %% [markdown]
@@ -74,9 +88,12 @@ preset.name
 # two processes with four devices each stand in for two hosts with four chips:
 
 # %%
-lines = [line for line in tpupedia("launch", "--local-processes", "2", "--devices-per-process", "4", "--",
-                                   "distributed-check") if line[5:].lstrip().startswith(("process", "global", "jitted"))]
-print("\n".join(sorted(lines, key=lambda line: line[:4])))  # printed concurrently: grouped by process
+if preset.host_runs_whole_models:  # tiny: two local CPU processes, seconds
+    lines = [line for line in tpupedia(*local, "distributed-check")
+             if line[5:].lstrip().startswith(("process", "global", "jitted"))]
+    print("\n".join(sorted(lines, key=lambda line: line[:4])))  # printed concurrently: grouped by process
+else:  # full: one process per host of the slice
+    on_every_host("distributed-check")
 
 # %% [markdown]
 # Each process holds half of the array (`fully addressable here: False`), yet both print the
@@ -84,9 +101,10 @@ print("\n".join(sorted(lines, key=lambda line: line[:4])))  # printed concurrent
 # to process 0"; the compiler derived the all-reduce from the shardings, exactly as on one host.
 
 # %%
-assert sum("jitted sum over all processes: 120 (expected 120)" in line for line in lines) == 2
-assert any("rows held here: [0, 1, 2, 3]" in line for line in lines)
-assert any("rows held here: [4, 5, 6, 7]" in line for line in lines)
+if preset.host_runs_whole_models:
+    assert sum("jitted sum over all processes: 120 (expected 120)" in line for line in lines) == 2
+    assert any("rows held here: [0, 1, 2, 3]" in line for line in lines)
+    assert any("rows held here: [4, 5, 6, 7]" in line for line in lines)
 
 # %% [markdown]
 # ## 2. The same video, from one process or two
@@ -94,13 +112,18 @@ assert any("rows held here: [4, 5, 6, 7]" in line for line in lines)
 # `tpupedia generate cogvideox` calls `tpupedia.distributed.initialize()` first: under
 # `tpupedia launch` (or on a multi-host TPU VM) it joins the job, and the pipeline of notebook 06
 # builds its `dp=2, tp=4` mesh over `jax.devices()`, now spread over both processes. Every
-# process runs the same three stages; process 0 alone writes each stage file, and the others
-# wait for it at a barrier before reading it.
+# process runs the same three stages, and the hosts need not share a disk: process 0 decides,
+# every process gets the tensors. Only process 0 looks at the work directory (which stages are
+# done, the files a skipped stage left) and writes the stage files; what it decides and reads is
+# broadcast, and a stage's output reaches the next stage in memory on every process.
 
 # %%
 generate = ["generate", "cogvideox", "--prompt", "a panda playing a guitar", "--quiet"]
-_ = tpupedia("launch", "--local-processes", "2", "--devices-per-process", "4", "--", *generate, "--workdir", "two")
-_ = tpupedia(*generate, "--workdir", "one")
+if preset.host_runs_whole_models:  # tiny: two local processes, then one
+    _ = tpupedia(*local, *generate, "--workdir", "two")
+    _ = tpupedia(*generate, "--workdir", "one")
+else:  # full: the slice's hosts together
+    on_every_host(*generate, "--workdir", "run")
 
 # %%
 import json
@@ -109,17 +132,20 @@ from safetensors.torch import load_file
 
 from tpupedia import results
 
-for stage, name in (("text", "prompt_embeds"), ("denoise", "latents"), ("decode", "frames")):
-    a, b = (load_file(scratch / run / f"{stage}.safetensors")[name].float() for run in ("two", "one"))
-    print(f"{stage:8} {name:14} max abs difference, 2 processes vs 1:", results.error_text(float((a - b).abs().max())))
-machine = json.loads((scratch / "two" / "denoise.json").read_text())["extra"]["machine"]
-print("the 2-process run's devices:", machine["devices"], "in", machine["processes"], "processes")
+if preset.host_runs_whole_models:  # the stage files of both runs
+    for stage, name in (("text", "prompt_embeds"), ("denoise", "latents"), ("decode", "frames")):
+        a, b = (load_file(scratch / run / f"{stage}.safetensors")[name].float() for run in ("two", "one"))
+        print(f"{stage:8} {name:14} max abs difference, 2 processes vs 1:",
+              results.error_text(float((a - b).abs().max())))
+    machine = json.loads((scratch / "two" / "denoise.json").read_text())["extra"]["machine"]
+    print("the 2-process run's devices:", machine["devices"], "in", machine["processes"], "processes")
 
 # %%
-frames_two = load_file(scratch / "two" / "decode.safetensors")["frames"]
-frames_one = load_file(scratch / "one" / "decode.safetensors")["frames"]
-assert float((frames_two - frames_one).abs().max()) <= 1e-5
-assert machine == machine | {"devices": 8, "processes": 2}
+if preset.host_runs_whole_models:
+    frames_two = load_file(scratch / "two" / "decode.safetensors")["frames"]
+    frames_one = load_file(scratch / "one" / "decode.safetensors")["frames"]
+    assert float((frames_two - frames_one).abs().max()) <= 1e-5
+    assert machine == machine | {"devices": 8, "processes": 2}
 
 # %% [markdown]
 # The difference is float32 rounding: the same sums, reduced in a different order once the
@@ -142,11 +168,14 @@ prompts.write_text("\n".join(json.dumps(p) for p in [
     {"prompt": "rain over a neon city", "seed": 3},
     {"prompt": "a paper boat on a river", "seed": 4},
 ]) + "\n")
-batch_args = ["generate", "cogvideox", "--prompts", str(prompts), "--outdir", "out", "--quiet"]
-_ = tpupedia("launch", "--local-processes", "2", "--devices-per-process", "4", "--", *batch_args)
-index = [json.loads(line) for line in (scratch / "out" / "index.jsonl").read_text().splitlines()]
-for entry in sorted(index, key=lambda e: e["index"]):
-    print(f"{entry['file']:34} seed {entry['seed']}  made by process {entry['process']}")
+batch_args = ["generate", "cogvideox", "--prompts", prompts.name, "--outdir", "out", "--quiet"]  # in `scratch`
+if preset.host_runs_whole_models:  # tiny: two local processes share the four prompts
+    _ = tpupedia(*local, *batch_args)
+    index = [json.loads(line) for line in (scratch / "out" / "index.jsonl").read_text().splitlines()]
+    for entry in sorted(index, key=lambda e: e["index"]):
+        print(f"{entry['file']:34} seed {entry['seed']}  made by process {entry['process']}")
+else:  # full: every host takes its share
+    on_every_host(*batch_args)
 
 # %% [markdown]
 # Now a failure: one video is lost (a crash between the rename and the record would leave the
@@ -156,21 +185,26 @@ for entry in sorted(index, key=lambda e: e["index"]):
 # %%
 from tpupedia import batch
 
-lost = scratch / "out" / "0002-rain-over-a-neon-city.mp4"
-lost.write_bytes(lost.read_bytes()[:100])
-(scratch / "out" / ".0003-a-paper-boat-on-a-river.tmp.mp4").write_bytes(b"half a video")
-rerun = [line.split(" (")[0] for line in tpupedia(*batch_args[:-1]) if line[:4].isdigit()]  # without the timing
-print("\n".join(rerun))
+if preset.host_runs_whole_models:  # tiny: damage the batch's output, rerun in one process
+    lost = scratch / "out" / "0002-rain-over-a-neon-city.mp4"
+    lost.write_bytes(lost.read_bytes()[:100])
+    (scratch / "out" / ".0003-a-paper-boat-on-a-river.tmp.mp4").write_bytes(b"half a video")
+    rerun = [line.split(" (")[0] for line in tpupedia(*batch_args[:-1]) if line[:4].isdigit()]  # without the timing
+    print("\n".join(rerun))
+else:  # full: after a failure, the same command again
+    on_every_host(*batch_args[:-1])
 
 # %%
-items = batch.read_prompts(prompts)
-records = {i.index: json.loads((scratch / "out" / f"{i.name}.json").read_text()) for i in items}
-assert rerun == ["0000-a-panda-playing-a-guitar: done already, skipped", "0001-a-cat-on-a-skateboard: done already, skipped",
-                 "0002-rain-over-a-neon-city: wrote 0002-rain-over-a-neon-city.mp4",
-                 "0003-a-paper-boat-on-a-river: done already, skipped"]
-assert all(batch.is_done(scratch / "out", i, records[i.index]["fingerprint"]) for i in items)
-assert sorted(e["index"] for e in batch.manifest(scratch / "out")) == [0, 1, 2, 3]
-assert {e["index"]: e["process"] for e in index} == {0: 0, 1: 1, 2: 0, 3: 1}
+if preset.host_runs_whole_models:
+    items = batch.read_prompts(prompts)
+    records = {i.index: json.loads((scratch / "out" / f"{i.name}.json").read_text()) for i in items}
+    assert rerun == ["0000-a-panda-playing-a-guitar: done already, skipped",
+                     "0001-a-cat-on-a-skateboard: done already, skipped",
+                     "0002-rain-over-a-neon-city: wrote 0002-rain-over-a-neon-city.mp4",
+                     "0003-a-paper-boat-on-a-river: done already, skipped"]
+    assert all(batch.is_done(scratch / "out", i, records[i.index]["fingerprint"]) for i in items)
+    assert sorted(e["index"] for e in batch.manifest(scratch / "out")) == [0, 1, 2, 3]
+    assert {e["index"]: e["process"] for e in index} == {0: 0, 1: 1, 2: 0, 3: 1}
 
 # %% [markdown]
 # ## 4. One video on a bigger slice, planned ahead of time
@@ -277,8 +311,8 @@ assert abs(rows["v6e-16"][2] / rows["v6e-8"][2] - 2.0) < 1e-9  # 16 chips, linea
 #   `jax.devices()` global, and a mesh over it spans the slice. `tpupedia launch` reproduces that
 #   on one CPU host, with real cross-process collectives.
 # - The pipeline needed three changes to run across processes: inputs placed with global
-#   shardings, outputs replicated so every process can read them, and one writer (process 0)
-#   with a barrier before anyone reads.
+#   shardings, outputs replicated so every process can read them, and process 0 alone
+#   deciding and reading from its disk, its decisions and tensors broadcast to the others.
 # - For many videos, give each host its own prompts: no cross-host traffic, and atomic
 #   per-prompt outputs make the job restartable at any point.
 # - Deployment: `docs/deploy/jobset-v6e-16.yaml` (GKE JobSet) and `docs/deploy/xpk-v6e-16.sh`

@@ -1,10 +1,13 @@
 """Multi-controller JAX on one host (notebook 10): `tpupedia launch` runs the CogVideoX pipeline
 as 2 processes x 4 devices over one global mesh and writes the frames the 1-process, 8-device run
-writes; a failing process is named and stops the job."""
+writes, also when the processes share no disk (process 0 decides, every process gets the
+tensors); a failing process is named and stops the job."""
 
 from __future__ import annotations
 
+import io
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,29 +18,189 @@ from safetensors.torch import load_file
 from tpupedia import distributed
 
 
-def _tpupedia(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "TPUPEDIA_PRESET": "tiny", "JAX_PLATFORMS": "cpu", "TPUPEDIA_CACHE": str(cwd / "cache")}
+def _tpupedia(*args: str, cwd: Path, cache: Path | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TPUPEDIA_PRESET": "tiny", "JAX_PLATFORMS": "cpu",
+           "TPUPEDIA_CACHE": str(cache or cwd / "cache")}
     for name in (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES, distributed.ENV_PROCESS_ID):
         env.pop(name, None)
     return subprocess.run([sys.executable, "-m", "tpupedia.cli", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=600)
 
 
-def test_two_processes_make_the_frames_one_process_makes(tmp_path):
-    generate = ["generate", "cogvideox", "--preset", "tiny", "--prompt", "a panda", "--quiet"]
-    multi = _tpupedia("launch", "--local-processes", "2", "--devices-per-process", "4", "--",
-                      *generate, "--workdir", "multi", cwd=tmp_path)
-    assert multi.returncode == 0, multi.stdout[-3000:] + multi.stderr[-3000:]
-    single = _tpupedia(*generate, "--workdir", "single", cwd=tmp_path)
-    assert single.returncode == 0, single.stderr[-3000:]
-    for stage, name in (("text", "prompt_embeds"), ("denoise", "latents"), ("decode", "frames")):
-        a = load_file(tmp_path / "multi" / f"{stage}.safetensors")[name]
-        b = load_file(tmp_path / "single" / f"{stage}.safetensors")[name]
+GENERATE = ["generate", "cogvideox", "--preset", "tiny", "--prompt", "a panda"]
+ALL_STAGES = (("text", "prompt_embeds"), ("denoise", "latents"), ("decode", "frames"))
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> Path:
+    """A folder with `runs/`, the stage files of the 1-process, 8-device run, and `cache/`, the
+    model cache the launched jobs below share with it."""
+    root = tmp_path_factory.mktemp("one-process")
+    done = _tpupedia(*GENERATE, "--quiet", "--workdir", "runs", cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return root
+
+
+def _assert_same_tensors(workdir: Path, reference: Path, stages_and_names) -> None:
+    for stage, name in stages_and_names:
+        a = load_file(workdir / f"{stage}.safetensors")[name]
+        b = load_file(reference / f"{stage}.safetensors")[name]
         error = float((a.float() - b.float()).abs().max())
         assert error <= 1e-5, (stage, error)
+
+
+def test_two_processes_make_the_frames_one_process_makes(one_process, tmp_path):
+    multi = _tpupedia("launch", "--local-processes", "2", "--devices-per-process", "4", "--",
+                      *GENERATE, "--quiet", "--workdir", "multi", cwd=tmp_path, cache=one_process / "cache")
+    assert multi.returncode == 0, multi.stdout[-3000:] + multi.stderr[-3000:]
+    _assert_same_tensors(tmp_path / "multi", one_process / "runs", ALL_STAGES)
     meta = (tmp_path / "multi" / "denoise.json").read_text()
     assert '"processes": 2' in meta and '"devices": 8' in meta  # one mesh over both processes
     assert not list((tmp_path / "multi").glob(".*.tmp"))
+
+
+def _launch_apart(monkeypatch, cache: Path, hosts: list[Path], *args: str, fails: bool = False) -> str:
+    """`launch` of `GENERATE ARGS` as 2 processes x 4 devices, process N in `hosts[N]`, so that
+    `--workdir runs` is a different folder for each, as on hosts that share no disk; returns what
+    they printed (and with `fails`, the launcher's error). A job stuck in a collective is stopped
+    after 300 s and fails the test."""
+    for name, value in (("TPUPEDIA_PRESET", "tiny"), ("JAX_PLATFORMS", "cpu"), ("TPUPEDIA_CACHE", str(cache))):
+        monkeypatch.setenv(name, value)
+    for name in (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES, distributed.ENV_PROCESS_ID):
+        monkeypatch.delenv(name, raising=False)
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        distributed.launch([*GENERATE, *args], 2, 4, out=out, err=err, cwds=hosts, timeout_s=300)
+    except distributed.DistributedError as error:
+        if fails and "still ran after" not in str(error):
+            return f"{out.getvalue()}{err.getvalue()}{error}"
+        pytest.fail(f"{error}\n{out.getvalue()[-3000:]}\n{err.getvalue()[-3000:]}")
+    assert not fails, f"the job should have failed: {out.getvalue()[-3000:]}"
+    return out.getvalue()
+
+
+def _files(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+
+
+def test_processes_that_share_no_disk_make_the_frames_one_process_makes(one_process, tmp_path, monkeypatch):
+    """Issue 18: process 1 used to read the stage files process 0 wrote to its own disk, and crash."""
+    hosts = [tmp_path / "p0", tmp_path / "p1"]
+    for host in hosts:
+        host.mkdir()
+    _launch_apart(monkeypatch, one_process / "cache", hosts, "--quiet", "--workdir", "runs", "--out", "panda.mp4")
+    _assert_same_tensors(hosts[0] / "runs", one_process / "runs", ALL_STAGES)
+    assert (hosts[0] / "panda.mp4").stat().st_size > 0
+    assert _files(hosts[1]) == []  # process 1 wrote nothing, and read nothing it could not have
+
+
+def test_a_rerun_where_only_process_0_has_the_files_skips_them_on_every_process(one_process, tmp_path,
+                                                                               monkeypatch):
+    """Issue 18: every process decided from its own disk what to skip, so process 1 (no files)
+    ran the text stage's collectives while process 0 skipped it, and the job hung. Now process 0
+    decides, and the decode stage runs on both from the latents process 0 reads and broadcasts."""
+    hosts = [tmp_path / "p0", tmp_path / "p1"]
+    (hosts[0] / "runs").mkdir(parents=True)
+    hosts[1].mkdir()
+    for stage in ("text", "denoise"):
+        for suffix in (".safetensors", ".json"):
+            shutil.copy(one_process / "runs" / f"{stage}{suffix}", hosts[0] / "runs")
+    out = _launch_apart(monkeypatch, one_process / "cache", hosts, "--workdir", "runs")
+    assert "[p0] text: up to date" in out and "[p0] denoise: up to date" in out, out[-3000:]
+    assert "[p0] decode: wrote" in out and "[p1] " not in out, out[-3000:]  # one voice per job
+    _assert_same_tensors(hosts[0] / "runs", one_process / "runs", (("decode", "frames"),))
+    assert _files(hosts[1]) == []
+
+
+def test_an_input_process_0_cannot_read_stops_every_process(one_process, tmp_path, monkeypatch):
+    """Process 0 reads a skipped stage's tensors for every process; when it cannot (`--stage
+    decode` without a denoise stage file), each process fails with the reason, and none waits
+    for a broadcast that never comes."""
+    hosts = [tmp_path / "p0", tmp_path / "p1"]
+    for host in hosts:
+        host.mkdir()
+    printed = _launch_apart(monkeypatch, one_process / "cache", hosts, "--quiet", "--workdir", "runs",
+                            "--stage", "decode", fails=True)
+    assert "exited with status 2" in printed, printed[-3000:]
+    assert "[p0] tpupedia generate: denoise.json not found" in printed, printed[-3000:]
+    assert ("[p1] tpupedia generate: process 0 failed, so process 1 stops too: StageError: denoise.json not found"
+            in printed), printed[-3000:]
+
+
+@pytest.fixture
+def two_processes(monkeypatch):
+    """`as_process(rank, fn)`: `fn()` as process `rank` of a 2-process job, in this one process.
+    Process 0 runs first; what it broadcasts is recorded and handed to process 1 in the same
+    order, which must offer arrays of the same shapes and dtypes (as `broadcast_one_to_all`
+    requires)."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    sent = []
+
+    def as_process(rank, fn):
+        if rank == 0:
+            sent.clear()
+        replay = iter(list(sent))
+
+        def broadcast(array, is_source=None):
+            array = np.asarray(array)
+            if rank == 0:
+                sent.append(array.copy())
+                return array
+            got = next(replay)
+            assert (got.shape, got.dtype) == (array.shape, array.dtype)
+            return got
+
+        with monkeypatch.context() as m:
+            m.setattr(jax, "process_count", lambda: 2)
+            m.setattr(jax, "process_index", lambda: rank)
+            m.setattr(multihost_utils, "broadcast_one_to_all", broadcast)
+            return fn()
+
+    return as_process
+
+
+def _bits(t):
+    import torch
+
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def test_broadcast_tensors_hands_every_process_the_same_bits(two_processes, monkeypatch):
+    import safetensors.torch
+    import torch
+
+    tensors = {"latents": torch.tensor([[1.0, -0.0, float("inf")], [float("nan"), 1e-40, 3.14159]],
+                                       dtype=torch.bfloat16),
+               "frames": torch.rand(2, 4, 4, 3), "ids": torch.arange(5), "mask": torch.tensor([True, False, True])}
+    assert distributed.broadcast_tensors(tensors) is tensors  # one process: nothing to send
+    assert distributed.leader_decides([3, 0]) == [3, 0]
+    monkeypatch.setattr(distributed, "_CHUNK", 64)  # several chunks, the last one short
+    assert len(safetensors.torch.save(tensors)) % 4  # and not whole 32-bit words
+    two_processes(0, lambda: distributed.broadcast_tensors(tensors))
+    got = two_processes(1, lambda: distributed.broadcast_tensors(None))
+    assert sorted(got) == sorted(tensors)  # safetensors orders them its own way, as a stage file does
+    for name, t in tensors.items():
+        assert (got[name].dtype, got[name].shape) == (t.dtype, t.shape), name
+        assert torch.equal(_bits(got[name]), _bits(t)), name
+    assert two_processes(0, lambda: distributed.leader_decides([1, 0])) == [1, 0]
+    assert two_processes(1, lambda: distributed.leader_decides([0, 0])) == [1, 0]  # process 0's, not its own
+
+
+def test_an_error_on_process_0_stops_every_process(two_processes):
+    from tpupedia.pipelines import stages
+
+    def damaged():
+        raise stages.StageError("decode.json was edited")
+
+    with pytest.raises(stages.StageError, match="edited"):
+        two_processes(0, lambda: distributed.on_leader(damaged))
+    with pytest.raises(distributed.DistributedError, match="process 0 failed.*StageError: decode.json was edited"):
+        two_processes(1, lambda: distributed.on_leader(lambda: pytest.fail("only process 0 runs it")))
+    assert two_processes(0, lambda: distributed.on_leader(lambda: "written")) == "written"
+    assert two_processes(1, lambda: distributed.on_leader(lambda: "written")) is None
 
 
 def test_a_failing_process_is_named_and_the_job_stops(tmp_path):

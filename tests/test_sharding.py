@@ -172,3 +172,73 @@ def test_functional_module_hlo_counts_megatron_all_reduces(qwen2, env, mesh):
     q = params["model.layers.0.self_attn.q_proj.weight"]
     assert q.shape == (64, 64) and q.sharding.spec == P("tp", None)
     assert buffers["model.rotary_emb.inv_freq"].sharding.spec == P()
+
+
+# --- placing a CPU module straight from host memory ---------------------------------------------
+
+def test_place_matches_apply_rules_and_runs(qwen2, mesh, env):
+    """`place` puts every tensor where `apply_rules` would and the model computes the same."""
+    rules = sharding.rules("qwen2", "tp")
+    reference = _on_jax(qwen2, env)
+    sharding.apply_rules(reference, rules, mesh)
+    placed = copy.deepcopy(qwen2)
+    plan = sharding.place(placed, rules, mesh, env)
+    assert sharding.describe(placed).specs() == plan.specs() == sharding.describe(reference).specs()
+    ids = torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(0))
+    with env:
+        a = placed(ids.to("jax")).logits.to("cpu")
+        b = reference(ids.to("jax")).logits.to("cpu")
+    np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_place_never_puts_more_than_a_shard_on_a_device(qwen2, mesh, env, monkeypatch):
+    """While `place` builds the arrays, each device holds at most its planned shards; the
+    `module.to("jax")` route it replaces first puts the whole model on device 0."""
+    rules = sharding.rules("qwen2", "tp")
+    baseline = devices.live_bytes()
+
+    def grown():
+        return {d: n - baseline.get(d, 0) for d, n in devices.live_bytes().items()}
+
+    peaks: dict[str, int] = {}
+    real = jax.make_array_from_callback
+
+    def watched(shape, where, callback):
+        out = real(shape, where, callback)
+        for d, n in grown().items():
+            peaks[d] = max(peaks.get(d, 0), n)
+        return out
+
+    monkeypatch.setattr(jax, "make_array_from_callback", watched)
+    model = copy.deepcopy(qwen2)
+    plan = sharding.place(model, rules, mesh, env)
+    monkeypatch.undo()
+    per_device = plan.bytes_per_device
+    assert peaks and max(peaks.values()) <= per_device < plan.bytes_total / 2
+    assert sharding.free(model) == per_device * len(jax.devices())  # every device held exactly its shards
+
+    whole = copy.deepcopy(qwen2)
+    with env:
+        whole.to("jax")
+    first = str(jax.devices()[0])
+    assert grown()[first] >= plan.bytes_total  # the old route: the whole model on chip 0
+    sharding.free(whole)
+
+
+def test_place_keeps_bf16_bits_and_free_returns_the_memory(qwen2, mesh, env):
+    model = copy.deepcopy(qwen2).to(torch.bfloat16)
+    expected = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    before = sum(devices.live_bytes().values())
+    sharding.place(model, sharding.rules("qwen2", "tp"), mesh, env)
+    for name, t in model.state_dict().items():
+        got = np.asarray(t._elem)
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(got.view(np.int16), expected[name].view(torch.int16).numpy())
+    assert sum(devices.live_bytes().values()) > before
+    freed = sharding.free(model)
+    assert freed > 0 and sum(devices.live_bytes().values()) == before
+
+
+def test_place_refuses_a_module_already_on_jax(qwen2, mesh, env):
+    with pytest.raises(TypeError, match="apply_rules"):
+        sharding.place(_on_jax(qwen2, env), sharding.rules("qwen2", "tp"), mesh, env)

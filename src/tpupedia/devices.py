@@ -43,6 +43,7 @@ __all__ = [
     "interpret_kernels",
     "tpu_topology",
     "topology_mesh",
+    "live_bytes",
 ]
 
 
@@ -141,6 +142,25 @@ def default_mesh_shape(device_count: int) -> tuple[int, int]:
     one GPU gives (1, 1), four give (2, 2). Notebooks and pipelines build their meshes from this,
     so the same cell runs on any device count."""
     return (2, device_count // 2) if device_count >= 2 and device_count % 2 == 0 else (1, device_count)
+
+
+def live_bytes() -> dict[str, int]:
+    """Bytes of live JAX arrays on each of this process's devices, by `str(device)`, from
+    `jax.live_arrays()`: what a device holds now, counted shard by shard. Devices that hold
+    nothing are listed with 0. The pipelines' memory tests read it before and after a stage."""
+    import jax
+
+    held, seen = {str(d): 0 for d in jax.local_devices()}, set()
+    for array in jax.live_arrays():
+        if array.is_deleted():
+            continue
+        for shard in array.addressable_shards:
+            data = shard.data
+            key = (str(shard.device), data.unsafe_buffer_pointer())
+            if key not in seen:  # an array assembled from single-device arrays shares their buffers
+                seen.add(key)
+                held[key[0]] = held.get(key[0], 0) + data.nbytes
+    return held
 
 
 def interpret_kernels() -> bool:

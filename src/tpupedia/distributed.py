@@ -14,6 +14,11 @@ and nothing hand-made on top of it:
   starts N local processes with those variables, so one CPU host runs a real multi-controller
   job (each process's output prefixed with its id); a failing process stops the others.
 * `is_leader()`, `barrier(name)`: process 0 writes shared outputs; everyone waits for it.
+* `leader_decides(values)`, `on_leader(fn)`, `broadcast_tensors(tensors)`: the hosts of a slice
+  share no disk, so process 0 decides, every process gets the tensors. Only process 0 looks at
+  files (is a stage done? read it; write it); what it decides and reads is broadcast, and what
+  fails there fails on every process, instead of each host deciding from its own disk (the
+  others crash on files they do not have, or run a collective process 0 skipped, and hang).
 
 Introduced in notebook 10 (beyond one host); `tpupedia generate` calls `initialize()`.
 """
@@ -27,20 +32,21 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 from tpupedia.errors import TpupediaError
 
 __all__ = [
     "ENV_COORDINATOR", "ENV_NUM_PROCESSES", "ENV_PROCESS_ID", "ENV_DEVICES_PER_PROCESS",
-    "DistributedError", "Processes", "requested", "initialize", "is_leader", "barrier", "free_port", "stop", "launch",
-    "check",
+    "DistributedError", "Processes", "requested", "initialize", "is_leader", "barrier", "leader_decides", "on_leader",
+    "broadcast_tensors", "free_port", "stop", "launch", "check",
 ]
 
 ENV_COORDINATOR = "TPUPEDIA_COORDINATOR"
 ENV_NUM_PROCESSES = "TPUPEDIA_NUM_PROCESSES"
 ENV_PROCESS_ID = "TPUPEDIA_PROCESS_ID"
 ENV_DEVICES_PER_PROCESS = "TPUPEDIA_DEVICES_PER_PROCESS"
+T = TypeVar("T")
 
 
 class DistributedError(TpupediaError, RuntimeError):
@@ -125,6 +131,88 @@ def barrier(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
+def leader_decides(values: Sequence[int]) -> list[int]:
+    """Process 0's `values` (small integers, int32) on every process; the identity with one process.
+
+    Every process passes a list of the same length; only process 0's entries count. What process
+    0 alone can know (which stage files on its disk are up to date) must be what every process
+    acts on: processes deciding each from its own disk run different collectives and wait for
+    each other forever."""
+    import jax
+    import numpy as np
+
+    values = [int(v) for v in values]
+    if jax.process_count() == 1 or not values:
+        return values
+    from jax.experimental import multihost_utils
+
+    return [int(v) for v in multihost_utils.broadcast_one_to_all(np.asarray(values, np.int32))]
+
+
+def on_leader(fn: Callable[[], T]) -> T | None:
+    """`fn()` run by process 0 alone (the others get None); if it raises, every process raises.
+
+    Process 0 re-raises its error, the others a `DistributedError` quoting it: without this, an
+    error on process 0 (a damaged stage file, a full disk) leaves the others waiting in their next
+    collective until a timeout. Also a barrier. With one process, just `fn()`."""
+    import jax
+
+    if jax.process_count() == 1:
+        return fn()
+    result, error = None, None
+    if is_leader():
+        try:
+            result = fn()
+        except Exception as err:  # noqa: BLE001 - re-raised below, after the others heard of it
+            error = err
+    if leader_decides([error is not None])[0]:
+        text = _broadcast_bytes(f"{type(error).__name__}: {error}".encode() if is_leader() else None).decode()
+        if error is not None:
+            raise error
+        raise DistributedError(f"process 0 failed, so process {jax.process_index()} stops too: {text}")
+    return result
+
+
+def broadcast_tensors(tensors: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    """Process 0's dict of torch CPU tensors on every process (the others pass None), with the same
+    names, shapes, dtypes and bits (bf16 included): it travels as its safetensors bytes. With one
+    process, `tensors` itself."""
+    import jax
+
+    if jax.process_count() == 1:
+        if tensors is None:
+            raise DistributedError("broadcast_tensors: process 0 has no tensors to send (None)")
+        return tensors
+    from safetensors.torch import load, save
+
+    data = save({k: v.detach().cpu().contiguous() for k, v in tensors.items()}) if is_leader() else None
+    return load(_broadcast_bytes(data))
+
+
+_CHUNK = 1 << 26  # bytes per collective (a multiple of 4): bounded device memory, one compiled broadcast per size
+
+
+def _broadcast_bytes(data: bytes | None) -> bytes:
+    """Process 0's `data` on every process (the others pass None): its length first, so that every
+    process offers arrays of the same shapes, then the bytes, a chunk at a time, as 32-bit words
+    (zero-padded): the broadcast is a sum in which only process 0 adds anything but zeros, and a
+    32-bit integer sum is one every backend's collectives have."""
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    full, rest = leader_decides(divmod(len(data), _CHUNK) if is_leader() else (0, 0))
+    parts, start = [], 0
+    for size in [_CHUNK] * full + ([rest] if rest else []):
+        words = -(-size // 4)
+        if is_leader():
+            mine = np.frombuffer(data[start:start + size].ljust(4 * words, b"\0"), np.uint32)
+        else:
+            mine = np.zeros(words, np.uint32)
+        parts.append(np.asarray(multihost_utils.broadcast_one_to_all(mine)).tobytes()[:size])
+        start += size
+    return b"".join(parts)
+
+
 def check() -> list[str]:
     """What this process sees of one global array: the job, its devices, the shards it holds,
     and a jitted sum over every process's data. The lines `tpupedia distributed-check` prints on
@@ -184,7 +272,8 @@ def stop(children: Sequence[subprocess.Popen], grace_s: float = 5.0) -> None:
 
 
 def launch(command: Sequence[str], processes: int, devices_per_process: int, grace_s: float = 5.0,
-           out=None, err=None) -> int:
+           out=None, err=None, cwds: Sequence[str | os.PathLike] | None = None,
+           timeout_s: float | None = None) -> int:
     """Run `python -m tpupedia.cli COMMAND` as `processes` local processes of one JAX job.
 
     Each line a process writes to stdout (stderr) goes to `out` (`err`), prefixed with `[pN] `,
@@ -192,12 +281,18 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int, gra
     otherwise stops the others at once (a multi-controller job cannot finish without all of them;
     `stop`: SIGTERM, then SIGKILL after `grace_s`) and raises `DistributedError` naming the first
     process that failed and its exit status.
+
+    `cwds`, one folder per process (default: this one's), runs each process in its own folder,
+    so a relative path (`--workdir runs`) names a different folder in each, as on hosts that
+    share no disk. A job still running after `timeout_s` is stopped the same way, and named.
     """
     if processes < 1 or devices_per_process < 1:
         raise DistributedError(f"--local-processes {processes} and --devices-per-process {devices_per_process} "
                                "must be positive")
     if not command:
         raise DistributedError("nothing to launch: give the tpupedia command after --")
+    if cwds is not None and len(cwds) != processes:
+        raise DistributedError(f"{len(cwds)} working folders for {processes} processes: give one per process")
     out, err = out or sys.stdout, err or sys.stderr
     port = free_port()
     children, relays = [], []
@@ -205,14 +300,19 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int, gra
         env = dict(os.environ, **{ENV_COORDINATOR: f"127.0.0.1:{port}", ENV_NUM_PROCESSES: str(processes),
                                   ENV_PROCESS_ID: str(rank), ENV_DEVICES_PER_PROCESS: str(devices_per_process)})
         child = subprocess.Popen([sys.executable, "-m", "tpupedia.cli", *command], env=env, text=True,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=1)
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=1,
+                                 cwd=None if cwds is None else cwds[rank])
         for stream, sink in ((child.stdout, out), (child.stderr, err)):
             relay = threading.Thread(target=_relay, args=(stream, f"[p{rank}] ", sink), daemon=True)
             relay.start()
             relays.append(relay)
         children.append(child)
-    failed = None
+    failed, timed_out, deadline = None, False, None if timeout_s is None else time.monotonic() + timeout_s
     while any(c.poll() is None for c in children):
+        if deadline is not None and time.monotonic() > deadline:
+            stop(children, grace_s)
+            timed_out = True
+            break
         if failed is None:
             failed = next(((rank, c.returncode) for rank, c in enumerate(children) if c.poll() not in (None, 0)), None)
             if failed is not None:  # the others cannot finish without it: stop them now
@@ -220,6 +320,8 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int, gra
         time.sleep(0.1)
     for relay in relays:
         relay.join(timeout=5)
+    if timed_out:
+        raise DistributedError(f"the job of {processes} processes still ran after {timeout_s} s; it was stopped")
     if failed is None:
         failed = next(((r, c.returncode) for r, c in enumerate(children) if c.returncode), None)
     if failed is not None:

@@ -46,6 +46,18 @@ class Preset:
     frame_size: tuple[int, int]
     """(height, width) of the video frames the image lessons process."""
 
+    @property
+    def host_runs_whole_models(self) -> bool:
+        """Whether the host can run this preset's models whole: stock diffusers pipelines end to
+        end on the CPU as parity references, a whole transformer on one device, the CLI in local
+        CPU processes that stand in for the hosts of a slice. True for random tiny models
+        (seconds); False for the released checkpoints, where that takes hours to days of CPU time
+        and more than one chip's memory. There notebooks 06 and 07 compare one denoising step at
+        a small size, or the checkpoint's first blocks, and notebook 10 prints its multi-process
+        commands instead of running them; `tests/test_full_preset_gates.py` checks that such code
+        sits under a preset gate. A property, not a field: it follows from `pretrained`."""
+        return not self.pretrained
+
 
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(

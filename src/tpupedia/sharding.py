@@ -60,6 +60,8 @@ __all__ = [
     "ShardingPlan",
     "plan",
     "apply_rules",
+    "place",
+    "free",
     "describe",
 ]
 
@@ -139,6 +141,18 @@ RULES: dict[tuple[str, str], list[Rule]] = {
         (r"context_embedder_2\.linear_[12]\.weight", ("fsdp", None)),
     ],
     ("hunyuan", "replicated"): [],
+    # T5 encoders (transformers T5EncoderModel: CogVideoX's T5-XXL, HunyuanVideo-1.5's ByT5).
+    # q, k, v and the gated FFN's wi_0/wi_1 are the column-parallel half of their pairs, o and wo
+    # the row-parallel half; the (vocab, d_model) embedding is vocabulary-parallel as Llama's.
+    # The relative-position bias, (buckets, heads), is small and stays replicated.
+    ("t5", "tp"): [
+        (r".*\.SelfAttention\.(q|k|v)\.weight", ("tp", None)),
+        (r".*\.SelfAttention\.o\.weight", (None, "tp")),
+        (r".*\.DenseReluDense\.(wi|wi_0|wi_1)\.weight", ("tp", None)),
+        (r".*\.DenseReluDense\.wo\.weight", (None, "tp")),
+        (r"(shared|encoder\.embed_tokens)\.weight", ("tp", None)),
+    ],
+    ("t5", "replicated"): [],
 }
 
 FAMILIES: tuple[str, ...] = tuple(dict.fromkeys(f for f, _ in RULES))
@@ -382,6 +396,70 @@ def apply_rules(module: torch.nn.Module, rule_table: Iterable[tuple[str, Any]], 
     for p in the_plan.placements:
         tensors[p.name].apply_jax_(jax.device_put, NamedSharding(mesh, p.spec))
     return the_plan
+
+
+def _host_view(t: torch.Tensor):
+    """A CPU tensor's data as a NumPy array without a copy (bf16 as JAX's NumPy bfloat16)."""
+    import jax.numpy as jnp
+
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        return t.contiguous().view(torch.int16).numpy().view(jnp.bfloat16)
+    return t.contiguous().numpy()
+
+
+def place(module: torch.nn.Module, rule_table: Iterable[tuple[str, Any]], mesh: Any, env: Any = None) -> ShardingPlan:
+    """Move a CPU `module` onto `mesh` by `rule_table`, each device receiving only its shards.
+
+    `module.to("jax")` followed by `apply_rules` first puts every whole tensor on the default
+    device (chip 0) and then reshards it: for a 16.6 GB transformer that is 16.6 GB on one
+    31.25 GiB chip before anything is split. Here each parameter and buffer becomes a
+    `jax.make_array_from_callback` array whose callback hands each device the slice of host
+    memory its shard covers, so no device ever holds more than its planned shard, and in a
+    multi-process job each process builds only the shards of its own devices. Every spec is
+    validated first (`plan`), so an error moves nothing. The module's tensors become torchax
+    tensors (as after `module.to("jax")`), for `env` (default: torchax's default environment).
+
+    Used by the pipelines of notebooks 06 and 07; notebook 02 shows the per-device bytes.
+    """
+    import jax
+    from jax.sharding import NamedSharding
+
+    from tpupedia import compat
+
+    torchax = compat.import_torchax()
+    env = env or torchax.default_env()
+    the_plan = plan(module, rule_table, mesh)
+    specs = {p.name: p.spec for p in the_plan.placements}
+    hosts = {}  # id(tensor) -> (host view, sharding), read before entering torchax's mode
+    for name, _, t in _named_tensors(module):
+        if _jax_array(t) is not None or t.device.type != "cpu":
+            raise TypeError(f"place needs a module on the CPU, but {name!r} lives on {t.device}; "
+                            "use apply_rules for a module already on torchax's device")
+        hosts[id(t)] = (_host_view(t), NamedSharding(mesh, specs[name]))
+
+    def build(t: torch.Tensor) -> torch.Tensor:
+        host, where = hosts[id(t)]
+        array = jax.make_array_from_callback(host.shape, where, lambda index: host[index])
+        return torchax.tensor.Tensor(array, env)
+
+    with env:
+        module._apply(build)
+    return the_plan
+
+
+def free(module: torch.nn.Module) -> int:
+    """Delete the device buffers of `module`'s parameters and buffers now, instead of whenever
+    Python drops its last reference (a jitted closure or a traceback can keep one alive for a
+    whole run). Returns the bytes freed, summed over this process's devices (a replicated tensor
+    counts once per device); the module cannot run afterwards."""
+    freed = 0
+    for _, _, t in _named_tensors(module):
+        array = _jax_array(t)
+        if array is not None and not array.is_deleted():
+            freed += sum(shard.data.nbytes for shard in array.addressable_shards)
+            array.delete()
+    return freed
 
 
 def describe(module: torch.nn.Module) -> ShardingPlan:

@@ -42,6 +42,8 @@ DEFAULT_SHAPES = ShapeFacts(spatial=SPATIAL_COMPRESSION, temporal=TEMPORAL_COMPR
 """CogVideoX1.5-5B's shape facts: the presets' and the dry-run's; a checkpoint's come from `shape_facts`."""
 TEXT_TOKENS = 226  # the T5 text length of the released checkpoints (transformer max_text_seq_length)
 CFG_BATCH = 2  # classifier-free guidance: the negative and the positive prompt in one batch
+TEXT_ENCODERS = {"text_encoder": "t5"}
+"""Each text encoder of the checkpoint and its `tpupedia.sharding` rule family (T5-XXL: 9.5 GB)."""
 
 # The scheduler of the CogVideoX1.5-5B checkpoint (scheduler/scheduler_config.json on the Hub:
 # CogVideoXDPMScheduler, v-prediction, zero-SNR rescaled betas, trailing timesteps).

@@ -66,6 +66,9 @@ DEFAULT_SHAPES = ShapeFacts(spatial=SPATIAL_COMPRESSION, temporal=TEMPORAL_COMPR
 """The 720p checkpoint's shape facts: the presets' and the dry-run's; a checkpoint's come from `shape_facts`."""
 ENV_MODEL = "TPUPEDIA_HUNYUAN"
 """Environment variable naming a checkpoint (hub id or directory) to use instead of the preset's."""
+TEXT_ENCODERS = {"text_encoder": "qwen2", "text_encoder_2": "t5"}
+"""Each text encoder and its `tpupedia.sharding` rule family (Qwen2.5-VL's text model, 15.2 GB,
+in Llama naming; ByT5 for quoted glyph text)."""
 TEXT_SLOTS = {"qwen": (1000, 3584), "byt5": (256, 1472), "image": (729, 1152)}
 """Tokens and width of each conditioning slot of a step (text-to-video passes a zero image)."""
 
@@ -92,9 +95,11 @@ def tiny_vae_config() -> dict[str, Any]:
 
 
 def tiny_text_encoder_configs() -> dict[str, dict[str, Any]]:
-    """`text_encoder`: a 2-layer Qwen2.5-VL text model 16 wide (vocabulary of the tiny tokenizer);
-    `text_encoder_2`: a 2-layer T5 encoder 32 wide over ByT5's 384 bytes."""
-    qwen = dict(vocab_size=259, hidden_size=16, intermediate_size=16, num_hidden_layers=3, num_attention_heads=2,
+    """`text_encoder`: a Qwen2.5-VL text model 16 wide over the tiny tokenizer's 259 tokens, its
+    embedding padded to 264 rows as the released model pads 151,665 tokens to 152,064 (so the
+    vocabulary-parallel embedding divides a `tp` axis of 8); `text_encoder_2`: a 2-layer T5
+    encoder 32 wide over ByT5's 384 bytes."""
+    qwen = dict(vocab_size=264, hidden_size=16, intermediate_size=16, num_hidden_layers=3, num_attention_heads=2,
                 num_key_value_heads=2, use_cache=False, rope_theta=1e6, bos_token_id=0, eos_token_id=258,
                 rope_scaling={"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"})
     t5 = dict(vocab_size=384, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)

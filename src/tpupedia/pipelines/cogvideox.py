@@ -81,7 +81,7 @@ class CogVideoX(common.StagedPipeline):
                         dtype=str(dtype).removeprefix("torch."))
 
     # -- stage 1 ---------------------------------------------------------------------------
-    def encode_text(self, request: Request) -> tuple[dict, dict]:
+    def _encode_text(self, request: Request) -> tuple[dict, dict]:
         """T5 embeddings of the negative and the positive prompt, as `_get_t5_prompt_embeds`
         computes them (padding to the checkpoint's text length, truncation, special tokens)."""
         import jax
@@ -91,19 +91,22 @@ class CogVideoX(common.StagedPipeline):
         from tpupedia import torchax_utils
 
         length = self.configs["transformer"]["max_text_seq_length"]
-        tokenizer = AutoTokenizer.from_pretrained(self.source, subfolder="tokenizer")
-        encoder = T5EncoderModel.from_pretrained(self.source, subfolder="text_encoder", dtype=self.dtype,
-                                                 use_safetensors=True).eval()
-        self._to_jax("text_encoder", encoder)
-        fm = torchax_utils.FunctionalModule(encoder, return_dict=False)
-
-        def embed(weights, buffers, ids):
-            self.traces["text"] += 1
-            return fm(weights, buffers, input_ids=ids)[0]
-
         replicated = NamedSharding(self.mesh, P())
-        compiled = jax.jit(embed, out_shardings=replicated)  # readable by every process
-        weights, buffers = fm.state()
+
+        def load():
+            tokenizer = AutoTokenizer.from_pretrained(self.source, subfolder="tokenizer")
+            encoder = T5EncoderModel.from_pretrained(self.source, subfolder="text_encoder", dtype=self.dtype,
+                                                     use_safetensors=True).eval()
+            self._to_jax("text_encoder", encoder, self._text_rules("text_encoder"))
+            fm = torchax_utils.FunctionalModule(encoder, return_dict=False)
+
+            def embed(weights, buffers, ids):
+                self.traces["text"] += 1
+                return fm(weights, buffers, input_ids=ids)[0]
+
+            return tokenizer, encoder, jax.jit(embed, out_shardings=replicated), fm.state()  # readable by every process
+
+        tokenizer, _, compiled, (weights, buffers) = self.held("text", "t5", load)
         results, times = {}, []
         with self._precision():
             for name, text in (("negative_prompt_embeds", request.negative_prompt), ("prompt_embeds", request.prompt)):
@@ -116,7 +119,7 @@ class CogVideoX(common.StagedPipeline):
         return results, {"first_s": times[0], "steady_s": times[1]}
 
     # -- stage 2 ---------------------------------------------------------------------------
-    def denoise(self, request: Request, embeds: dict, on_step: Callable[[int, Any], None] | None = None) -> tuple[dict, dict]:
+    def _denoise(self, request: Request, embeds: dict, on_step: Callable[[int, Any], None] | None = None) -> tuple[dict, dict]:
         """All denoising steps through one compiled step. Returns `{"latents": (1, F', C, h, w)}`
         (the padded latent frames included, as diffusers' `output_type="latent"`).
         `on_step(i, latents)` is called after each step with its output, a jax array valid only during
@@ -148,11 +151,14 @@ class CogVideoX(common.StagedPipeline):
         latents = randn_tensor(shape, generator=generator, dtype=self.dtype) * scheduler.init_noise_sigma
         cos, sin = family.rotary_embeddings(cfg, request.height, request.width, frames, facts)
 
-        transformer = CogVideoXTransformer3DModel.from_pretrained(
-            self.source, subfolder="transformer", dtype=self.dtype, use_safetensors=True).eval()
-        family.make_jit_friendly(transformer)  # RoPE without in-place writes (see its docstring)
-        self._to_jax("transformer", transformer, self._rules(self.options.sharding))
-        fm = torchax_utils.FunctionalModule(transformer, return_dict=False)
+        def load():
+            transformer = CogVideoXTransformer3DModel.from_pretrained(
+                self.source, subfolder="transformer", dtype=self.dtype, use_safetensors=True).eval()
+            family.make_jit_friendly(transformer)  # RoPE without in-place writes (see its docstring)
+            self._to_jax("transformer", transformer, self._rules(self.options.sharding))
+            return transformer, torchax_utils.FunctionalModule(transformer, return_dict=False)
+
+        _, fm = self.held("denoise", "transformer", load)
         env, mesh = self.env, self.mesh
         batch = NamedSharding(mesh, P("dp")) if guided else NamedSharding(mesh, P())
         replicated = NamedSharding(mesh, P())
@@ -181,8 +187,10 @@ class CogVideoX(common.StagedPipeline):
             return new.astype(dtype), old_pred
 
         # Latents and the solver state keep one (replicated) sharding in and out, so every step
-        # reuses the first step's program; they are donated, so XLA updates them in place.
-        compiled = jax.jit(step, donate_argnums=(2, 3), out_shardings=(replicated, replicated))
+        # reuses the first step's program; they are donated, so XLA updates them in place. The
+        # step depends on the schedule (steps) and on guidance being on; a batch keeps one per pair.
+        compiled = self.held("denoise", ("step", request.steps, guided), lambda: jax.jit(
+            step, donate_argnums=(2, 3), out_shardings=(replicated, replicated)))
         weights, buffers = fm.state()
         x = jax.device_put(common.to_jax_array(latents), replicated)
         old = jax.device_put(jnp.zeros(shape, jnp.float32), replicated)
@@ -205,7 +213,7 @@ class CogVideoX(common.StagedPipeline):
                                                           "steps": len(step_times), "padding_frames": padding}
 
     # -- stage 3 ---------------------------------------------------------------------------
-    def decode(self, request: Request, latents) -> tuple[dict, dict]:
+    def _decode(self, request: Request, latents) -> tuple[dict, dict]:
         """Latents -> frames, float32 (F, H, W, 3) in [0, 1] (diffusers' `output_type="np"`)."""
         import jax
         import torch
@@ -213,22 +221,31 @@ class CogVideoX(common.StagedPipeline):
         from diffusers.video_processor import VideoProcessor
 
         _, padding = family.padded_latent_frames(request.frames, self.shapes)
-        vae = AutoencoderKLCogVideoX.from_pretrained(self.source, subfolder="vae", dtype=self.dtype,
-                                                     use_safetensors=True).eval()
-        z = latents[:, padding:].permute(0, 2, 1, 3, 4) / vae.config.scaling_factor
+
+        def load():  # (the decoder this run uses, the VAE's scaling factor)
+            vae = AutoencoderKLCogVideoX.from_pretrained(self.source, subfolder="vae", dtype=self.dtype,
+                                                         use_safetensors=True).eval()
+            if self.vae == "flax":
+                import jax.numpy as jnp
+
+                from tpupedia.models import cogvideox_vae_convert as convert
+
+                dtype = jnp.dtype(str(self.dtype).removeprefix("torch."))
+                return convert.from_diffusers(vae, dtype=dtype), vae.config.scaling_factor
+            from tpupedia import torchax_utils
+
+            self._to_jax("vae", vae, on_mesh=False)
+            vae.decoder = torchax_utils.JitModule(vae.decoder)
+            return vae, vae.config.scaling_factor
+
+        vae, scaling = self.held("decode", self.vae, load)
+        z = latents[:, padding:].permute(0, 2, 1, 3, 4) / scaling
         start = time.perf_counter()
         with self._precision(), torch.no_grad():
             if self.vae == "flax":
-                from tpupedia.models import cogvideox_vae_convert as convert
-
-                flax_vae = convert.from_diffusers(vae, dtype=common.to_jax_array(z).dtype)
-                video = common.to_torch(jax.block_until_ready(flax_vae.decode(common.to_jax_array(z))))
+                video = common.to_torch(jax.block_until_ready(vae.decode(common.to_jax_array(z))))
             else:
-                from tpupedia import torchax_utils
-
-                self._to_jax("vae", vae, on_mesh=False)
                 with self.env:
-                    vae.decoder = torchax_utils.JitModule(vae.decoder)
                     video = vae.decode(z.to("jax")).sample
                     video = video.to("cpu")
         seconds = time.perf_counter() - start

@@ -2,10 +2,16 @@
 not model-specific, meshes, the stage runner and the host <-> device conversions.
 
 A family pipeline (`cogvideox`, notebook 06; `hunyuan`, notebook 07) is a `StagedPipeline`
-subclass with three methods, `encode_text`, `denoise` and `decode`, each returning
+subclass with three stages, `encode_text`, `denoise` and `decode`, each returning
 `(tensors, timings)`; `run` drives them through the stage files of `tpupedia.pipelines.stages`
 (skip what is done, read what the next stage needs, write atomically, one writer per job) and
-`run_batch` drives `run` over a prompts file. Introduced in notebook 06, reused by notebook 07.
+`run_batch` drives them over a prompts file with one pipeline per process.
+
+Memory comes back: every weight is built on its devices straight from host memory, each device
+receiving only its shards (`tpupedia.sharding.place`), and a stage frees the models it loaded
+when it ends, so the text encoders are gone before the transformer loads. A `resident` pipeline
+(batch mode) keeps them, and its compiled programs, from one prompt to the next.
+Introduced in notebook 06, reused by notebook 07.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -170,8 +177,8 @@ def timed(fn: Callable[[], Any], sync: Callable[[Any], Any]) -> tuple[Any, float
 class StagedPipeline:
     """Three stages over one checkpoint (`source`: a diffusers directory or hub id) on `mesh`.
 
-    Subclasses set `family` (the model module) and `vaes`, and implement `settings`,
-    `encode_text`, `denoise` and `decode`. Components load only when a stage needs them
+    Subclasses set `family` (the model module) and `vaes`, and implement `settings_for`,
+    `_encode_text`, `_denoise` and `_decode`. Components load only when a stage needs them
     (`from_pretrained`, safetensors only), so running `denoise` alone never loads a text encoder.
     """
 
@@ -193,6 +200,29 @@ class StagedPipeline:
         """The sharding plan each component was placed with (`tpupedia.sharding.ShardingPlan`)."""
         self.traces: dict[str, int] = {}
         """How many times each stage's compiled function was traced (one per distinct shape)."""
+        self.resident = False
+        """Keep every stage's models and compiled programs between requests (`run_batch`: load
+        once, reuse the compiled step for every prompt). Otherwise `release` frees a stage's
+        models as soon as it ends, so the next stage has the chips to itself."""
+        self._held: dict[tuple[str, Any], Any] = {}
+
+    def held(self, stage: str, key: Any, build: Callable[[], Any]) -> Any:
+        """What `build()` returns (a placed model, a compiled program), built once for `(stage,
+        key)` and kept until `release(stage)`. `key` holds whatever the built object depends on
+        besides the checkpoint (steps, guidance on or off), so a batch reuses it exactly when it can."""
+        if (stage, key) not in self._held:
+            self._held[(stage, key)] = build()
+        return self._held[(stage, key)]
+
+    def release(self, stage: str, *, force: bool = False) -> int:
+        """Free what `stage` holds (the device buffers of its models deleted now) unless the
+        pipeline is `resident` and not `force`d. Returns the bytes freed on this process's devices."""
+        if self.resident and not force:
+            return 0
+        freed = 0
+        for key in [k for k in self._held if k[0] == stage]:
+            freed += _free(self._held.pop(key))
+        return freed
 
     @classmethod
     def vae_choice(cls, options: Options) -> str:
@@ -228,16 +258,26 @@ class StagedPipeline:
         return jax.default_matmul_precision(p) if p else contextlib.nullcontext()
 
     def _to_jax(self, name: str, module, rules=None, *, on_mesh: bool = True):
-        """Move a torch module into the torchax environment, sharded over the mesh by `rules`
-        (or replicated), the plan kept in `self.plans[name]`; `on_mesh=False` leaves it on this
-        process's default device (the VAE: every process decodes its own copy)."""
+        """Place a CPU torch module in the torchax environment, each device built straight from
+        host memory with only its shards (`tpupedia.sharding.place`), sharded over the mesh by
+        `rules` (or replicated), the plan kept in `self.plans[name]`; `on_mesh=False` puts it on
+        this process's first device (the VAE: every process decodes its own copy)."""
+        import jax
+
+        from tpupedia import devices, sharding
+
+        mesh = self.mesh if on_mesh else devices.make_mesh((1, 1), ("dp", "tp"), devices=jax.local_devices()[:1])
+        self.plans[name] = sharding.place(module, rules or [], mesh, self.env)
+        return module
+
+    def _text_rules(self, name: str):
+        """The sharding rules of text encoder `name` (`family.TEXT_ENCODERS`): split over `tp`
+        like a transformer, unless the run asks for everything replicated."""
         from tpupedia import sharding
 
-        with self.env:
-            module.to("jax")
-            if on_mesh:
-                self.plans[name] = sharding.apply_rules(module, rules or [], self.mesh)
-        return module
+        if self.options.sharding == "replicated":
+            return []
+        return sharding.rules(self.family.TEXT_ENCODERS[name], "tp", axis="tp")
 
     def _rules(self, strategy: str):
         """The family's sharding rules for `strategy` (fsdp over both mesh axes, tp over `tp`)."""
@@ -256,14 +296,64 @@ class StagedPipeline:
     def settings(self, stage: str, request: Request) -> dict:
         return self.settings_for(self.source_label, self.configs, request, self.options, self.dtype, stage)
 
-    def encode_text(self, request: Request) -> tuple[dict, dict]:  # pragma: no cover - abstract
+    # The three stages. Each runs the family's `_encode_text`, `_denoise` or `_decode` and then,
+    # even when it fails, frees the models it loaded, unless the pipeline is `resident`.
+    def encode_text(self, request: Request) -> tuple[dict, dict]:
+        """Stage 1: the prompt's embeddings, `(tensors, timings)`."""
+        with self._freeing("text"):
+            return self._encode_text(request)
+
+    def denoise(self, request: Request, embeds: dict, on_step=None) -> tuple[dict, dict]:
+        """Stage 2: the denoised latents from stage 1's embeddings, `(tensors, timings)`."""
+        with self._freeing("denoise"):
+            return self._denoise(request, embeds, on_step)
+
+    def decode(self, request: Request, latents) -> tuple[dict, dict]:
+        """Stage 3: frames from stage 2's latents, `(tensors, timings)`."""
+        with self._freeing("decode"):
+            return self._decode(request, latents)
+
+    @contextlib.contextmanager
+    def _freeing(self, stage: str):
+        try:
+            yield
+        finally:
+            self.release(stage)
+
+    def _encode_text(self, request: Request) -> tuple[dict, dict]:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def denoise(self, request: Request, embeds: dict, on_step=None) -> tuple[dict, dict]:  # pragma: no cover
+    def _denoise(self, request: Request, embeds: dict, on_step=None) -> tuple[dict, dict]:  # pragma: no cover
         raise NotImplementedError
 
-    def decode(self, request: Request, latents) -> tuple[dict, dict]:  # pragma: no cover - abstract
+    def _decode(self, request: Request, latents) -> tuple[dict, dict]:  # pragma: no cover - abstract
         raise NotImplementedError
+
+
+def _free(value: Any) -> int:
+    """Delete the device buffers of the torch and Flax NNX modules in `value` (a module, or a
+    tuple, list or dict holding some). Returns the bytes freed on this process's devices."""
+    import torch
+
+    from tpupedia import sharding
+
+    if isinstance(value, torch.nn.Module):
+        return sharding.free(value)
+    if isinstance(value, (tuple, list)):
+        return sum(_free(v) for v in value)
+    if isinstance(value, dict):
+        return sum(_free(v) for v in value.values())
+    nnx = sys.modules.get("flax.nnx")  # a Flax NNX module (the lesson-05 VAE), if Flax is in use
+    if nnx is not None and isinstance(value, nnx.Module):
+        import jax
+
+        freed = 0
+        for leaf in jax.tree.leaves(nnx.state(value)):
+            if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+                freed += sum(s.data.nbytes for s in leaf.addressable_shards)
+                leaf.delete()
+        return freed
+    return 0
 
 
 def attention_backend(choice: str) -> str:
@@ -335,18 +425,21 @@ def run(pipeline_cls: type[StagedPipeline], request: Request, options: Options, 
     (default `tpupedia-runs/<family>`).
 
     Everything is validated before a model is loaded. A stage whose file exists and matches this
-    request is skipped unless `force`; a stage's input is read only if its stage file is valid
-    and was made for this request (`tpupedia.pipelines.stages.read`). With `out`, the mp4 is
-    written from the decode stage file.
+    request is skipped unless `force`; a stage takes its input from the stage before it in memory
+    when that ran in this call, else from its stage file, read only if valid and made for this
+    request (`tpupedia.pipelines.stages.read`). With `out`, the mp4 is written from the frames.
 
     In a multi-process job (`tpupedia.distributed`, notebook 10) every process runs the same
-    stages over one global mesh; process 0 alone writes the stage files and the video, and the
-    others wait for it at a barrier before reading them. `collective=False` runs this request
+    stages over one global mesh, and the hosts need not share a disk: process 0 decides, every
+    process gets the tensors. Process 0 alone looks at `workdir` (what is up to date, the files a
+    skipped stage left) and writes the stage files and the video; what it decides and reads is
+    broadcast, a stage's output goes to the next stage in memory, and an error on process 0
+    stops every process (`run_stages`). `collective=False` runs this request
     in this process alone, on its own devices (how `run_batch` spreads prompts over processes).
     """
     import jax
 
-    from tpupedia import devices, distributed, results
+    from tpupedia import devices
 
     family = pipeline_cls.family
     wanted = STAGE_ORDER if stage == "all" else (stage,)
@@ -362,15 +455,35 @@ def run(pipeline_cls: type[StagedPipeline], request: Request, options: Options, 
     shape = mesh_shape(options, len(mesh_devices), pipeline_cls.guidance_batch(request, configs))
     mesh = devices.make_mesh(shape, ("dp", "tp"), devices=mesh_devices)
     pipe = pipeline_cls(source, label, torch_dtype(options, preset), mesh, options, configs)
+    return run_stages(pipe, request, stage=stage, workdir=workdir, out=out, force=force, command=command, log=log,
+                      collective=collective)
+
+
+def run_stages(pipe: StagedPipeline, request: Request, *, stage: str = "all", workdir: Path,
+               out: str | Path | None = None, force: bool = False, command: str = "",
+               log: Callable[[str], None] = print, collective: bool = True) -> list[StageReport]:
+    """`run` on a pipeline already built for this process (`run_batch` keeps one per process):
+    `request` and `workdir` already checked.
+
+    In a job (`collective`) process 0 decides, every process gets the tensors: the hosts of a
+    slice need not share a disk, so only process 0 looks at `workdir`. It decides which stages
+    are up to date and tells the others (`_skipped`); a stage that ran hands its tensors, which
+    every process holds, to the next stage in memory; a skipped stage's tensors are read by
+    process 0 and broadcast (`_stage_tensors`); process 0 alone writes the stage files and the
+    video, and an error there stops every process (`distributed.on_leader`). Without
+    `collective` this process does all of that on its own."""
+    from tpupedia import distributed, results
+
+    options, mesh = pipe.options, pipe.mesh
+    wanted = STAGE_ORDER if stage == "all" else (stage,)
     leader = distributed.is_leader() or not collective
-    barrier = distributed.barrier if collective else (lambda _: None)
+    once = _on_leader(collective)
     if not leader:
         log = lambda _: None  # noqa: E731 - one voice per job
-    reports = []
-    for name in wanted:
+    reports, held = [], {}  # held: the tensors of the stage that just ran, by stage
+    for name, skipped in zip(wanted, _skipped(pipe, request, wanted, workdir, force, collective)):
         wanted_settings = pipe.settings(name, request)
-        status = stages.status(workdir, name, wanted_settings)
-        if status is None and not force:
+        if skipped:
             reports.append(StageReport(name, False, stages.path(workdir, name), reason="up to date"))
             log(f"{name}: up to date ({stages.path(workdir, name)}), skipped; --force reruns it")
             continue
@@ -378,26 +491,71 @@ def run(pipeline_cls: type[StagedPipeline], request: Request, options: Options, 
             tensors, timings = pipe.encode_text(request)
         else:
             previous = STAGE_ORDER[STAGE_ORDER.index(name) - 1]
-            inputs = stages.read(workdir, previous, pipe.settings(previous, request)).tensors
+            inputs = held[previous] if previous in held else _stage_tensors(
+                workdir, previous, pipe.settings(previous, request), collective)
             if name == "denoise":
                 bar = _progress(request.steps, options.quiet or not leader)
                 tensors, timings = pipe.denoise(request, inputs, on_step=lambda i, x: bar.update(1))
                 bar.close()
             else:
                 tensors, timings = pipe.decode(request, inputs["latents"])
+        held = {name: tensors}
         extra = {"command": command, "machine": results.machine(), "timings": timings,
                  "options": dataclasses.asdict(options), "mesh": dict(mesh.shape)}
-        path = stages.write(workdir, name, tensors, wanted_settings, extra=extra) if leader else stages.path(workdir, name)
-        barrier(f"stage {name} written")
+        path = once(lambda: stages.write(workdir, name, tensors, wanted_settings, extra=extra))
+        path = path or stages.path(workdir, name)
         reports.append(StageReport(name, True, path, timings))
         log(f"{name}: wrote {path} ({describe(timings)})")
-    if out is not None and leader:
-        from tpupedia import video
-
-        frames = stages.read(workdir, "decode", pipe.settings("decode", request)).tensors["frames"]
-        log(f"video: wrote {video.write_mp4(frames.numpy(), out, fps=request.fps)}")
-    barrier("run done")
+    if out is not None:
+        written = once(lambda: _write_video(pipe, request, workdir, out, held.get("decode")))
+        log(f"video: wrote {written}")
+    if collective:
+        distributed.barrier("run done")
     return reports
+
+
+def _on_leader(collective: bool) -> Callable[[Callable[[], Any]], Any]:
+    """How `run_stages` does what only one process may do (write a file): in a job, on process 0
+    with its errors raised everywhere (`distributed.on_leader`); alone, just call it."""
+    from tpupedia import distributed
+
+    return distributed.on_leader if collective else (lambda fn: fn())
+
+
+def _skipped(pipe: StagedPipeline, request: Request, wanted: tuple[str, ...], workdir: Path, force: bool,
+             collective: bool) -> list[bool]:
+    """Which of the `wanted` stages to skip: those whose stage file exists and was made for
+    `request` (`stages.status`), none with `force`. In a job process 0 decides from its own disk
+    and tells the others: they may not have its files, and a process that runs a stage process 0
+    skips waits in that stage's collectives forever."""
+    from tpupedia import distributed
+
+    def decide() -> list[bool]:
+        return [not force and stages.status(workdir, name, pipe.settings(name, request)) is None for name in wanted]
+
+    if not collective:
+        return decide()
+    return [bool(v) for v in distributed.leader_decides(distributed.on_leader(decide) or [0] * len(wanted))]
+
+
+def _stage_tensors(workdir: Path, stage: str, settings: dict, collective: bool) -> Any:
+    """The tensors of a stage skipped in this run, which the next stage needs: from its stage
+    file (`stages.read` refuses a damaged or foreign one); in a job read by process 0 alone and
+    broadcast (bit-exact, bf16 included), every process failing if the read fails."""
+    from tpupedia import distributed
+
+    read = lambda: stages.read(workdir, stage, settings).tensors  # noqa: E731
+    return distributed.broadcast_tensors(distributed.on_leader(read)) if collective else read()
+
+
+def _write_video(pipe: StagedPipeline, request: Request, workdir: Path, out: str | Path, decoded: Any) -> Path:
+    """The mp4 of `request` at `out`: from the frames in memory when decode ran in this run,
+    else from the decode stage file."""
+    from tpupedia import video
+
+    if decoded is None:
+        decoded = stages.read(workdir, "decode", pipe.settings("decode", request)).tensors
+    return video.write_mp4(decoded["frames"].numpy(), out, fps=request.fps)
 
 
 def run_batch(pipeline_cls: type[StagedPipeline], prompts: str | Path, base: Request, options: Options, *,
@@ -409,10 +567,13 @@ def run_batch(pipeline_cls: type[StagedPipeline], prompts: str | Path, base: Req
     Every request is validated before a model loads. Each process takes its share of the prompts
     and runs them on its own devices (`collective=False`); each prompt's stage files live in
     `outdir/.stages/NAME`, so a prompt interrupted mid-way resumes from its last finished stage.
+    Each process builds one `resident` pipeline, at its first prompt that is not done: the models
+    load once and every prompt of the same shape reuses the compiled step. The log ends with the
+    first prompt's time and the mean of the others (what staying resident saves).
     """
     import jax
 
-    from tpupedia import batch, distributed, results, video
+    from tpupedia import batch, devices, distributed, results, video
 
     items = batch.read_prompts(prompts)
     requests = {item.index: batch.item_request(item, base) for item in items}
@@ -436,7 +597,9 @@ def run_batch(pipeline_cls: type[StagedPipeline], prompts: str | Path, base: Req
     def decode_settings(request):  # what the decode stage file of `request` must say, no model loaded
         return pipeline_cls.settings_for(label, configs, request, options, dtype, "decode")
 
-    process, made = jax.process_index(), []
+    local = jax.local_devices()
+    quiet = dataclasses.replace(options, quiet=True)
+    process, made, totals, pipe = jax.process_index(), [], [], None
     for item in batch.share(items, process, jax.process_count()):
         request = requests[item.index]
         fingerprint = stages.fingerprint(decode_settings(request))
@@ -446,15 +609,27 @@ def run_batch(pipeline_cls: type[StagedPipeline], prompts: str | Path, base: Req
             continue
         work = outdir / ".stages" / item.name
         start = time.perf_counter()
-        reports = run(pipeline_cls, request, dataclasses.replace(options, quiet=True), preset=preset, model=model,
-                      workdir=work, force=force, log=lambda _: None, collective=False)
+        if pipe is None:  # one pipeline per process, its models and programs kept between prompts
+            shape = mesh_shape(options, len(local), pipeline_cls.guidance_batch(request, configs))
+            pipe = pipeline_cls(source, label, dtype, devices.make_mesh(shape, ("dp", "tp"), devices=local),
+                                quiet, configs)
+            pipe.resident = True
+        reports = run_stages(pipe, request, workdir=check_workdir(work), force=force, log=lambda _: None,
+                             collective=False)
         frames = stages.read(work, "decode", decode_settings(request)).tensors["frames"].numpy()
         timings = {r.stage: r.timings for r in reports} | {"total_s": time.perf_counter() - start}
+        totals.append(timings["total_s"])
         path = batch.record(outdir, item, fingerprint, lambda p: video.write_mp4(frames, p, fps=request.fps),
                             {"seed": request.seed, "timings": timings, "process": process,
                              "machine": results.machine()})
         made.append(item.name)
         log(f"{item.name}: wrote {path.name} ({timings['total_s']:.1f} s)")
+    if pipe is not None:
+        for stage in STAGE_ORDER:
+            pipe.release(stage, force=True)
+    if len(totals) > 1:
+        log(f"prompt 1: {totals[0]:.2f} s (loads and compiles); prompts 2..{len(totals)}: "
+            f"mean {sum(totals[1:]) / (len(totals) - 1):.2f} s (resident)")
     distributed.barrier("batch done")
     return made
 

@@ -146,7 +146,7 @@ class Hunyuan(common.StagedPipeline):
                         vae=cls.vae_choice(options))
 
     # -- stage 1 ---------------------------------------------------------------------------
-    def encode_text(self, request: Request) -> tuple[dict, dict]:
+    def _encode_text(self, request: Request) -> tuple[dict, dict]:
         """Qwen2.5-VL and ByT5 embeddings with their masks, for the prompt and (with guidance)
         the negative prompt, as `HunyuanVideo15Pipeline.encode_prompt` computes them."""
         import jax
@@ -161,19 +161,23 @@ class Hunyuan(common.StagedPipeline):
         request = resolve(request, self.configs)
         d = _prompt_defaults()
         crop, layer = d["crop_start"], -(d["num_hidden_layers_to_skip"] + 1)
-        tokenizer = AutoTokenizer.from_pretrained(self.source, subfolder="tokenizer")
-        encoder = Qwen2_5_VLTextModel.from_pretrained(self.source, subfolder="text_encoder", dtype=self.dtype,
-                                                      use_safetensors=True).eval()
-        self._to_jax("text_encoder", encoder)
         replicated = NamedSharding(self.mesh, P())
 
-        def hidden(module, ids, mask):  # the one hidden state diffusers keeps, selected inside jit
-            self.traces["text"] += 1
-            out = module(input_ids=ids, attention_mask=mask, output_hidden_states=True)
-            return out.hidden_states[layer][:, crop:]
+        def load():
+            tokenizer = AutoTokenizer.from_pretrained(self.source, subfolder="tokenizer")
+            encoder = Qwen2_5_VLTextModel.from_pretrained(self.source, subfolder="text_encoder", dtype=self.dtype,
+                                                          use_safetensors=True).eval()
+            self._to_jax("text_encoder", encoder, self._text_rules("text_encoder"))
 
-        fm = torchax_utils.FunctionalModule(encoder, hidden)
-        qwen, qwen_state = jax.jit(fm, out_shardings=replicated), fm.state()
+            def hidden(module, ids, mask):  # the one hidden state diffusers keeps, selected inside jit
+                self.traces["text"] += 1
+                out = module(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+                return out.hidden_states[layer][:, crop:]
+
+            fm = torchax_utils.FunctionalModule(encoder, hidden)
+            return tokenizer, encoder, jax.jit(fm, out_shardings=replicated), fm.state()
+
+        tokenizer, _, qwen, qwen_state = self.held("text", "qwen", load)
         glyph = None  # the ByT5 encoder loads only for a prompt that quotes text
         prompts = {"": request.prompt}
         if _guidance_on(request, self.configs):
@@ -198,7 +202,7 @@ class Hunyuan(common.StagedPipeline):
                     results[f"{prefix}prompt_embeds_mask_2"] = torch.zeros(1, d["byt5_length"], dtype=self.dtype)
                     continue
                 if glyph is None:
-                    glyph = self._glyph_encoder(T5EncoderModel, replicated)
+                    glyph = self.held("text", "byt5", lambda: self._glyph_encoder(T5EncoderModel, replicated))
                 byt5_tokens = glyph[0](glyph_text, padding="max_length", max_length=d["byt5_length"], truncation=True,
                                        add_special_tokens=True, return_tensors="pt")
                 out = glyph[1](*glyph[2], jax.device_put(byt5_tokens.input_ids.numpy(), replicated),
@@ -208,7 +212,7 @@ class Hunyuan(common.StagedPipeline):
         return results, {"first_s": times[0], "steady_s": times[-1]}
 
     def _glyph_encoder(self, cls, replicated):
-        """`(tokenizer, jitted T5 encoder, its state)` for the quoted text of a prompt."""
+        """`(tokenizer, jitted T5 encoder, its state, the encoder)` for the quoted text of a prompt."""
         import jax
         from transformers import AutoTokenizer
 
@@ -217,12 +221,12 @@ class Hunyuan(common.StagedPipeline):
         tokenizer = AutoTokenizer.from_pretrained(self.source, subfolder="tokenizer_2")
         encoder = cls.from_pretrained(self.source, subfolder="text_encoder_2", dtype=self.dtype,
                                       use_safetensors=True).eval()
-        self._to_jax("text_encoder_2", encoder)
+        self._to_jax("text_encoder_2", encoder, self._text_rules("text_encoder_2"))
         fm = torchax_utils.FunctionalModule(encoder, lambda m, ids, mask: m(input_ids=ids, attention_mask=mask)[0])
-        return tokenizer, jax.jit(fm, out_shardings=replicated), fm.state()
+        return tokenizer, jax.jit(fm, out_shardings=replicated), fm.state(), encoder
 
     # -- stage 2 ---------------------------------------------------------------------------
-    def denoise(self, request: Request, embeds: dict, on_step: Callable[[int, Any], None] | None = None) -> tuple[dict, dict]:
+    def _denoise(self, request: Request, embeds: dict, on_step: Callable[[int, Any], None] | None = None) -> tuple[dict, dict]:
         """All steps through one compiled step (two with DeepCache: full and cached). Returns
         `{"latents": (1, C, T, h, w)}`. `on_step(i, latents)` is called after each step with its
         output, a jax array valid only during the call (the next step donates its buffer)."""
@@ -256,24 +260,28 @@ class Hunyuan(common.StagedPipeline):
         shape = family.latent_shape(request.frames, request.height, request.width, self.shapes)
         latents = randn_tensor(shape, generator=torch.Generator().manual_seed(request.seed), dtype=self.dtype)
 
-        transformer = HunyuanVideo15Transformer3DModel.from_pretrained(
-            self.source, subfolder="transformer", dtype=self.dtype, use_safetensors=True).eval()
-        layers = len(transformer.transformer_blocks)
-        if request.deepcache is not None:
-            request.deepcache.check(request.steps, layers)
         backend = common.attention_backend(self.options.attention)
         mesh, env = self.mesh, self.env
-        padded = jax.jit(functools.partial(
-            attention.padded_attention, backend=backend, mesh=mesh if backend == "splash" else None,
-            interpret=jax.default_backend() != "tpu", batch_axis="dp", head_axis="tp"))
 
-        def attend(q, k, v, valid):  # torchax tensors in, torchax tensor out
-            from torchax.interop import call_jax
+        def load():
+            transformer = HunyuanVideo15Transformer3DModel.from_pretrained(
+                self.source, subfolder="transformer", dtype=self.dtype, use_safetensors=True).eval()
+            padded = jax.jit(functools.partial(
+                attention.padded_attention, backend=backend, mesh=mesh if backend == "splash" else None,
+                interpret=jax.default_backend() != "tpu", batch_axis="dp", head_axis="tp"))
 
-            return call_jax(padded, q, k, v, valid)
+            def attend(q, k, v, valid):  # torchax tensors in, torchax tensor out
+                from torchax.interop import call_jax
 
-        family.make_jit_friendly(transformer, attend)
-        self._to_jax("transformer", transformer, self._rules(self.options.sharding))
+                return call_jax(padded, q, k, v, valid)
+
+            family.make_jit_friendly(transformer, attend)
+            self._to_jax("transformer", transformer, self._rules(self.options.sharding))
+            return transformer
+
+        transformer = self.held("denoise", "transformer", load)
+        if request.deepcache is not None:
+            request.deepcache.check(request.steps, len(transformer.transformer_blocks))
         replicated = NamedSharding(mesh, P())
         batch = NamedSharding(mesh, P("dp")) if guided else replicated
         keys = ("prompt_embeds", "prompt_embeds_mask", "prompt_embeds_2", "prompt_embeds_mask_2")
@@ -322,11 +330,17 @@ class Hunyuan(common.StagedPipeline):
             tail = schedule.tail
             fm_full = torchax_utils.FunctionalModule(transformer, lambda m, *a: family.deepcache_full(m, tail, *a))
             fm_cached = torchax_utils.FunctionalModule(transformer, lambda m, *a: family.deepcache_cached(m, tail, *a))
-        # Latents keep one (replicated) sharding in and out, so every step reuses the first step's
-        # program; they are donated, so XLA updates them in place. The cache stays split on `dp`.
-        compiled_plain = jax.jit(plain, donate_argnums=(2,), out_shardings=replicated)
-        compiled_full = jax.jit(full, donate_argnums=(2,), out_shardings=(replicated, batch))
-        compiled_cached = jax.jit(cached, donate_argnums=(2,), out_shardings=replicated)
+
+        def programs():
+            # Latents keep one (replicated) sharding in and out, so every step reuses the first step's
+            # program; they are donated, so XLA updates them in place. The cache stays split on `dp`.
+            return (jax.jit(plain, donate_argnums=(2,), out_shardings=replicated),
+                    jax.jit(full, donate_argnums=(2,), out_shardings=(replicated, batch)),
+                    jax.jit(cached, donate_argnums=(2,), out_shardings=replicated))
+
+        # What the programs close over: the schedule (steps, shift), guidance on or off, DeepCache's tail.
+        key = ("steps", request.steps, request.shift, guided, schedule.tail if schedule else None)
+        compiled_plain, compiled_full, compiled_cached = self.held("denoise", key, programs)
         weights, buffers = fm_plain.state()
         x = jax.device_put(common.to_jax_array(latents), replicated)
         full_steps = set(schedule.full_steps(request.steps)) if schedule else set(range(request.steps))
@@ -352,7 +366,7 @@ class Hunyuan(common.StagedPipeline):
         return {"latents": common.to_torch(x).to(self.dtype)}, timings
 
     # -- stage 3 ---------------------------------------------------------------------------
-    def decode(self, request: Request, latents) -> tuple[dict, dict]:
+    def _decode(self, request: Request, latents) -> tuple[dict, dict]:
         """Latents -> frames, float32 (F, H, W, 3) in [0, 1] (diffusers' `output_type="np"`)."""
         import torch
         from diffusers import AutoencoderKLHunyuanVideo15
@@ -360,15 +374,18 @@ class Hunyuan(common.StagedPipeline):
 
         from tpupedia import torchax_utils
 
-        vae = AutoencoderKLHunyuanVideo15.from_pretrained(self.source, subfolder="vae", dtype=self.dtype,
-                                                          use_safetensors=True).eval()
-        if request.vae_tiling:
-            vae.enable_tiling()
+        def load():
+            vae = AutoencoderKLHunyuanVideo15.from_pretrained(self.source, subfolder="vae", dtype=self.dtype,
+                                                              use_safetensors=True).eval()
+            self._to_jax("vae", vae, on_mesh=False)
+            vae.decoder = torchax_utils.JitModule(vae.decoder)
+            return vae
+
+        vae = self.held("decode", "vae", load)
+        vae.enable_tiling() if request.vae_tiling else vae.disable_tiling()
         z = latents.to(vae.dtype) / vae.config.scaling_factor
-        self._to_jax("vae", vae, on_mesh=False)
         start = time.perf_counter()
         with self._precision(), torch.no_grad(), self.env:
-            vae.decoder = torchax_utils.JitModule(vae.decoder)
             video = vae.decode(z.to("jax")).sample.to("cpu")
         seconds = time.perf_counter() - start
         frames = HunyuanVideo15ImageProcessor(vae_scale_factor=vae.spatial_compression_ratio).postprocess_video(
