@@ -442,7 +442,6 @@ def run(pipeline_cls: type[StagedPipeline], request: Request, options: Options, 
     from tpupedia import devices
 
     family = pipeline_cls.family
-    wanted = STAGE_ORDER if stage == "all" else (stage,)
     if stage != "all" and stage not in STAGE_ORDER:
         raise PipelineError(f"stage={stage!r} is not one of all, {', '.join(STAGE_ORDER)}")
     mesh_devices = jax.devices() if collective else jax.local_devices()  # every process's devices, or ours
