@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "CollectiveOp",
     "collective_ops",
     "format_bytes",
+    "Program",
 ]
 
 _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -103,6 +104,36 @@ class AOTResult:
             f"does not fit: needs {format_bytes(self.oom_required_bytes)} of temporaries, "
             f"{format_bytes(self.oom_available_bytes)} of HBM available per chip"
         )
+
+
+@dataclass
+class Program:
+    """One program a run will execute, ready to compile ahead of time: `fn(*args)` where `args`
+    are abstract (`abstract`, pytrees of them) and sharded over the target devices.
+
+    The pipelines build these from the code they run (`tpupedia.plan` compiles them):
+    `weights_bytes` is how much of the per-chip arguments are the stage's model weights (what
+    stays resident if the pipeline keeps its models), `calls` how often one run calls it.
+    """
+
+    stage: str
+    name: str
+    fn: Callable[..., Any]
+    args: tuple
+    jit_kwargs: dict = field(default_factory=dict)
+    weights_bytes: int = 0
+    calls: int = 1
+    component: str | None = None
+    """The checkpoint component whose weights these are (`transformer`, `text_encoder`, ...)."""
+    context: Callable[[], Any] | None = None
+    """What must be in effect while `fn` is traced (e.g. the attention kernel a torchax
+    environment routes SDPA to), as a context-manager factory."""
+
+    def compile(self) -> "AOTResult":
+        import contextlib
+
+        with (self.context or contextlib.nullcontext)():
+            return compile_aot(self.fn, *self.args, **self.jit_kwargs)
 
 
 def abstract(shape: tuple[int, ...], dtype: Any, sharding: Any = None) -> Any:

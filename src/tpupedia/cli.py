@@ -108,6 +108,33 @@ def _dryrun(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from tpupedia import plan, presets, results
+    from tpupedia.pipelines import common
+
+    pipeline = _pipeline_module(args.model_family)
+    family = pipeline.PIPELINE.family
+    fields = family.default_request(presets.get("full")) | {k: v for k, v in (
+        ("frames", args.frames), ("steps", args.steps)) if v is not None}
+    if args.resolution:
+        from tpupedia import dryrun
+
+        fields["width"], fields["height"] = dryrun.parse_resolution(args.resolution, 16)
+    request = pipeline.Request(prompt=args.prompt, **fields)
+    options = common.Options(mesh=common.parse_mesh(args.mesh) if args.mesh else None, sharding=args.sharding,
+                             attention=args.attention)
+    configs = family.component_configs(family.model_source(presets.get("full"), args.model)[0]) if args.model else None
+    result = plan.make(args.model_family, request, options, configs=configs, topology=args.topology,
+                       layers=args.layers, vae_tiling=args.vae_tiling, resident=args.batch)
+    print(result.summary())
+    if args.json:
+        print(f"  written to {results.write_json_atomic(args.json, result.as_dict())}")
+    if args.record:
+        print(f"  recorded in {plan.record(result, args.record, command='tpupedia ' + ' '.join(args.argv))}")
+    result.check()  # a run that will not fit: PlanError, one line naming the stage and the fix, exit 2
+    return 0
+
+
 GENERATORS = ("cogvideox", "hunyuan")
 """Families `generate` and `bench generate` run: `tpupedia.pipelines.<name>`."""
 
@@ -134,9 +161,10 @@ def _generate_setup(args: argparse.Namespace):
     if args.model_family == "hunyuan":
         from tpupedia.pipelines import deepcache
 
-        fields |= {"shift": args.shift, "vae_tiling": args.vae_tiling,
+        fields |= {"shift": args.shift,
                    "deepcache": deepcache.parse(args.deepcache) if args.deepcache else None}
-    request = pipeline.Request(prompt=args.prompt or "(from --prompts)", negative_prompt=args.negative_prompt, **fields)
+    request = pipeline.Request(prompt=args.prompt or "(from --prompts)", negative_prompt=args.negative_prompt,
+                               vae_tiling=args.vae_tiling, **fields)
     options = common.Options(mesh=common.parse_mesh(args.mesh) if args.mesh else None, sharding=args.sharding,
                              attention=args.attention, vae=args.vae, quiet=args.quiet, dtype=args.dtype)
     configs = None  # a checkpoint named on the command line: its configs' rules (JSON only, no weights)
@@ -266,11 +294,12 @@ def _add_generate_arguments(p: argparse.ArgumentParser, family: str, *, stages: 
                    help="JAX persistent compilation cache directory, or off (default: on the full preset "
                         "$TPUPEDIA_CACHE/jax-compilation-cache, off on the tiny one)")
     p.add_argument("--quiet", action="store_true", help="no progress bar or per-stage lines")
+    p.add_argument("--vae-tiling", action="store_true",
+                   help="decode in overlapping spatial tiles (what `tpupedia plan` turns on when a frame does not fit one chip)")
     if family == "hunyuan":
         p.add_argument("--shift", type=float, default=None, help="flow-matching shift (default: the checkpoint's scheduler)")
         p.add_argument("--deepcache", default=None, metavar="START:END:INTERVAL",
                        help="reuse deep features between full steps, e.g. 11:45:4 (upstream's); off by default")
-        p.add_argument("--vae-tiling", action="store_true", help="decode in 256-pixel tiles (720p on one chip)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -305,6 +334,31 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--record", default=None, nargs="?", const="docs/results/dryruns.json",
                    help="merge the report into a results file (default docs/results/dryruns.json)")
     d.set_defaults(func=_dryrun)
+
+    pl = sub.add_parser("plan", help="AOT-compile every program a generate run executes for a TPU slice; "
+                                     "per-stage per-chip peak, binding stage; exit 2 if it will not fit")
+    plsub = pl.add_subparsers(dest="model_family", required=True)
+    for name in GENERATORS:
+        q = plsub.add_parser(name, help=f"plan `tpupedia generate {name} --preset full`")
+        q.add_argument("--model", default=None, help="a diffusers checkpoint folder whose configs to plan "
+                                                      "(default: the release's configs, built in)")
+        q.add_argument("--topology", default="v6e:2x4", help="TPU slice as libtpu names it (v6e:2x4, v6e:2x2, v6e:4x4)")
+        q.add_argument("--mesh", default=None, help="dp=N,tp=M (default: dp=2 for the guidance pair, tp the rest)")
+        q.add_argument("--resolution", default=None, help="720p, 480p or WIDTHxHEIGHT (default: the family's)")
+        q.add_argument("--frames", type=int, default=None)
+        q.add_argument("--steps", type=int, default=None)
+        q.add_argument("--prompt", default="a video", help="the prompt (ByT5 is planned only for quoted glyph text)")
+        q.add_argument("--sharding", choices=["tp", "fsdp", "replicated"], default="tp")
+        q.add_argument("--attention", choices=["auto", "splash", "reference"], default="auto",
+                       help="auto: splash, as a TPU run picks it")
+        q.add_argument("--vae-tiling", choices=["auto", "on", "off"], default="auto",
+                       help="auto: tiled only when the untiled decode does not fit one chip")
+        q.add_argument("--layers", type=int, default=None, help="compile N layers per model, add the rest's weights")
+        q.add_argument("--batch", action="store_true", help="plan a batch: every stage's models stay resident")
+        q.add_argument("--json", default=None, help="also write the plan as JSON to this file")
+        q.add_argument("--record", default=None, nargs="?", const="docs/results/plans.json",
+                       help="merge the plan into a results file (default docs/results/plans.json)")
+        q.set_defaults(func=_plan)
 
     b = sub.add_parser("bench", help="benchmarks; results go to a JSON file the docs render")
     bsub = b.add_subparsers(dest="bench", required=True)
@@ -365,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     from tpupedia import devices
 
     devices.quiet_libtpu()  # no libtpu start-up noise on hosts without a TPU
-    if args.command in ("bench", "dryrun"):
+    if args.command in ("bench", "dryrun", "plan"):
         from tpupedia import session
 
         session.quiet()

@@ -75,6 +75,24 @@ def full_text_encoder_config() -> dict[str, Any]:
                 feed_forward_proj="gated-gelu", relative_attention_num_buckets=32)
 
 
+def full_configs() -> dict[str, dict]:
+    """The released checkpoint's component configs, as `component_configs` reads them from a
+    download, for planning without one (`tpupedia plan`): the transformer and T5 above, the VAE at
+    diffusers' defaults (CogVideoX1.5's shapes; its scaling factor, 0.7, changes no shape), and the
+    DPM scheduler by class (its values change the schedule, not a shape)."""
+    import torch
+    from diffusers import AutoencoderKLCogVideoX
+    from transformers import T5Config
+
+    with torch.device("meta"):
+        vae = dict(AutoencoderKLCogVideoX().config)
+    return {"transformer": {"_class_name": "CogVideoXTransformer3DModel"} | full_transformer_config(),
+            "text_encoder": T5Config(**full_text_encoder_config()).to_dict(),
+            "vae": vae | {"scaling_factor": 0.7},
+            "scheduler": {"_class_name": "CogVideoXDPMScheduler", "prediction_type": "v_prediction",
+                          "rescale_betas_zero_snr": True, "timestep_spacing": "trailing", "snr_shift_scale": 1.0}}
+
+
 def tiny_transformer_config() -> dict[str, Any]:
     """The 1.5 layout at toy width: 2 layers, 4 heads of 16. Head dim 16 is the smallest that
     diffusers' 3-D RoPE accepts (it splits the head dim 1/4 time, 3/8 height, 3/8 width, each even)."""

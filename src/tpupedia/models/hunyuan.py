@@ -79,6 +79,38 @@ def full_transformer_config(layers: int | None = None) -> dict[str, Any]:
     return dict(num_layers=FULL_LAYERS if layers is None else layers, task_type="t2v")
 
 
+def full_text_encoder_configs() -> dict[str, dict[str, Any]]:
+    """The two text encoders of the release, by their public configs: Qwen2.5-VL-7B's text model
+    (28 layers, width 3584, 28 query and 4 key-value heads, vocabulary 152,064) and the ByT5-small
+    glyph encoder (12 layers, width 1472)."""
+    return {"text_encoder": dict(model_type="qwen2_5_vl_text", hidden_size=3584, intermediate_size=18944,
+                                 num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                                 vocab_size=152064, rms_norm_eps=1e-6, max_position_embeddings=128000,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+            "text_encoder_2": dict(vocab_size=384, d_model=1472, d_kv=64, d_ff=3584, num_layers=12, num_heads=6,
+                                   feed_forward_proj="gated-gelu")}
+
+
+def full_configs() -> dict[str, dict]:
+    """The released checkpoint's component configs, as `component_configs` reads them from a
+    download, for planning without one (`tpupedia plan`): transformer, VAE, scheduler and guider
+    at diffusers' defaults (the 720p t2v shapes; the scheduler's shift and the guider's scale
+    change numbers, not shapes), the text encoders above."""
+    import torch
+    from diffusers import AutoencoderKLHunyuanVideo15, FlowMatchEulerDiscreteScheduler, HunyuanVideo15Transformer3DModel
+    from diffusers.guiders import ClassifierFreeGuidance
+    from transformers import Qwen2_5_VLTextConfig, T5Config
+
+    with torch.device("meta"):
+        transformer = dict(HunyuanVideo15Transformer3DModel(**full_transformer_config(layers=1)).config)
+        vae = dict(AutoencoderKLHunyuanVideo15().config)
+    text = full_text_encoder_configs()
+    return {"transformer": transformer | {"num_layers": FULL_LAYERS}, "vae": vae,
+            "scheduler": dict(FlowMatchEulerDiscreteScheduler().config), "guider": dict(ClassifierFreeGuidance().config),
+            "text_encoder": Qwen2_5_VLTextConfig(**text["text_encoder"]).to_dict(),
+            "text_encoder_2": T5Config(**text["text_encoder_2"]).to_dict()}
+
+
 def tiny_transformer_config() -> dict[str, Any]:
     """2 blocks, 2 heads of 8, patch 1 (its 2048-wide glyph projection is hard-coded upstream)."""
     return dict(in_channels=9, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=2,

@@ -62,6 +62,8 @@ def settings(stage: str, source_label: str, configs: dict[str, dict], request: R
                 "steps": request.steps, "guidance": request.guidance, "seed": request.seed}
     if stage == "decode":
         out |= {"vae_config": common.config_fingerprint(configs["vae"]), "vae": vae}
+        if request.vae_tiling:  # tiles change pixels; untiled keeps the fingerprints of earlier runs
+            out["vae_tiling"] = True
     return out
 
 
@@ -85,18 +87,39 @@ class CogVideoX(common.StagedPipeline):
         """T5 embeddings of the negative and the positive prompt, as `_get_t5_prompt_embeds`
         computes them (padding to the checkpoint's text length, truncation, special tokens)."""
         import jax
-        from jax.sharding import NamedSharding, PartitionSpec as P
-        from transformers import AutoTokenizer, T5EncoderModel
+        from transformers import AutoTokenizer
 
-        from tpupedia import torchax_utils
+        length = self.configs["transformer"]["max_text_seq_length"]
+        tokenizer = self.held("text", "tokenizer", lambda: AutoTokenizer.from_pretrained(self.source, subfolder="tokenizer"))
+        (program,) = self._text_programs(request)
+        compiled = self.held("text", "jit", lambda: jax.jit(program.fn, **program.jit_kwargs))
+        weights, buffers, ids_spec = program.args
+        results, times = {}, []
+        with self._precision():
+            for name, text in (("negative_prompt_embeds", request.negative_prompt), ("prompt_embeds", request.prompt)):
+                ids = tokenizer([text], padding="max_length", max_length=length, truncation=True,
+                                add_special_tokens=True, return_tensors="pt").input_ids
+                ids = jax.device_put(ids.numpy(), ids_spec.sharding)
+                out, seconds = common.timed(lambda: compiled(weights, buffers, ids), jax.block_until_ready)
+                results[name] = common.to_torch(out).to(self.dtype)
+                times.append(seconds)
+        return results, {"first_s": times[0], "steady_s": times[1]}
+
+    def _text_programs(self, request: Request) -> list:
+        """The T5 encoder as the text stage compiles it: `(weights, buffers, ids)` with ids of the
+        checkpoint's text length (226 for the releases), called for the negative and the positive
+        prompt. Real weights, or abstract ones on an `abstract` pipeline (`tpupedia.plan`)."""
+        import jax.numpy as jnp
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        from transformers import T5EncoderModel
+
+        from tpupedia import aot, torchax_utils
 
         length = self.configs["transformer"]["max_text_seq_length"]
         replicated = NamedSharding(self.mesh, P())
 
         def load():
-            tokenizer = AutoTokenizer.from_pretrained(self.source, subfolder="tokenizer")
-            encoder = T5EncoderModel.from_pretrained(self.source, subfolder="text_encoder", dtype=self.dtype,
-                                                     use_safetensors=True).eval()
+            encoder = self._load(T5EncoderModel, "text_encoder")
             self._to_jax("text_encoder", encoder, self._text_rules("text_encoder"))
             fm = torchax_utils.FunctionalModule(encoder, return_dict=False)
 
@@ -104,19 +127,14 @@ class CogVideoX(common.StagedPipeline):
                 self.traces["text"] += 1
                 return fm(weights, buffers, input_ids=ids)[0]
 
-            return tokenizer, encoder, jax.jit(embed, out_shardings=replicated), fm.state()  # readable by every process
+            return encoder, embed, self._state(fm, "text_encoder")
 
-        tokenizer, _, compiled, (weights, buffers) = self.held("text", "t5", load)
-        results, times = {}, []
-        with self._precision():
-            for name, text in (("negative_prompt_embeds", request.negative_prompt), ("prompt_embeds", request.prompt)):
-                ids = tokenizer([text], padding="max_length", max_length=length, truncation=True,
-                                add_special_tokens=True, return_tensors="pt").input_ids
-                out, seconds = common.timed(lambda: compiled(weights, buffers, jax.device_put(ids.numpy(), replicated)),
-                                      jax.block_until_ready)
-                results[name] = common.to_torch(out).to(self.dtype)
-                times.append(seconds)
-        return results, {"first_s": times[0], "steady_s": times[1]}
+        _, embed, (weights, buffers) = self.held("text", "t5", load)
+        ids = aot.abstract((1, length), jnp.int32, replicated)
+        return [aot.Program("text", f"T5 encoder, {length} tokens", embed, (weights, buffers, ids),
+                            jit_kwargs={"out_shardings": replicated},  # readable by every process
+                            weights_bytes=self.plans["text_encoder"].bytes_per_device, calls=2,
+                            component="text_encoder")]
 
     # -- stage 2 ---------------------------------------------------------------------------
     def _denoise(self, request: Request, embeds: dict, on_step: Callable[[int, Any], None] | None = None) -> tuple[dict, dict]:
@@ -128,45 +146,101 @@ class CogVideoX(common.StagedPipeline):
         import jax.numpy as jnp
         import numpy as np
         import torch
-        from diffusers import CogVideoXDPMScheduler, CogVideoXTransformer3DModel
-        from diffusers.utils.torch_utils import randn_tensor
-        from jax.sharding import NamedSharding, PartitionSpec as P
 
-        from tpupedia import torchax_utils
         from tpupedia.pipelines import schedulers
 
-        cfg = self.configs["transformer"]
-        scheduler = family.load_scheduler(self.source)
-        scheduler.set_timesteps(request.steps)
-        timesteps = scheduler.timesteps
-        dpm = isinstance(scheduler, CogVideoXDPMScheduler)
-        host_tables = schedulers.cogvideox_tables(scheduler, timesteps)
-        tables = {k: jnp.asarray(v) for k, v in host_tables.items()}
-        guided = request.guidance > 1.0
+        setup = self._denoise_setup(request)
+        (program,) = self._denoise_programs(request, setup)
+        # The step depends on the schedule (steps) and on guidance being on; a batch keeps one per pair.
+        compiled = self.held("denoise", ("step", request.steps, setup.guided),
+                             lambda: jax.jit(program.fn, **program.jit_kwargs))
+        weights, buffers, x_spec, old_spec, text_spec, cos_spec, sin_spec = program.args[:7]
+        text = (torch.cat([embeds["negative_prompt_embeds"], embeds["prompt_embeds"]]) if setup.guided
+                else embeds["prompt_embeds"])
+        text = jax.device_put(common.to_jax_array(text), text_spec.sharding)
+        cos, sin = (jax.device_put(common.to_jax_array(a), spec.sharding)
+                    for a, spec in ((setup.cos, cos_spec), (setup.sin, sin_spec)))
+        x = jax.device_put(common.to_jax_array(setup.latents), x_spec.sharding)
+        old = jax.device_put(jnp.zeros(old_spec.shape, old_spec.dtype), old_spec.sharding)
+        step_times = []
+        with program.context(), self._precision():
+            for i in range(len(setup.timesteps)):
+                noise = (schedulers.dpm_noise(setup.generator, x_spec.shape, self.dtype, setup.host_tables, i)
+                         if setup.dpm else np.zeros((), np.float32))  # DDIM draws no noise
+                (x, old), seconds = common.timed(  # host scalars and noise: replicated inputs on every process
+                    lambda: compiled(weights, buffers, x, old, text, cos, sin, np.int32(i),
+                                     np.float32(request.guidance), noise),
+                    jax.block_until_ready)
+                step_times.append(seconds)
+                if on_step:
+                    on_step(i, x)
+        steady = float(np.median(step_times[1:])) if len(step_times) > 1 else step_times[0]
+        return {"latents": common.to_torch(x).to(self.dtype)}, {"first_s": step_times[0], "steady_s": steady,
+                                                          "steps": len(step_times), "padding_frames": setup.padding}
 
+    def _denoise_setup(self, request: Request):
+        """What the step needs from the host: the schedule as tables, the initial latents drawn
+        from `torch.Generator(seed)` as diffusers draws them (the generator then draws the DPM
+        noise), the RoPE tables, and whether guidance and the DPM solver are on."""
+        import types
+
+        import jax.numpy as jnp
+        import torch
+        from diffusers import CogVideoXDPMScheduler
+        from diffusers.utils.torch_utils import randn_tensor
+
+        from tpupedia.pipelines import schedulers
+
+        scheduler = self._scheduler()
+        scheduler.set_timesteps(request.steps)
+        host_tables = schedulers.cogvideox_tables(scheduler, scheduler.timesteps)
         generator = torch.Generator().manual_seed(request.seed)
         facts = self.shapes
         frames, padding = family.padded_latent_frames(request.frames, facts)
         shape = (1, frames, facts.latent_channels, *facts.latent_size(request.height, request.width))
         latents = randn_tensor(shape, generator=generator, dtype=self.dtype) * scheduler.init_noise_sigma
-        cos, sin = family.rotary_embeddings(cfg, request.height, request.width, frames, facts)
+        cos, sin = family.rotary_embeddings(self.configs["transformer"], request.height, request.width, frames, facts)
+        return types.SimpleNamespace(
+            timesteps=scheduler.timesteps, host_tables=host_tables,
+            tables={k: jnp.asarray(v) for k, v in host_tables.items()},
+            dpm=isinstance(scheduler, CogVideoXDPMScheduler), guided=request.guidance > 1.0,
+            generator=generator, latents=latents, padding=padding, cos=cos, sin=sin)
+
+    def _scheduler(self):
+        """The checkpoint's scheduler (DPM or DDIM, as its `model_index.json` says), or on an
+        `abstract` pipeline the one its scheduler config names."""
+        if not self.abstract:
+            return family.load_scheduler(self.source)
+        import diffusers
+
+        config = self.configs["scheduler"]
+        return getattr(diffusers, config["_class_name"]).from_config(config)
+
+    def _denoise_programs(self, request: Request, setup) -> list:
+        """The one denoising step every step runs, as this stage compiles it: the guidance pair as a
+        batch on `dp`, the transformer over `tp`, the scheduler step, latents and solver state donated.
+        Arguments `(weights, buffers, latents, old_pred, text, cos, sin, i, guidance, noise)`."""
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+        from diffusers import CogVideoXTransformer3DModel
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        from tpupedia import aot, torchax_utils
+        from tpupedia.pipelines import schedulers
 
         def load():
-            transformer = CogVideoXTransformer3DModel.from_pretrained(
-                self.source, subfolder="transformer", dtype=self.dtype, use_safetensors=True).eval()
+            transformer = self._load(CogVideoXTransformer3DModel, "transformer")
             family.make_jit_friendly(transformer)  # RoPE without in-place writes (see its docstring)
             self._to_jax("transformer", transformer, self._rules(self.options.sharding))
             return transformer, torchax_utils.FunctionalModule(transformer, return_dict=False)
 
         _, fm = self.held("denoise", "transformer", load)
-        env, mesh = self.env, self.mesh
-        batch = NamedSharding(mesh, P("dp")) if guided else NamedSharding(mesh, P())
-        replicated = NamedSharding(mesh, P())
-
-        text = torch.cat([embeds["negative_prompt_embeds"], embeds["prompt_embeds"]]) if guided else embeds["prompt_embeds"]
-        text = jax.device_put(common.to_jax_array(text), batch)
-        cos, sin = (jax.device_put(common.to_jax_array(a), replicated) for a in (cos, sin))
-        dtype = common.to_jax_array(latents).dtype
+        backend = attention_backend(self.options.attention, self.mesh)
+        tables, guided, dpm = setup.tables, setup.guided, setup.dpm
+        batch = NamedSharding(self.mesh, P("dp")) if guided else NamedSharding(self.mesh, P())
+        replicated = NamedSharding(self.mesh, P())
+        dtype = common.to_jax_array(setup.latents[:0]).dtype
 
         def step(weights, buffers, latents, old_pred, text, cos, sin, i, guidance, noise):
             self.traces["denoise"] += 1
@@ -186,33 +260,35 @@ class CogVideoX(common.StagedPipeline):
                 new = schedulers.ddim_step(tables, i, sample, pred)
             return new.astype(dtype), old_pred
 
+        shape = tuple(setup.latents.shape)
+        text = (2 if guided else 1, self.configs["transformer"]["max_text_seq_length"],
+                self.configs["transformer"]["text_embed_dim"])
+        args = (*self._state(fm, "transformer"), aot.abstract(shape, dtype, replicated),
+                aot.abstract(shape, jnp.float32, replicated), aot.abstract(text, dtype, batch),
+                aot.abstract(tuple(setup.cos.shape), common.to_jax_array(setup.cos[:0]).dtype, replicated),
+                aot.abstract(tuple(setup.sin.shape), common.to_jax_array(setup.sin[:0]).dtype, replicated),
+                aot.abstract((), np.int32, replicated), aot.abstract((), np.float32, replicated),
+                aot.abstract(shape if dpm else (), np.float32, replicated))
         # Latents and the solver state keep one (replicated) sharding in and out, so every step
-        # reuses the first step's program; they are donated, so XLA updates them in place. The
-        # step depends on the schedule (steps) and on guidance being on; a batch keeps one per pair.
-        compiled = self.held("denoise", ("step", request.steps, guided), lambda: jax.jit(
-            step, donate_argnums=(2, 3), out_shardings=(replicated, replicated)))
-        weights, buffers = fm.state()
-        x = jax.device_put(common.to_jax_array(latents), replicated)
-        old = jax.device_put(jnp.zeros(shape, jnp.float32), replicated)
-        step_times = []
-        backend = attention_backend(self.options.attention)
-        with torchax_utils.restoring_ops(env), self._precision():
-            common.install_attention(env, mesh, backend)
-            for i in range(len(timesteps)):
-                noise = (schedulers.dpm_noise(generator, shape, self.dtype, host_tables, i)
-                         if dpm else np.zeros((), np.float32))  # DDIM draws no noise
-                (x, old), seconds = common.timed(  # host scalars and noise: replicated inputs on every process
-                    lambda: compiled(weights, buffers, x, old, text, cos, sin, np.int32(i),
-                                     np.float32(request.guidance), noise),
-                    jax.block_until_ready)
-                step_times.append(seconds)
-                if on_step:
-                    on_step(i, x)
-        steady = float(np.median(step_times[1:])) if len(step_times) > 1 else step_times[0]
-        return {"latents": common.to_torch(x).to(self.dtype)}, {"first_s": step_times[0], "steady_s": steady,
-                                                          "steps": len(step_times), "padding_frames": padding}
+        # reuses the first step's program; they are donated, so XLA updates them in place.
+        return [aot.Program("denoise", f"denoising step ({'guidance pair, ' if guided else ''}"
+                            f"{shape[1]}x{shape[3]}x{shape[4]} latents)", step, args,
+                            jit_kwargs={"donate_argnums": (2, 3), "out_shardings": (replicated, replicated)},
+                            weights_bytes=self.plans["transformer"].bytes_per_device, calls=len(setup.timesteps),
+                            component="transformer",
+                            context=lambda: common.attention_installed(self.env, self.mesh, backend))]
 
     # -- stage 3 ---------------------------------------------------------------------------
+    def _decode_programs(self, request: Request) -> list:
+        """The decode stage's programs, the Flax NNX VAE's frame batches (`tpupedia.pipelines.decoding`),
+        on the mesh's first chip (the VAE runs whole on one chip)."""
+        from tpupedia.pipelines import decoding
+
+        return decoding.cogvideox_programs(self.configs["vae"], family.latent_frames(request.frames, self.shapes),
+                                           request.height, request.width, list(self.mesh.devices.flat)[0],
+                                           dtype=str(self.dtype).removeprefix("torch."), tiling=request.vae_tiling)
+
+
     def _decode(self, request: Request, latents) -> tuple[dict, dict]:
         """Latents -> frames, float32 (F, H, W, 3) in [0, 1] (diffusers' `output_type="np"`)."""
         import jax
@@ -239,6 +315,7 @@ class CogVideoX(common.StagedPipeline):
             return vae, vae.config.scaling_factor
 
         vae, scaling = self.held("decode", self.vae, load)
+        vae.enable_tiling() if request.vae_tiling else vae.disable_tiling()
         z = latents[:, padding:].permute(0, 2, 1, 3, 4) / scaling
         start = time.perf_counter()
         with self._precision(), torch.no_grad():

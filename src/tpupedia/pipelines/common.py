@@ -55,6 +55,9 @@ class Request:
     guidance: float = 6.0
     seed: int = 42
     fps: int = 16
+    vae_tiling: bool = False
+    """Decode in overlapping spatial tiles (diffusers' `enable_tiling`): what fits a large frame into
+    one chip's memory (`tpupedia plan` says when); the blend changes pixels slightly."""
 
 
 @dataclass(frozen=True)
@@ -196,6 +199,8 @@ class StagedPipeline:
         self.configs = configs if configs is not None else self.family.component_configs(source)
         self.shapes = self.family.shape_facts(self.configs)
         """Compression ratios, patch sizes and latent channels of this checkpoint (`tpupedia.models.shapes`)."""
+        self.components: dict[str, tuple[type, list]] = {}
+        """Each placed component's class and sharding rules (what a plan rebuilds at full depth)."""
         self.plans: dict[str, Any] = {}
         """The sharding plan each component was placed with (`tpupedia.sharding.ShardingPlan`)."""
         self.traces: dict[str, int] = {}
@@ -205,6 +210,13 @@ class StagedPipeline:
         once, reuse the compiled step for every prompt). Otherwise `release` frees a stage's
         models as soon as it ends, so the next stage has the chips to itself."""
         self._held: dict[tuple[str, Any], Any] = {}
+        self.abstract = False
+        """Build models on PyTorch's `meta` device from `configs` and plan their shardings without
+        placing anything (`tpupedia.plan`): the stages' `_*_programs` then describe, with abstract
+        weights, the programs a real run compiles."""
+        self.layers: int | None = None
+        """With `abstract`: build transformers and text encoders this many layers deep (a cheaper
+        compile; `tpupedia.plan` adds the missing layers' weight shards from their shapes)."""
 
     def held(self, stage: str, key: Any, build: Callable[[], Any]) -> Any:
         """What `build()` returns (a placed model, a compiled program), built once for `(stage,
@@ -257,6 +269,30 @@ class StagedPipeline:
         p = self.options.matmul_precision
         return jax.default_matmul_precision(p) if p else contextlib.nullcontext()
 
+    def _load(self, cls, subfolder: str):
+        """Component `subfolder` of the checkpoint as a torch module in `self.dtype`, in eval mode:
+        `cls.from_pretrained` (safetensors only), or with `abstract` built on `meta` from its config."""
+        if not self.abstract:
+            return cls.from_pretrained(self.source, subfolder=subfolder, dtype=self.dtype, use_safetensors=True).eval()
+        import torch
+
+        config = dict(self.configs[subfolder])
+        if self.layers is not None:
+            for key in ("num_layers", "num_hidden_layers"):  # diffusers / transformers depth fields
+                if key in config:
+                    config[key] = min(self.layers, config[key])
+        with torch.device("meta"):
+            if hasattr(cls, "from_config"):  # diffusers
+                module = cls.from_config({k: v for k, v in config.items() if not k.startswith("_")})
+            else:  # transformers: its config class, then the model class
+                module = cls(cls.config_class(**config))
+        return module.to(self.dtype).eval()
+
+    def _state(self, fm, name: str) -> tuple[dict, dict]:
+        """`(weights, buffers)` of a placed component's `FunctionalModule`, or with `abstract` their
+        `jax.ShapeDtypeStruct`s sharded as planned."""
+        return fm.abstract_state(self.plans[name]) if self.abstract else fm.state()
+
     def _to_jax(self, name: str, module, rules=None, *, on_mesh: bool = True):
         """Place a CPU torch module in the torchax environment, each device built straight from
         host memory with only its shards (`tpupedia.sharding.place`), sharded over the mesh by
@@ -266,6 +302,11 @@ class StagedPipeline:
 
         from tpupedia import devices, sharding
 
+        self.components[name] = (type(module), list(rules or []))
+        if self.abstract:
+            mesh = self.mesh if on_mesh else devices.make_mesh((1, 1), ("dp", "tp"), devices=list(self.mesh.devices.flat)[:1])
+            self.plans[name] = sharding.plan(module, rules or [], mesh)
+            return module
         mesh = self.mesh if on_mesh else devices.make_mesh((1, 1), ("dp", "tp"), devices=jax.local_devices()[:1])
         self.plans[name] = sharding.place(module, rules or [], mesh, self.env)
         return module
@@ -356,14 +397,21 @@ def _free(value: Any) -> int:
     return 0
 
 
-def attention_backend(choice: str) -> str:
+def on_tpu(mesh=None) -> bool:
+    """Whether `mesh` (default: this process's backend) is made of TPU chips: what decides the
+    attention kernel and whether Pallas kernels run compiled or interpreted. A topology mesh
+    (`tpupedia.plan`) is a TPU even on a CPU host."""
+    import jax
+
+    return (mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()) == "tpu"
+
+
+def attention_backend(choice: str, mesh=None) -> str:
     """`auto`: the splash kernel on a TPU, the reference elsewhere (interpret mode is for
     correctness, not speed); `splash`/`reference` as asked."""
     if choice != "auto":
         return choice
-    import jax
-
-    return "splash" if jax.default_backend() == "tpu" else "reference"
+    return "splash" if on_tpu(mesh) else "reference"
 
 
 def install_attention(env, mesh, backend: str) -> None:
@@ -375,12 +423,20 @@ def install_attention(env, mesh, backend: str) -> None:
         torchax_utils.stock_ops(env)
         torchax_utils.install_masked_row_safe_sdpa(env)
         return
-    import jax
-
     from tpupedia import attention
 
-    attention.install_attention(env, mesh=mesh, backend="splash", interpret=jax.default_backend() != "tpu",
+    attention.install_attention(env, mesh=mesh, backend="splash", interpret=not on_tpu(mesh),
                                 mask_structure="padding", batch_axis="dp", head_axis="tp")
+
+
+@contextlib.contextmanager
+def attention_installed(env, mesh, backend: str):
+    """`install_attention` for the duration of a `with` block, the environment's ops restored after."""
+    from tpupedia import torchax_utils
+
+    with torchax_utils.restoring_ops(env):
+        install_attention(env, mesh, backend)
+        yield
 
 
 def to_jax_array(t):

@@ -50,9 +50,6 @@ class Request(common.Request):
     guidance: float | None = None
     shift: float | None = None
     deepcache: Schedule | None = None
-    vae_tiling: bool = False
-    """Decode in overlapping spatial tiles (diffusers' `enable_tiling`: 256-pixel tiles blended over
-    a quarter): what fits 720p into one chip's memory; the blend changes pixels slightly."""
 
 
 def validate(request: Request, options: Options, device_count: int | None = None,
@@ -153,45 +150,25 @@ class Hunyuan(common.StagedPipeline):
         import torch
         from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import (extract_glyph_texts,
                                                                                   format_text_input)
-        from jax.sharding import NamedSharding, PartitionSpec as P
-        from transformers import AutoTokenizer, Qwen2_5_VLTextModel, T5EncoderModel
-
-        from tpupedia import torchax_utils
+        from transformers import AutoTokenizer
 
         request = resolve(request, self.configs)
         d = _prompt_defaults()
-        crop, layer = d["crop_start"], -(d["num_hidden_layers_to_skip"] + 1)
-        replicated = NamedSharding(self.mesh, P())
-
-        def load():
-            tokenizer = AutoTokenizer.from_pretrained(self.source, subfolder="tokenizer")
-            encoder = Qwen2_5_VLTextModel.from_pretrained(self.source, subfolder="text_encoder", dtype=self.dtype,
-                                                          use_safetensors=True).eval()
-            self._to_jax("text_encoder", encoder, self._text_rules("text_encoder"))
-
-            def hidden(module, ids, mask):  # the one hidden state diffusers keeps, selected inside jit
-                self.traces["text"] += 1
-                out = module(input_ids=ids, attention_mask=mask, output_hidden_states=True)
-                return out.hidden_states[layer][:, crop:]
-
-            fm = torchax_utils.FunctionalModule(encoder, hidden)
-            return tokenizer, encoder, jax.jit(fm, out_shardings=replicated), fm.state()
-
-        tokenizer, _, qwen, qwen_state = self.held("text", "qwen", load)
-        glyph = None  # the ByT5 encoder loads only for a prompt that quotes text
-        prompts = {"": request.prompt}
-        if _guidance_on(request, self.configs):
-            prompts["negative_"] = request.negative_prompt
+        crop = d["crop_start"]
+        programs = {p.name.split(",")[0]: p for p in self._text_programs(request)}
+        qwen = programs["Qwen2.5-VL text model"]
+        run_qwen = self.held("text", "qwen-jit", lambda: jax.jit(qwen.fn, **qwen.jit_kwargs))
+        tokenizer = self.held("text", "tokenizer", lambda: AutoTokenizer.from_pretrained(self.source, subfolder="tokenizer"))
+        sharding = qwen.args[2].sharding
         results, times = {}, []
-        with self._precision(), torchax_utils.restoring_ops(self.env):
-            common.install_attention(self.env, self.mesh, "reference")  # masked rows -> 0, not NaN
-            for prefix, text in prompts.items():
+        with self._precision(), qwen.context():
+            for prefix, text in self._prompts(request).items():
                 tokens = tokenizer.apply_chat_template(
                     format_text_input([text], d["system_message"]), add_generation_prompt=True, tokenize=True,
                     return_dict=True, padding="max_length", max_length=d["tokenizer_max_length"] + crop,
                     truncation=True, return_tensors="pt")
-                ids, mask = (jax.device_put(tokens[k].numpy(), replicated) for k in ("input_ids", "attention_mask"))
-                embeds, seconds = common.timed(lambda: qwen(*qwen_state, ids, mask), jax.block_until_ready)
+                ids, mask = (jax.device_put(tokens[k].numpy(), sharding) for k in ("input_ids", "attention_mask"))
+                embeds, seconds = common.timed(lambda: run_qwen(*qwen.args[:2], ids, mask), jax.block_until_ready)
                 times.append(seconds)
                 results[f"{prefix}prompt_embeds"] = common.to_torch(embeds).to(self.dtype)
                 results[f"{prefix}prompt_embeds_mask"] = tokens["attention_mask"][:, crop:].to(self.dtype)
@@ -201,29 +178,73 @@ class Hunyuan(common.StagedPipeline):
                     results[f"{prefix}prompt_embeds_2"] = torch.zeros(1, d["byt5_length"], width, dtype=self.dtype)
                     results[f"{prefix}prompt_embeds_mask_2"] = torch.zeros(1, d["byt5_length"], dtype=self.dtype)
                     continue
-                if glyph is None:
-                    glyph = self.held("text", "byt5", lambda: self._glyph_encoder(T5EncoderModel, replicated))
-                byt5_tokens = glyph[0](glyph_text, padding="max_length", max_length=d["byt5_length"], truncation=True,
-                                       add_special_tokens=True, return_tensors="pt")
-                out = glyph[1](*glyph[2], jax.device_put(byt5_tokens.input_ids.numpy(), replicated),
-                               jax.device_put(byt5_tokens.attention_mask.float().numpy(), replicated))
+                byt5 = programs["ByT5 glyph encoder"]
+                run_byt5 = self.held("text", "byt5-jit", lambda: jax.jit(byt5.fn, **byt5.jit_kwargs))
+                glyph_tokenizer = self.held("text", "tokenizer_2", lambda: AutoTokenizer.from_pretrained(
+                    self.source, subfolder="tokenizer_2"))
+                byt5_tokens = glyph_tokenizer(glyph_text, padding="max_length", max_length=d["byt5_length"],
+                                              truncation=True, add_special_tokens=True, return_tensors="pt")
+                out = run_byt5(*byt5.args[:2], jax.device_put(byt5_tokens.input_ids.numpy(), sharding),
+                               jax.device_put(byt5_tokens.attention_mask.float().numpy(), sharding))
                 results[f"{prefix}prompt_embeds_2"] = common.to_torch(out).to(self.dtype)
                 results[f"{prefix}prompt_embeds_mask_2"] = byt5_tokens.attention_mask.to(self.dtype)
         return results, {"first_s": times[0], "steady_s": times[-1]}
 
-    def _glyph_encoder(self, cls, replicated):
-        """`(tokenizer, jitted T5 encoder, its state, the encoder)` for the quoted text of a prompt."""
-        import jax
-        from transformers import AutoTokenizer
+    def _prompts(self, request: Request) -> dict[str, str]:
+        """The prompts the text stage encodes, by embedding prefix: the prompt, and with guidance on
+        the negative prompt."""
+        prompts = {"": request.prompt}
+        if _guidance_on(request, self.configs):
+            prompts["negative_"] = request.negative_prompt
+        return prompts
 
-        from tpupedia import torchax_utils
+    def _text_programs(self, request: Request) -> list:
+        """The text stage's programs: Qwen2.5-VL at the template's length (diffusers' 1000 tokens
+        plus the 108-token system-prompt crop), keeping the one hidden state diffusers keeps, once
+        per prompt; and ByT5 at its 256 bytes, only when a prompt quotes text to draw (glyphs).
+        Both sharded over `tp` (`_text_rules`), with real or, on an `abstract` pipeline, abstract weights."""
+        import jax.numpy as jnp
+        from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import extract_glyph_texts
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        from transformers import Qwen2_5_VLTextModel, T5EncoderModel
 
-        tokenizer = AutoTokenizer.from_pretrained(self.source, subfolder="tokenizer_2")
-        encoder = cls.from_pretrained(self.source, subfolder="text_encoder_2", dtype=self.dtype,
-                                      use_safetensors=True).eval()
-        self._to_jax("text_encoder_2", encoder, self._text_rules("text_encoder_2"))
-        fm = torchax_utils.FunctionalModule(encoder, lambda m, ids, mask: m(input_ids=ids, attention_mask=mask)[0])
-        return tokenizer, jax.jit(fm, out_shardings=replicated), fm.state(), encoder
+        from tpupedia import aot, torchax_utils
+
+        d = _prompt_defaults()
+        crop, layer = d["crop_start"], -(d["num_hidden_layers_to_skip"] + 1)
+        replicated = NamedSharding(self.mesh, P())
+        prompts = self._prompts(request)
+
+        def hidden(module, ids, mask):  # the one hidden state diffusers keeps, selected inside jit
+            self.traces["text"] += 1
+            out = module(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+            return out.hidden_states[layer][:, crop:]
+
+        def encoder(cls, name, forward):
+            module = self._load(cls, name)
+            self._to_jax(name, module, self._text_rules(name))
+            fm = torchax_utils.FunctionalModule(module, forward)
+            return module, fm, self._state(fm, name)
+
+        _, qwen, state = self.held("text", "qwen", lambda: encoder(Qwen2_5_VLTextModel, "text_encoder", hidden))
+        length = d["tokenizer_max_length"] + crop
+        tokens = aot.abstract((1, length), jnp.int32, replicated)
+        programs = [aot.Program(
+            "text", f"Qwen2.5-VL text model, {length} tokens", qwen, (*state, tokens, tokens),
+            jit_kwargs={"out_shardings": replicated}, weights_bytes=self.plans["text_encoder"].bytes_per_device,
+            calls=len(prompts), component="text_encoder",  # masked rows -> 0, not NaN
+            context=lambda: common.attention_installed(self.env, self.mesh, "reference"))]
+        glyphs = sum(extract_glyph_texts(text) is not None for text in prompts.values())
+        if glyphs:
+            _, byt5, state = self.held("text", "byt5", lambda: encoder(
+                T5EncoderModel, "text_encoder_2", lambda m, ids, mask: m(input_ids=ids, attention_mask=mask)[0]))
+            length = d["byt5_length"]
+            programs.append(aot.Program(
+                "text", f"ByT5 glyph encoder, {length} bytes", byt5,
+                (*state, aot.abstract((1, length), jnp.int32, replicated), aot.abstract((1, length), jnp.float32, replicated)),
+                jit_kwargs={"out_shardings": replicated}, weights_bytes=self.plans["text_encoder_2"].bytes_per_device,
+                calls=glyphs, component="text_encoder_2", context=programs[0].context))
+        return programs
 
     # -- stage 2 ---------------------------------------------------------------------------
     def _denoise(self, request: Request, embeds: dict, on_step: Callable[[int, Any], None] | None = None) -> tuple[dict, dict]:
@@ -231,44 +252,95 @@ class Hunyuan(common.StagedPipeline):
         `{"latents": (1, C, T, h, w)}`. `on_step(i, latents)` is called after each step with its
         output, a jax array valid only during the call (the next step donates its buffer)."""
         import jax
+        import numpy as np
+        import torch
+
+        request = resolve(request, self.configs)
+        setup = self._denoise_setup(request)
+        programs = self._denoise_programs(request, setup)
+        # What the programs close over: the schedule (steps, shift), guidance on or off, DeepCache's tail.
+        schedule = request.deepcache
+        key = ("steps", request.steps, request.shift, setup.guided, schedule.tail if schedule else None)
+        compiled = self.held("denoise", key, lambda: [jax.jit(p.fn, **p.jit_kwargs) for p in programs])
+        weights, buffers, x_spec, text_specs, image_spec = programs[0].args[:5]
+        keys = ("prompt_embeds", "prompt_embeds_mask", "prompt_embeds_2", "prompt_embeds_mask_2")
+        text = [torch.cat([embeds[f"negative_{k}"], embeds[k]]) if setup.guided else embeds[k] for k in keys]
+        text = [jax.device_put(common.to_jax_array(t), spec.sharding) for t, spec in zip(text, text_specs)]
+        image = jax.device_put(np.zeros(image_spec.shape, image_spec.dtype), image_spec.sharding)
+        x = jax.device_put(common.to_jax_array(setup.latents), x_spec.sharding)
+        full_steps = set(schedule.full_steps(request.steps)) if schedule else set(range(request.steps))
+        step_times, cache = [], None
+        with programs[0].context(), self._precision():  # the token refiner's small masked attention
+            for i in range(request.steps):
+                args = (np.int32(i), np.float32(request.guidance), np.bool_(setup.cfg_on[i]))
+                if schedule is None:
+                    call = functools.partial(compiled[0], weights, buffers, x, text, image, *args)
+                elif i in full_steps:
+                    call = functools.partial(compiled[0], weights, buffers, x, text, image, *args)
+                else:
+                    call = functools.partial(compiled[1], weights, buffers, x, cache, text, image, *args)
+                out, seconds = common.timed(call, jax.block_until_ready)
+                x, cache = out if (schedule is not None and i in full_steps) else (out, cache)
+                step_times.append(seconds)
+                if on_step:
+                    on_step(i, x)
+        steady = float(np.median(step_times[1:])) if len(step_times) > 1 else step_times[0]
+        timings = {"first_s": step_times[0], "steady_s": steady, "steps": len(step_times),
+                   "full_steps": len(full_steps), "step_s": [round(s, 6) for s in step_times]}
+        return {"latents": common.to_torch(x).to(self.dtype)}, timings
+
+    def _denoise_setup(self, request: Request):
+        """What the steps need from the host (`request` resolved): the flow-matching schedule as
+        tables, the guider's per-step range, guidance on or off, the initial latents drawn from
+        `torch.Generator(seed)` as diffusers draws them."""
+        import types
+
         import jax.numpy as jnp
         import numpy as np
         import torch
-        from diffusers import FlowMatchEulerDiscreteScheduler, HunyuanVideo15Transformer3DModel
+        from diffusers import FlowMatchEulerDiscreteScheduler
         from diffusers.utils.torch_utils import randn_tensor
-        from jax.sharding import NamedSharding, PartitionSpec as P
 
-        from tpupedia import attention, torchax_utils
         from tpupedia.pipelines import schedulers
 
-        request = resolve(request, self.configs)
         guider = self.configs["guider"]
         if guider.get("guidance_rescale", 0.0):
             raise PipelineError(f"guider guidance_rescale={guider['guidance_rescale']}: only 0 (no rescale) is "
                                 "implemented; the checkpoint's guider asks for more")
-        guided = _guidance_on(request, self.configs)
-        original = bool(guider.get("use_original_formulation", False))
         start, stop = int(guider.get("start", 0.0) * request.steps), int(guider.get("stop", 1.0) * request.steps)
-        cfg_on = np.array([start <= i < stop for i in range(request.steps)])  # the guider's per-step range
-
-        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(self.source, subfolder="scheduler",
-                                                                    shift=request.shift)
+        config = {k: v for k, v in self.configs["scheduler"].items() if not k.startswith("_")}
+        scheduler = FlowMatchEulerDiscreteScheduler.from_config(config | {"shift": request.shift})
         scheduler.set_timesteps(sigmas=np.linspace(1.0, 0.0, request.steps + 1)[:-1])  # as the pipeline does
-        tables = {k: jnp.asarray(v) for k, v in schedulers.flow_match_tables(scheduler).items()}
-
-        cfg = self.configs["transformer"]
         shape = family.latent_shape(request.frames, request.height, request.width, self.shapes)
-        latents = randn_tensor(shape, generator=torch.Generator().manual_seed(request.seed), dtype=self.dtype)
+        return types.SimpleNamespace(
+            tables={k: jnp.asarray(v) for k, v in schedulers.flow_match_tables(scheduler).items()},
+            cfg_on=np.array([start <= i < stop for i in range(request.steps)]),  # the guider's per-step range
+            guided=_guidance_on(request, self.configs), original=bool(guider.get("use_original_formulation", False)),
+            latents=randn_tensor(shape, generator=torch.Generator().manual_seed(request.seed), dtype=self.dtype))
 
-        backend = common.attention_backend(self.options.attention)
-        mesh, env = self.mesh, self.env
+    def _denoise_programs(self, request: Request, setup) -> list:
+        """The step as this stage compiles it (`request` resolved): the guidance pair as a batch on
+        `dp`, the transformer over `tp` with the exact padded attention, the guider and the Euler
+        step, latents donated. One program, or with DeepCache two: the full step (which also returns
+        the cache) and the cached step. Arguments `(weights, buffers, latents, [cache,] text, image,
+        i, guidance, cfg_on)`, `text` the four conditioning tensors."""
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+        from diffusers import HunyuanVideo15Transformer3DModel
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        from tpupedia import aot, attention, torchax_utils
+        from tpupedia.pipelines import schedulers
+
+        backend = common.attention_backend(self.options.attention, self.mesh)
+        mesh = self.mesh
 
         def load():
-            transformer = HunyuanVideo15Transformer3DModel.from_pretrained(
-                self.source, subfolder="transformer", dtype=self.dtype, use_safetensors=True).eval()
+            transformer = self._load(HunyuanVideo15Transformer3DModel, "transformer")
             padded = jax.jit(functools.partial(
                 attention.padded_attention, backend=backend, mesh=mesh if backend == "splash" else None,
-                interpret=jax.default_backend() != "tpu", batch_axis="dp", head_axis="tp"))
+                interpret=not common.on_tpu(mesh), batch_axis="dp", head_axis="tp"))
 
             def attend(q, k, v, valid):  # torchax tensors in, torchax tensor out
                 from torchax.interop import call_jax
@@ -280,16 +352,14 @@ class Hunyuan(common.StagedPipeline):
             return transformer
 
         transformer = self.held("denoise", "transformer", load)
-        if request.deepcache is not None:
-            request.deepcache.check(request.steps, len(transformer.transformer_blocks))
+        schedule = request.deepcache
+        if schedule is not None:
+            schedule.check(request.steps, len(transformer.transformer_blocks))
+        tables, guided, original = setup.tables, setup.guided, setup.original
         replicated = NamedSharding(mesh, P())
         batch = NamedSharding(mesh, P("dp")) if guided else replicated
-        keys = ("prompt_embeds", "prompt_embeds_mask", "prompt_embeds_2", "prompt_embeds_mask_2")
-        text = [torch.cat([embeds[f"negative_{k}"], embeds[k]]) if guided else embeds[k] for k in keys]
-        text = [jax.device_put(common.to_jax_array(t), batch) for t in text]
-        dtype = common.to_jax_array(latents).dtype
+        dtype = common.to_jax_array(setup.latents[:0]).dtype
         n = 2 if guided else 1
-        image = jax.device_put(jnp.zeros((n, family.TEXT_SLOTS["image"][0], cfg["image_embed_dim"]), dtype), batch)
 
         def model_input(latents, i):
             x = jnp.concatenate([latents, jnp.zeros_like(latents), jnp.zeros_like(latents[:, :1])], axis=1)
@@ -325,47 +395,56 @@ class Hunyuan(common.StagedPipeline):
             return guide_and_step(latents, out, i, guidance, cfg_flag)
 
         fm_plain = torchax_utils.FunctionalModule(transformer, return_dict=False)
-        schedule = request.deepcache
         if schedule is not None:
             tail = schedule.tail
             fm_full = torchax_utils.FunctionalModule(transformer, lambda m, *a: family.deepcache_full(m, tail, *a))
             fm_cached = torchax_utils.FunctionalModule(transformer, lambda m, *a: family.deepcache_cached(m, tail, *a))
 
-        def programs():
-            # Latents keep one (replicated) sharding in and out, so every step reuses the first step's
-            # program; they are donated, so XLA updates them in place. The cache stays split on `dp`.
-            return (jax.jit(plain, donate_argnums=(2,), out_shardings=replicated),
-                    jax.jit(full, donate_argnums=(2,), out_shardings=(replicated, batch)),
-                    jax.jit(cached, donate_argnums=(2,), out_shardings=replicated))
-
-        # What the programs close over: the schedule (steps, shift), guidance on or off, DeepCache's tail.
-        key = ("steps", request.steps, request.shift, guided, schedule.tail if schedule else None)
-        compiled_plain, compiled_full, compiled_cached = self.held("denoise", key, programs)
-        weights, buffers = fm_plain.state()
-        x = jax.device_put(common.to_jax_array(latents), replicated)
-        full_steps = set(schedule.full_steps(request.steps)) if schedule else set(range(request.steps))
-        step_times, cache = [], None
-        with torchax_utils.restoring_ops(env), self._precision():
-            common.install_attention(env, mesh, backend)  # the token refiner's small masked attention
-            for i in range(request.steps):
-                args = (np.int32(i), np.float32(request.guidance), np.bool_(cfg_on[i]))
-                if schedule is None:
-                    call = functools.partial(compiled_plain, weights, buffers, x, text, image, *args)
-                elif i in full_steps:
-                    call = functools.partial(compiled_full, weights, buffers, x, text, image, *args)
-                else:
-                    call = functools.partial(compiled_cached, weights, buffers, x, cache, text, image, *args)
-                out, seconds = common.timed(call, jax.block_until_ready)
-                x, cache = out if (schedule is not None and i in full_steps) else (out, cache)
-                step_times.append(seconds)
-                if on_step:
-                    on_step(i, x)
-        steady = float(np.median(step_times[1:])) if len(step_times) > 1 else step_times[0]
-        timings = {"first_s": step_times[0], "steady_s": steady, "steps": len(step_times),
-                   "full_steps": len(full_steps), "step_s": [round(s, 6) for s in step_times]}
-        return {"latents": common.to_torch(x).to(self.dtype)}, timings
+        cfg = self.configs["transformer"]
+        (qwen, _), (byt5, _), (image, _) = family.TEXT_SLOTS.values()
+        state = self._state(fm_plain, "transformer")
+        latents = aot.abstract(tuple(setup.latents.shape), dtype, replicated)
+        text = [aot.abstract((n, qwen, cfg["text_embed_dim"]), dtype, batch), aot.abstract((n, qwen), dtype, batch),
+                aot.abstract((n, byt5, self.configs["text_encoder_2"]["d_model"]), dtype, batch),
+                aot.abstract((n, byt5), dtype, batch)]
+        scalars = (aot.abstract((), np.int32, replicated), aot.abstract((), np.float32, replicated),
+                   aot.abstract((), np.bool_, replicated))
+        common_args = (text, aot.abstract((n, image, cfg["image_embed_dim"]), dtype, batch), *scalars)
+        weights = self.plans["transformer"].bytes_per_device
+        context = functools.partial(common.attention_installed, self.env, mesh, backend)
+        size = "x".join(str(d) for d in setup.latents.shape[2:])
+        # Latents keep one (replicated) sharding in and out, so every step reuses the first step's
+        # program; they are donated, so XLA updates them in place. The cache stays split on `dp`.
+        if schedule is None:
+            return [aot.Program("denoise", f"denoising step ({size} latents, batch {n})", plain,
+                                (*state, latents, *common_args), weights_bytes=weights, calls=request.steps, component="transformer",
+                                jit_kwargs={"donate_argnums": (2,), "out_shardings": replicated}, context=context)]
+        full_args = (*state, latents, *common_args)
+        cache = None  # the cache's shapes (a trace of the full step) only where a plan compiles the cached step
+        if self.abstract:
+            with context():
+                cache = jax.tree.map(lambda a: aot.abstract(a.shape, a.dtype, batch), jax.eval_shape(full, *full_args)[1])
+        n_full = len(schedule.full_steps(request.steps))
+        return [aot.Program("denoise", f"DeepCache full step ({size} latents, batch {n})", full, full_args,
+                            weights_bytes=weights, calls=n_full, context=context, component="transformer",
+                            jit_kwargs={"donate_argnums": (2,), "out_shardings": (replicated, batch)}),
+                aot.Program("denoise", f"DeepCache cached step (last {schedule.tail} blocks)", cached,
+                            (*state, latents, cache, *common_args), weights_bytes=weights,
+                            calls=request.steps - n_full, context=context, component="transformer",
+                            jit_kwargs={"donate_argnums": (2,), "out_shardings": replicated})]
 
     # -- stage 3 ---------------------------------------------------------------------------
+    def _decode_programs(self, request: Request) -> list:
+        """The decode stage's programs, the VAE's decoder calls whole or per tile
+        (`tpupedia.pipelines.decoding`), on the mesh's first chip (the VAE runs whole on one chip)."""
+        from tpupedia.pipelines import decoding
+
+        frames = family.latent_shape(request.frames, request.height, request.width, self.shapes)[2]
+        return decoding.hunyuan_programs(self.configs["vae"], frames, request.height, request.width,
+                                         list(self.mesh.devices.flat)[0], dtype=str(self.dtype).removeprefix("torch."),
+                                         tiling=request.vae_tiling)
+
+
     def _decode(self, request: Request, latents) -> tuple[dict, dict]:
         """Latents -> frames, float32 (F, H, W, 3) in [0, 1] (diffusers' `output_type="np"`)."""
         import torch

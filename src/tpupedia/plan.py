@@ -1,0 +1,311 @@
+"""`tpupedia plan`: every program a run will execute, compiled for the target TPU before it runs.
+
+A video run is not one program. The text stage runs each text encoder at its token length, the
+denoise stage one step program (two with DeepCache) many times, the decode stage one program per
+distinct VAE call shape (first frame batch, later ones, tiles). A run fails at the first of them
+that does not fit its chip, possibly an hour in. The plan asks the pipeline itself for those
+programs (`StagedPipeline._text_programs`, `_denoise_programs`, `_decode_programs`: the same code
+the stages run), with the models built on PyTorch's `meta` device from the checkpoint's configs and
+their weights as abstract arguments sharded as a run places them, and compiles each one ahead of
+time for the slice (`tpupedia.aot`, `tpupedia.devices.topology_mesh`). Per stage it reports the
+per-chip weights, the worst program's temporaries and outputs, what stays resident from other
+stages, and the peak; it names the binding stage, and when something does not fit, the option that
+would fix it.
+
+Each stage frees its models when it ends (`StagedPipeline.release`), so a one-shot run has
+nothing resident but the tensors handed between stages, which are program arguments. A batch
+(`resident=True`, `tpupedia batch`) keeps every stage's models: each stage then also holds the
+others' weights.
+
+`layers=N` builds transformers and text encoders N layers deep (a cheap compile); the missing
+layers' weight shards are added from their shapes, temporaries are taken as compiled (see
+`tpupedia.dryrun` for what that can miss). Introduced in notebook 09 (plan a TPU run without a TPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tpupedia import aot, devices, hardware
+from tpupedia.errors import TpupediaError
+
+__all__ = ["PlanError", "ProgramCost", "StageCost", "Plan", "FAMILIES", "make", "TILING", "record", "DEFAULT_RECORDS"]
+
+FAMILIES = ("cogvideox", "hunyuan")
+TILING = ("auto", "on", "off")
+STAGES = ("text", "denoise", "decode")
+DEFAULT_RECORDS = "docs/results/plans.json"
+_GIB = 2**30
+
+
+class PlanError(TpupediaError, ValueError):
+    """A plan that cannot be made (bad family, topology, mesh or request), or, from `Plan.check`,
+    a run that will not fit: the stage and the option that would fix it."""
+
+
+@dataclass
+class ProgramCost:
+    """One compiled program: per-chip bytes as the compiler reports them (or its OOM figures)."""
+
+    stage: str
+    name: str
+    calls: int
+    fits: bool
+    weights: float
+    """Bytes per chip of model weights among the arguments, the missing layers' included."""
+    arguments: float | None
+    temporaries: float | None
+    outputs: float | None
+    aliased: float | None
+    oom_required: float | None = None
+    compile_seconds: float = 0.0
+
+    @property
+    def peak(self) -> float | None:
+        """Arguments + outputs + temporaries - donated buffers, per chip (None: did not compile)."""
+        if self.arguments is None:
+            return None
+        return self.arguments + self.outputs + self.temporaries - self.aliased
+
+
+@dataclass
+class StageCost:
+    """One stage: its programs and its per-chip peak with what other stages leave resident."""
+
+    stage: str
+    programs: list[ProgramCost]
+    resident: float
+    """Bytes per chip other stages keep while this one runs (their models, in a batch)."""
+
+    @property
+    def weights(self) -> float:
+        return sum({p.name: p.weights for p in self.programs}.values())
+
+    @property
+    def fits_programs(self) -> bool:
+        return all(p.fits for p in self.programs)
+
+    @property
+    def peak(self) -> float | None:
+        peaks = [p.peak for p in self.programs]
+        if any(p is None for p in peaks):
+            return None
+        # programs of one stage share its weights; the others' arguments are their own tensors
+        return max(peaks) + self.resident
+
+
+@dataclass
+class Plan:
+    """What `make` found: per stage, per chip, against the chip's HBM."""
+
+    family: str
+    topology: str
+    chips: int
+    mesh: dict[str, int]
+    request: dict[str, Any]
+    layers: int | None
+    resident: bool
+    hbm: float
+    stages: list[StageCost]
+    vae_tiling: bool
+    notes: list[str] = field(default_factory=list)
+
+    def stage(self, name: str) -> StageCost:
+        return next(s for s in self.stages if s.stage == name)
+
+    @property
+    def fits(self) -> bool:
+        return all(s.fits_programs and s.peak is not None and s.peak <= self.hbm for s in self.stages)
+
+    @property
+    def binding(self) -> str:
+        """The stage with the highest peak (a stage that did not compile binds first)."""
+        return max(self.stages, key=lambda s: math.inf if s.peak is None else s.peak).stage
+
+    def advice(self) -> str:
+        """What to change when the plan does not fit: the first stage over, and the option that fixes it."""
+        for s in self.stages:
+            if s.fits_programs and s.peak is not None and s.peak <= self.hbm:
+                continue
+            need = "did not compile" if s.peak is None else f"needs {s.peak / _GIB:.2f} GiB"
+            fix = {"text": "--sharding tp (text encoders split over tp) or a mesh with a larger tp",
+                   "denoise": "--attention splash, --sharding fsdp, fewer frames or a smaller --resolution, or more chips",
+                   "decode": "--vae-tiling on, or a smaller --resolution"}[s.stage]
+            if self.resident:
+                fix += "; or generate one video at a time (a batch keeps every stage's models)"
+            return f"stage {s.stage} {need} per chip of {self.hbm / _GIB:.2f} GiB: try {fix}"
+        return ""
+
+    def check(self) -> None:
+        """Raise `PlanError` naming the stage and the fix unless every stage fits."""
+        if not self.fits:
+            raise PlanError(f"{self.family} on {self.topology} will not fit: {self.advice()}")
+
+    def as_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        for s, d in zip(self.stages, out["stages"]):
+            d |= {"weights": s.weights, "peak": s.peak}
+            for p, pd in zip(s.programs, d["programs"]):
+                pd["peak"] = p.peak
+        return out | {"fits": self.fits, "binding": self.binding, "advice": self.advice()}
+
+    def summary(self) -> str:
+        g = _GIB
+        r = self.request
+        head = (f"{self.family} {r['width']}x{r['height']}, {r['frames']} frames, {r['steps']} steps on {self.topology} "
+                f"({self.chips} chips), mesh {self.mesh}"
+                + (f", {self.layers} layers compiled" if self.layers else "")
+                + (", batch (models resident)" if self.resident else "")
+                + f", VAE tiling {'on' if self.vae_tiling else 'off'}")
+        lines = [head, f"  HBM per chip: {self.hbm / g:.2f} GiB"]
+        for s in self.stages:
+            peak = "does not compile" if s.peak is None else f"peak {s.peak / g:.2f} GiB"
+            lines.append(f"  {s.stage:8s} {peak} per chip (weights {s.weights / g:.2f} GiB, "
+                         f"resident from other stages {s.resident / g:.2f} GiB)")
+            for p in s.programs:
+                if p.peak is None:
+                    need = f" (the compiler asks {p.oom_required / g:.2f} GiB of temporaries)" if p.oom_required else ""
+                    lines.append(f"    {p.name} x{p.calls}: does not fit{need}")
+                else:
+                    lines.append(f"    {p.name} x{p.calls}: arguments {p.arguments / g:.2f} + temporaries "
+                                 f"{p.temporaries / g:.2f} + outputs {p.outputs / g:.2f} GiB")
+        lines.append(f"  binding stage: {self.binding}; " + ("fits" if self.fits else f"does not fit: {self.advice()}"))
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _pipeline_module(family: str):
+    if family not in FAMILIES:
+        raise PlanError(f"family {family!r} is not one of {', '.join(FAMILIES)}")
+    import importlib
+
+    return importlib.import_module(f"tpupedia.pipelines.{family}")
+
+
+def make(family: str, request: Any, options: Any, *, configs: dict[str, dict] | None = None,
+         topology: str = "v6e:2x4", layers: int | None = None, vae_tiling: str = "auto",
+         resident: bool = False, dtype: str = "bfloat16") -> Plan:
+    """Compile every program of `request` (the family's `Request`) for `topology` and report.
+
+    `configs`: the checkpoint's component configs (`tpupedia.models.<family>.component_configs`),
+    default the release's (`full_configs`). `vae_tiling`: `on`, `off`, or `auto` (untiled if that
+    fits, else tiled: the choice a run makes, `Plan.vae_tiling`). Bad arguments raise `PlanError`
+    or the pipeline's `PipelineError` before anything is built.
+    """
+    import torch
+
+    module = _pipeline_module(family)
+    if vae_tiling not in TILING:
+        raise PlanError(f"vae_tiling={vae_tiling!r} is not one of {', '.join(TILING)}")
+    if layers is not None and (not isinstance(layers, int) or layers < 1):
+        raise PlanError(f"layers={layers!r} must be a positive integer")
+    pipe_cls = module.PIPELINE
+    configs = configs if configs is not None else pipe_cls.family.full_configs()
+    try:
+        topo = hardware.parse_topology(topology)
+        devices.tpu_topology(topo)  # libtpu's own check of the slice's shape
+    except Exception as err:  # ValueError from parsing, JaxRuntimeError (INVALID_ARGUMENT) from libtpu
+        raise PlanError(f"topology {topology!r}: {str(err).splitlines()[0]}") from None
+    pipe_cls.validate(request, options, topo.num_chips, configs)
+    from tpupedia.pipelines import common
+
+    batch = pipe_cls.guidance_batch(request, configs)
+    mesh = devices.topology_mesh(topo, common.mesh_shape(options, topo.num_chips, batch), ("dp", "tp"))
+    pipe = pipe_cls("(plan)", "plan", getattr(torch, dtype), mesh, options, configs)
+    pipe.abstract, pipe.layers = True, layers
+    hbm = aot.hbm_budget(mesh.devices.flat)
+    notes: list[str] = []
+
+    request = _resolved(module, request, configs)
+    texts = pipe._text_programs(request)
+    denoise = pipe._denoise_programs(request, pipe._denoise_setup(request))
+    extra = _missing_layers(pipe, layers)
+    if any(extra.values()):
+        notes.append(f"compiled {layers} layers per model; the missing layers' weight shards are added from their "
+                     f"shapes ({sum(extra.values()) / _GIB:.2f} GiB per chip in all); temporaries are as compiled "
+                     "for the shallow models (full depth may need more)")
+    costs = {"text": [_cost(p, extra) for p in texts], "denoise": [_cost(p, extra) for p in denoise]}
+    tiling = vae_tiling == "on"
+    decode = [_cost(p, extra) for p in pipe._decode_programs(_with_tiling(request, tiling))]
+    if vae_tiling == "auto" and not _fit(decode, hbm):
+        untiled = max((p.peak or p.oom_required or 0) for p in decode)
+        tiling = True
+        decode = [_cost(p, extra) for p in pipe._decode_programs(_with_tiling(request, True))]
+        notes.append(f"VAE tiling: auto turned it on, the untiled decode does not fit one chip "
+                     f"({untiled / _GIB:.2f} GiB or more of {hbm / _GIB:.2f} GiB)")
+    costs["decode"] = decode
+    weights = {s: sum({p.name: p.weights for p in c}.values()) for s, c in costs.items()}
+    stages = [StageCost(s, costs[s], sum(w for o, w in weights.items() if o != s) if resident else 0.0)
+              for s in STAGES]
+    r = request
+    return Plan(family=family, topology=topo.name, chips=topo.num_chips, mesh=dict(mesh.shape),
+                request={"width": r.width, "height": r.height, "frames": r.frames, "steps": r.steps,
+                         "guidance": r.guidance},
+                layers=layers, resident=resident, hbm=hbm, stages=stages, vae_tiling=tiling, notes=notes)
+
+
+def _resolved(module, request, configs):
+    resolve = getattr(module, "resolve", None)  # families whose request takes defaults from the checkpoint
+    return resolve(request, configs) if resolve else request
+
+
+def _with_tiling(request, tiling: bool):
+    return dataclasses.replace(request, vae_tiling=tiling)
+
+
+def _fit(costs: list[ProgramCost], hbm: float) -> bool:
+    return all(p.fits and p.peak is not None and p.peak <= hbm for p in costs)
+
+
+def _missing_layers(pipe, layers: int | None) -> dict[str, float]:
+    """Per component, the weight bytes per chip of the layers a shallow plan left out, from a
+    full-depth copy built on `meta` and planned with the same rules."""
+    if layers is None:
+        return {}
+    from tpupedia import sharding
+
+    out = {}
+    pipe.layers = None
+    try:
+        for name, shallow in pipe.plans.items():
+            if name == "vae":
+                continue
+            full = pipe._load(pipe.components[name][0], name)
+            out[name] = sharding.plan(full, pipe.components[name][1], shallow.mesh).bytes_per_device - shallow.bytes_per_device
+    finally:
+        pipe.layers = layers
+    return out
+
+
+def _cost(program: aot.Program, extra: dict[str, float]) -> ProgramCost:
+    add = extra.get(program.component, 0.0) if program.component else 0.0
+    start = time.perf_counter()
+    result = program.compile()
+    seconds = time.perf_counter() - start
+    mem = result.memory
+    return ProgramCost(
+        stage=program.stage, name=program.name, calls=program.calls, fits=result.fits,
+        weights=program.weights_bytes + add, arguments=mem.arguments + add if mem else None,
+        temporaries=mem.temporaries if mem else None, outputs=mem.outputs if mem else None,
+        aliased=mem.aliased if mem else None, oom_required=result.oom_required_bytes,
+        compile_seconds=round(seconds, 2))
+
+
+def record(plan: Plan, path: str = DEFAULT_RECORDS, command: str = "") -> Any:
+    """Merge `plan` into the plans file the docs' results page renders."""
+    import datetime as _dt
+
+    from tpupedia import results
+
+    data = plan.as_dict() | {"compiled_at": _dt.date.today().isoformat(), "command": command,
+                             "libtpu": results.version("libtpu") if devices.has_libtpu() else None}
+
+    def key(r):
+        return (r["family"], r["topology"], tuple(sorted(r["mesh"].items())), tuple(sorted(r["request"].items())),
+                r["layers"], r["resident"])
+
+    return results.merge(data, path, key=key)
