@@ -13,6 +13,7 @@ _RESULTS = Path(__file__).parent / "results" / "benchmarks.json"
 _DRYRUNS = Path(__file__).parent / "results" / "dryruns.json"
 _UPSTREAM = Path(__file__).parent / "results" / "upstream.json"
 _PIPELINES = Path(__file__).parent / "results" / "pipelines.json"
+_PLANS = Path(__file__).parent / "results" / "plans.json"
 
 _COLUMNS = [
     "chip",
@@ -79,6 +80,29 @@ def _pipeline_table() -> str:
             f"| {r['bench']} | {request} | {where} | {st['text']['first_s']:.2f} s / {_ms(st['text']['steady_s'])} | "
             f"{st['denoise']['first_s']:.2f} s / {_ms(st['denoise']['steady_s'])} | {st['decode']['first_s']:.2f} s | "
             f"{r['total_s']:.1f} s | {r['measured_at']} | `{r['command']}` |")
+    return "\n".join(lines)
+
+
+def _plans_table() -> str:
+    records = results.load(_PLANS) if _PLANS.exists() else []
+    if not records:
+        return "*No plan has been recorded yet.*"
+    gib = 2**30
+    lines = ["| model | request | slice, mesh | depth compiled | text | denoise | decode | binding | verdict | libtpu, date | command |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        q = r["request"]
+        peaks = {s["stage"]: ("does not compile" if s["peak"] is None else f"{s['peak'] / gib:.2f} GiB")
+                 for s in r["stages"]}
+        if "decode" in peaks:
+            peaks["decode"] += f" ({'tiled' if r['vae_tiling'] else 'untiled'})"
+        mesh = ",".join(f"{k}={v}" for k, v in r["mesh"].items())
+        depth = "full" if r["layers"] is None else f"{r['layers']} layer(s), the rest's weights added"
+        verdict = "fits" if r["fits"] else f"does not fit: {r['advice']}"
+        lines.append(f"| {r['family']}{' (batch)' if r['resident'] else ''} | {q['width']}x{q['height']}, "
+                     f"{q['frames']} frames, {q['steps']} steps | {r['topology']} ({r['chips']} chips), {mesh} | {depth} | "
+                     + " | ".join(peaks.get(s, "not planned") for s in ("text", "denoise", "decode"))
+                     + f" | {r['binding']} | {verdict} | {r['libtpu']}, {r['compiled_at']} | `{r['command']}` |")
     return "\n".join(lines)
 
 
@@ -193,6 +217,8 @@ def on_page_markdown(markdown, page, config, files):  # noqa: ARG001 - mkdocs ho
         markdown = markdown.replace("{{ deepcache_table }}", _deepcache_table())
     if "{{ pipeline_table }}" in markdown:
         markdown = markdown.replace("{{ pipeline_table }}", _pipeline_table())
+    if "{{ plans_table }}" in markdown:
+        markdown = markdown.replace("{{ plans_table }}", _plans_table())
     if "{{ results_chart }}" in markdown:
         markdown = markdown.replace("{{ results_chart }}", _results_chart())
     return markdown

@@ -28,5 +28,8 @@ def test_strict_docs_build_renders_stored_notebook_outputs(tmp_path):
     hardware = (site / "kb" / "hardware" / "index.html").read_text()
     assert "{{ hardware_table }}" not in hardware and "918" in hardware
 
+    results_page = (site / "results" / "index.html").read_text()
+    assert "{{ plans_table }}" not in results_page and "v6e:2x4 (8 chips)" in results_page  # docs/results/plans.json
+
     assert (site / "guides" / "tpu-vm" / "index.html").exists()
     assert not list(site.rglob("*.py")), "python sources leaked into the site"

@@ -107,3 +107,33 @@ def test_padded_attention_matches_torch_and_zeroes_padded_rows():
         rows = valid.numpy()
         assert np.abs(out - expected)[np.broadcast_to(rows[:, None, :, None], out.shape)].max() <= 1e-5
         assert (out[np.broadcast_to(~rows[:, None, :, None], out.shape)] == 0).all(), backend
+
+
+@pytest.mark.parametrize("n_frame, n_hw, batch", [(1, 4, None), (3, 5, 2), (4, 1, 1)])
+def test_vae_attention_mask_is_diffusers_mask(n_frame, n_hw, batch):
+    from diffusers.models.autoencoders.autoencoder_kl_hunyuanvideo15 import HunyuanVideo15AttnBlock
+
+    from tpupedia.models.hunyuan import vae_attention_mask
+
+    for dtype in (torch.float32, torch.bfloat16):
+        want = HunyuanVideo15AttnBlock.prepare_causal_attention_mask(n_frame, n_hw, dtype, "cpu", batch_size=batch)
+        got = vae_attention_mask(n_frame, n_hw, dtype, "cpu", batch_size=batch)
+        assert got.dtype == dtype and torch.equal(got, want)
+    assert got[..., 0, n_hw:].eq(float("-inf")).all() and got[..., -1, :].eq(0).all()  # causal over frames
+
+
+def test_jit_friendly_vae_decodes_as_stock():
+    """Every mid-block attention gets the loop-free mask; the decode is unchanged, bit for bit."""
+    from diffusers import AutoencoderKLHunyuanVideo15
+
+    from tpupedia.models.hunyuan import make_vae_jit_friendly, tiny_vae_config, vae_attention_mask
+
+    torch.manual_seed(0)
+    vae = AutoencoderKLHunyuanVideo15(**tiny_vae_config()).eval()
+    z = torch.randn(1, tiny_vae_config()["latent_channels"], 2, 3, 2, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        stock = vae.decode(z).sample
+        patched = make_vae_jit_friendly(vae).decode(z).sample
+    blocks = [m for m in vae.modules() if type(m).__name__ == "HunyuanVideo15AttnBlock"]
+    assert blocks and all(b.prepare_causal_attention_mask is vae_attention_mask for b in blocks)
+    assert torch.equal(patched, stock)

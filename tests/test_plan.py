@@ -71,3 +71,129 @@ def test_bad_plan_requests_are_refused_in_one_line_before_anything_compiles(argv
     err = capsys.readouterr().err.strip()
     assert err.startswith("tpupedia plan:") and len(err.splitlines()) == 1
     assert message in err
+
+
+def test_preflight_plans_the_runs_own_chips_once_and_caches_the_answer(cogvideox_plan, tmp_path, monkeypatch):
+    """`generate --preset full` on a TPU: the plan's checks before any weights load, cached per shape."""
+    import dataclasses
+
+    from tpupedia import presets
+    from tpupedia.models import cogvideox
+    from tpupedia.pipelines import cogvideox as pipeline
+
+    configs, topology_plan = cogvideox_plan
+    chips = devices.tpu_topology("v6e:2x2")  # TPU devices, as `jax.devices()` on a v6e-4 host lists them
+    request = pipeline.Request(prompt="a cat", **(cogvideox.default_request(presets.get("tiny")) | {"steps": 3}))
+    lines = []
+    resolved = plan.preflight("cogvideox", request, pipeline.Options(), configs, chips, cache_dir=tmp_path,
+                              dtype="float32", log=lines.append)
+    assert resolved.vae_tiling is topology_plan.vae_tiling is False  # the tiny decode fits untiled
+    assert dataclasses.replace(resolved, vae_tiling=request.vae_tiling) == request
+    assert "4 x TPU v6 lite" in lines[-1] and "binding stage" in lines[-1]
+    (cached,) = tmp_path.iterdir()
+
+    def no_compile(*args, **kwargs):
+        raise AssertionError("a cached preflight compiles nothing")
+
+    monkeypatch.setattr(plan, "make", no_compile)
+    other_words = dataclasses.replace(request, prompt="a dog", seed=7)  # same shapes: the same answer
+    assert plan.preflight("cogvideox", other_words, pipeline.Options(), configs, chips, cache_dir=tmp_path,
+                          dtype="float32", log=lines.append) == dataclasses.replace(other_words, vae_tiling=False)
+    with pytest.raises(AssertionError, match="compiles nothing"):  # another shape is planned anew
+        plan.preflight("cogvideox", dataclasses.replace(request, steps=4), pipeline.Options(), configs, chips,
+                       cache_dir=tmp_path, dtype="float32")
+    cached.write_text("{not json")  # a damaged cache file is planned again, not trusted
+    with pytest.raises(AssertionError, match="compiles nothing"):
+        plan.preflight("cogvideox", request, pipeline.Options(), configs, chips, cache_dir=tmp_path, dtype="float32")
+
+
+def test_preflight_refuses_before_loading_and_remembers(cogvideox_plan, tmp_path, monkeypatch):
+    import dataclasses
+
+    from tpupedia import presets
+    from tpupedia.models import cogvideox
+    from tpupedia.pipelines import cogvideox as pipeline
+
+    configs, p = cogvideox_plan
+    decode = p.stage("decode")
+    over = dataclasses.replace(p, stages=[p.stage("text"), p.stage("denoise"), plan.StageCost(
+        "decode", [dataclasses.replace(decode.programs[0], temporaries=p.hbm)], 0.0)])
+    calls = []
+    monkeypatch.setattr(plan, "make", lambda *a, **k: calls.append(k) or over)
+    chips = devices.tpu_topology("v6e:2x2")
+    request = pipeline.Request(prompt="a cat", **cogvideox.default_request(presets.get("tiny")))
+    for _ in range(2):
+        with pytest.raises(plan.PlanError, match=r"cogvideox on 4 x TPU v6 lite will not fit: stage decode needs "
+                                                 r".*--vae-tiling on.*nothing was loaded.*--no-plan"):
+            plan.preflight("cogvideox", request, pipeline.Options(), configs, chips, cache_dir=tmp_path, log=len)
+    assert len(calls) == 1 and calls[0]["run_devices"] == chips and calls[0]["layers"] == plan.PREFLIGHT_LAYERS
+
+
+def test_preflight_off_a_tpu_plans_nothing(tmp_path):
+    import jax
+
+    from tpupedia.pipelines import cogvideox as pipeline
+
+    request = pipeline.Request(prompt="a cat")
+    for tiling, want in (("auto", False), ("on", True), ("off", False)):
+        got = plan.preflight("cogvideox", request, pipeline.Options(), {}, jax.devices(), cache_dir=tmp_path,
+                             tiling=tiling)
+        assert got.vae_tiling is want
+    assert not any(tmp_path.iterdir())
+    with pytest.raises(plan.PlanError, match="vae_tiling='sometimes' is not one of auto, on, off"):
+        plan.preflight("cogvideox", request, pipeline.Options(), {}, jax.devices(), cache_dir=tmp_path,
+                       tiling="sometimes")
+
+
+def test_generate_full_runs_the_preflight_before_loading(tmp_path, monkeypatch, capsys):
+    """The CLI wiring: with the full preset, `generate` asks `plan.preflight` after validating the
+    request and before any model loads; its refusal is one line and exit 2. `--no-plan` skips it."""
+    from tpupedia.models import cogvideox
+
+    checkpoint = cogvideox.tiny_checkpoint(tmp_path / "ckpt")
+    monkeypatch.setenv("TPUPEDIA_PRESET", "full")
+    monkeypatch.setenv("TPUPEDIA_CACHE", str(tmp_path / "cache"))
+    seen = []
+
+    def refuse(family, request, options, configs, run_devices, **kwargs):
+        seen.append((family, request.frames, kwargs["tiling"], kwargs["resident"], sorted(configs)))
+        raise plan.PlanError("cogvideox on 8 x TPU v6 lite will not fit: stage decode needs 40.00 GiB")
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("weights loaded before the preflight")
+
+    monkeypatch.setattr(plan, "preflight", refuse)
+    monkeypatch.setattr("tpupedia.pipelines.cogvideox.run", no_load)
+    argv = ["generate", "cogvideox", "--model", str(checkpoint), "--prompt", "a cat", "--frames", "9",
+            "--compilation-cache", "off", "--workdir", str(tmp_path / "run")]
+    assert main(argv) == 2
+    assert "tpupedia generate: cogvideox on 8 x TPU v6 lite will not fit" in capsys.readouterr().err
+    assert seen == [("cogvideox", 9, "auto", False, sorted(cogvideox.component_configs(str(checkpoint))))]
+    monkeypatch.setattr(plan, "preflight", lambda *a, **k: pytest.fail("--no-plan still planned"))
+    with pytest.raises(AssertionError, match="weights loaded"):
+        main(argv + ["--no-plan", "--vae-tiling"])
+
+
+@pytest.mark.parametrize("family", ["cogvideox", "hunyuan"])
+@pytest.mark.parametrize("topology, chips", [("v6e:2x4", 8), ("v6e:2x2", 4)], ids=["v6e-8", "4-chip host"])
+def test_the_release_configs_text_and_denoise_fit_at_reduced_depth(family, topology, chips):
+    """The release's own configs (built in, no download), every model one layer deep with the
+    other layers' weight shards counted: text encoders at their real token lengths and the
+    denoising step at the family's default video fit each chip of the slice. (The full-size
+    decode compiles for many minutes on a CPU host: `docs/results/plans.json` records it.)"""
+    import importlib
+
+    from tpupedia import presets
+
+    module = importlib.import_module(f"tpupedia.pipelines.{family}")
+    defaults = module.PIPELINE.family.default_request(presets.get("full"))
+    p = plan.make(family, module.Request(prompt="a video", **defaults), module.Options(), topology=topology,
+                  layers=1, stages=("text", "denoise"))
+    assert (p.chips, p.mesh) == (chips, {"dp": 2, "tp": chips // 2})
+    assert [s.stage for s in p.stages] == ["text", "denoise"] and p.fits, p.summary()
+    (text,) = p.stage("text").programs
+    assert ("226 tokens" if family == "cogvideox" else "1108 tokens") in text.name  # T5-XXL; Qwen with template
+    (step,) = p.stage("denoise").programs
+    assert step.calls == defaults["steps"] and step.weights > 2 * 2**30  # the whole transformer's shard
+    assert any("missing layers' weight shards" in n for n in p.notes)
+    assert "stages planned: text, denoise" in p.summary()

@@ -125,7 +125,8 @@ def _plan(args: argparse.Namespace) -> int:
                              attention=args.attention)
     configs = family.component_configs(family.model_source(presets.get("full"), args.model)[0]) if args.model else None
     result = plan.make(args.model_family, request, options, configs=configs, topology=args.topology,
-                       layers=args.layers, vae_tiling=args.vae_tiling, resident=args.batch)
+                       layers=args.layers, vae_tiling=args.vae_tiling, resident=args.batch,
+                       stages=tuple(s.strip() for s in args.stages.split(",")))
     print(result.summary())
     if args.json:
         print(f"  written to {results.write_json_atomic(args.json, result.as_dict())}")
@@ -164,7 +165,7 @@ def _generate_setup(args: argparse.Namespace):
         fields |= {"shift": args.shift,
                    "deepcache": deepcache.parse(args.deepcache) if args.deepcache else None}
     request = pipeline.Request(prompt=args.prompt or "(from --prompts)", negative_prompt=args.negative_prompt,
-                               vae_tiling=args.vae_tiling, **fields)
+                               vae_tiling=args.vae_tiling == "on", **fields)
     options = common.Options(mesh=common.parse_mesh(args.mesh) if args.mesh else None, sharding=args.sharding,
                              attention=args.attention, vae=args.vae, quiet=args.quiet, dtype=args.dtype)
     configs = None  # a checkpoint named on the command line: its configs' rules (JSON only, no weights)
@@ -193,6 +194,19 @@ def _generate_setup(args: argparse.Namespace):
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     session.quiet()
+    if preset.pretrained and not args.no_plan:  # a full-size run: will it fit? (plan.preflight; TPU only)
+        import jax
+
+        from tpupedia import plan
+        from tpupedia.models import checkpoints
+
+        if configs is None:
+            configs = family.component_configs(family.model_source(preset, args.model)[0])
+        request = plan.preflight(args.model_family, request, options, configs, jax.devices(),
+                                 cache_dir=checkpoints.cache_dir() / "plans", tiling=args.vae_tiling,
+                                 resident=bool(getattr(args, "prompts", None)),
+                                 dtype=str(common.torch_dtype(options, preset)).removeprefix("torch."),
+                                 log=(lambda _: None) if args.quiet else print)
     return preset, pipeline, request, options
 
 
@@ -294,8 +308,11 @@ def _add_generate_arguments(p: argparse.ArgumentParser, family: str, *, stages: 
                    help="JAX persistent compilation cache directory, or off (default: on the full preset "
                         "$TPUPEDIA_CACHE/jax-compilation-cache, off on the tiny one)")
     p.add_argument("--quiet", action="store_true", help="no progress bar or per-stage lines")
-    p.add_argument("--vae-tiling", action="store_true",
-                   help="decode in overlapping spatial tiles (what `tpupedia plan` turns on when a frame does not fit one chip)")
+    p.add_argument("--vae-tiling", nargs="?", choices=["auto", "on", "off"], const="on", default="auto",
+                   help="decode in overlapping spatial tiles; auto: on a TPU with the full preset, the plan turns it "
+                        "on when a frame does not fit one chip, otherwise off")
+    p.add_argument("--no-plan", action="store_true",
+                   help="on a TPU with the full preset, skip the plan's checks before loading weights (cached per shape)")
     if family == "hunyuan":
         p.add_argument("--shift", type=float, default=None, help="flow-matching shift (default: the checkpoint's scheduler)")
         p.add_argument("--deepcache", default=None, metavar="START:END:INTERVAL",
@@ -355,6 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="auto: tiled only when the untiled decode does not fit one chip")
         q.add_argument("--layers", type=int, default=None, help="compile N layers per model, add the rest's weights")
         q.add_argument("--batch", action="store_true", help="plan a batch: every stage's models stay resident")
+        q.add_argument("--stages", default="text,denoise,decode",
+                       help="plan only these stages, comma-separated (default: all three)")
         q.add_argument("--json", default=None, help="also write the plan as JSON to this file")
         q.add_argument("--record", default=None, nargs="?", const="docs/results/plans.json",
                        help="merge the plan into a results file (default docs/results/plans.json)")

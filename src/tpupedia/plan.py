@@ -28,17 +28,21 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from tpupedia import aot, devices, hardware
 from tpupedia.errors import TpupediaError
 
-__all__ = ["PlanError", "ProgramCost", "StageCost", "Plan", "FAMILIES", "make", "TILING", "record", "DEFAULT_RECORDS"]
+__all__ = ["PlanError", "ProgramCost", "StageCost", "Plan", "FAMILIES", "make", "preflight", "TILING", "record",
+           "DEFAULT_RECORDS", "PREFLIGHT_LAYERS"]
 
 FAMILIES = ("cogvideox", "hunyuan")
 TILING = ("auto", "on", "off")
 STAGES = ("text", "denoise", "decode")
 DEFAULT_RECORDS = "docs/results/plans.json"
+PREFLIGHT_LAYERS = 1
+"""Layers per model `preflight` compiles: the weights of all layers are counted, temporaries are a
+one-layer model's (a layer's activations are freed before the next one's)."""
 _GIB = 2**30
 
 
@@ -86,16 +90,16 @@ class StageCost:
         return sum({p.name: p.weights for p in self.programs}.values())
 
     @property
-    def fits_programs(self) -> bool:
-        return all(p.fits for p in self.programs)
-
-    @property
     def peak(self) -> float | None:
         peaks = [p.peak for p in self.programs]
         if any(p is None for p in peaks):
             return None
         # programs of one stage share its weights; the others' arguments are their own tensors
         return max(peaks) + self.resident
+
+    def fits(self, hbm: float) -> bool:
+        """Every program compiled and fits, and the peak with what stays resident is within `hbm`."""
+        return all(p.fits for p in self.programs) and self.peak is not None and self.peak <= hbm
 
 
 @dataclass
@@ -119,7 +123,7 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        return all(s.fits_programs and s.peak is not None and s.peak <= self.hbm for s in self.stages)
+        return all(s.fits(self.hbm) for s in self.stages)
 
     @property
     def binding(self) -> str:
@@ -129,7 +133,7 @@ class Plan:
     def advice(self) -> str:
         """What to change when the plan does not fit: the first stage over, and the option that fixes it."""
         for s in self.stages:
-            if s.fits_programs and s.peak is not None and s.peak <= self.hbm:
+            if s.fits(self.hbm):
                 continue
             need = "did not compile" if s.peak is None else f"needs {s.peak / _GIB:.2f} GiB"
             fix = {"text": "--sharding tp (text encoders split over tp) or a mesh with a larger tp",
@@ -160,7 +164,8 @@ class Plan:
                 f"({self.chips} chips), mesh {self.mesh}"
                 + (f", {self.layers} layers compiled" if self.layers else "")
                 + (", batch (models resident)" if self.resident else "")
-                + f", VAE tiling {'on' if self.vae_tiling else 'off'}")
+                + (f", VAE tiling {'on' if self.vae_tiling else 'off'}" if any(s.stage == "decode" for s in self.stages)
+                   else ""))
         lines = [head, f"  HBM per chip: {self.hbm / g:.2f} GiB"]
         for s in self.stages:
             peak = "does not compile" if s.peak is None else f"peak {s.peak / g:.2f} GiB"
@@ -188,64 +193,80 @@ def _pipeline_module(family: str):
 
 def make(family: str, request: Any, options: Any, *, configs: dict[str, dict] | None = None,
          topology: str = "v6e:2x4", layers: int | None = None, vae_tiling: str = "auto",
-         resident: bool = False, dtype: str = "bfloat16") -> Plan:
+         resident: bool = False, dtype: str = "bfloat16", stages: Sequence[str] = STAGES,
+         run_devices: Sequence[Any] | None = None) -> Plan:
     """Compile every program of `request` (the family's `Request`) for `topology` and report.
 
     `configs`: the checkpoint's component configs (`tpupedia.models.<family>.component_configs`),
     default the release's (`full_configs`). `vae_tiling`: `on`, `off`, or `auto` (untiled if that
-    fits, else tiled: the choice a run makes, `Plan.vae_tiling`). Bad arguments raise `PlanError`
-    or the pipeline's `PipelineError` before anything is built.
+    fits, else tiled: the choice a run makes, `Plan.vae_tiling`). `stages`: a subset of `STAGES`
+    to plan (the others are left out of the plan, not counted as free). `run_devices`: plan for
+    these TPU devices (the run's own, `preflight`) instead of `topology`. Bad arguments raise
+    `PlanError` or the pipeline's `PipelineError` before anything is built.
     """
     import torch
 
     module = _pipeline_module(family)
     if vae_tiling not in TILING:
         raise PlanError(f"vae_tiling={vae_tiling!r} is not one of {', '.join(TILING)}")
-    if layers is not None and (not isinstance(layers, int) or layers < 1):
+    if layers is not None and (not isinstance(layers, int) or isinstance(layers, bool) or layers < 1):
         raise PlanError(f"layers={layers!r} must be a positive integer")
+    if not stages or any(s not in STAGES for s in stages):
+        raise PlanError(f"stages={','.join(stages)!r}: choose one or more of {', '.join(STAGES)}")
     pipe_cls = module.PIPELINE
     configs = configs if configs is not None else pipe_cls.family.full_configs()
-    try:
-        topo = hardware.parse_topology(topology)
-        devices.tpu_topology(topo)  # libtpu's own check of the slice's shape
-    except Exception as err:  # ValueError from parsing, JaxRuntimeError (INVALID_ARGUMENT) from libtpu
-        raise PlanError(f"topology {topology!r}: {str(err).splitlines()[0]}") from None
-    pipe_cls.validate(request, options, topo.num_chips, configs)
+    if run_devices is None:
+        try:
+            topo = hardware.parse_topology(topology)
+            devices.tpu_topology(topo)  # libtpu's own check of the slice's shape
+        except Exception as err:  # ValueError from parsing, JaxRuntimeError (INVALID_ARGUMENT) from libtpu
+            raise PlanError(f"topology {topology!r}: {str(err).splitlines()[0]}") from None
+        name, chips = topo.name, topo.num_chips
+    else:
+        name, chips = f"{len(run_devices)} x {run_devices[0].device_kind}", len(run_devices)
+    pipe_cls.validate(request, options, chips, configs)
     from tpupedia.pipelines import common
 
-    batch = pipe_cls.guidance_batch(request, configs)
-    mesh = devices.topology_mesh(topo, common.mesh_shape(options, topo.num_chips, batch), ("dp", "tp"))
+    shape = common.mesh_shape(options, chips, pipe_cls.guidance_batch(request, configs))
+    mesh = (devices.topology_mesh(topo, shape, ("dp", "tp")) if run_devices is None
+            else devices.make_mesh(shape, ("dp", "tp"), devices=list(run_devices)))
     pipe = pipe_cls("(plan)", "plan", getattr(torch, dtype), mesh, options, configs)
     pipe.abstract, pipe.layers = True, layers
     hbm = aot.hbm_budget(mesh.devices.flat)
     notes: list[str] = []
 
     request = _resolved(module, request, configs)
-    texts = pipe._text_programs(request)
-    denoise = pipe._denoise_programs(request, pipe._denoise_setup(request))
+    programs = {}
+    if "text" in stages:
+        programs["text"] = pipe._text_programs(request)
+    if "denoise" in stages:
+        programs["denoise"] = pipe._denoise_programs(request, pipe._denoise_setup(request))
     extra = _missing_layers(pipe, layers)
     if any(extra.values()):
         notes.append(f"compiled {layers} layers per model; the missing layers' weight shards are added from their "
                      f"shapes ({sum(extra.values()) / _GIB:.2f} GiB per chip in all); temporaries are as compiled "
                      "for the shallow models (full depth may need more)")
-    costs = {"text": [_cost(p, extra) for p in texts], "denoise": [_cost(p, extra) for p in denoise]}
+    costs = {s: [_cost(p, extra) for p in ps] for s, ps in programs.items()}
     tiling = vae_tiling == "on"
-    decode = [_cost(p, extra) for p in pipe._decode_programs(_with_tiling(request, tiling))]
-    if vae_tiling == "auto" and not _fit(decode, hbm):
-        untiled = max((p.peak or p.oom_required or 0) for p in decode)
-        tiling = True
-        decode = [_cost(p, extra) for p in pipe._decode_programs(_with_tiling(request, True))]
-        notes.append(f"VAE tiling: auto turned it on, the untiled decode does not fit one chip "
-                     f"({untiled / _GIB:.2f} GiB or more of {hbm / _GIB:.2f} GiB)")
-    costs["decode"] = decode
+    if "decode" in stages:
+        decode = [_cost(p, extra) for p in pipe._decode_programs(_with_tiling(request, tiling))]
+        if vae_tiling == "auto" and not StageCost("decode", decode, 0.0).fits(hbm):
+            untiled = max((p.peak or p.oom_required or 0) for p in decode)
+            tiling = True
+            decode = [_cost(p, extra) for p in pipe._decode_programs(_with_tiling(request, True))]
+            notes.append(f"VAE tiling: auto turned it on, the untiled decode does not fit one chip "
+                         f"({untiled / _GIB:.2f} GiB or more of {hbm / _GIB:.2f} GiB)")
+        costs["decode"] = decode
+    else:
+        notes.append(f"stages planned: {', '.join(s for s in STAGES if s in stages)} (the others are not in this plan)")
     weights = {s: sum({p.name: p.weights for p in c}.values()) for s, c in costs.items()}
-    stages = [StageCost(s, costs[s], sum(w for o, w in weights.items() if o != s) if resident else 0.0)
-              for s in STAGES]
+    planned = [StageCost(s, costs[s], sum(w for o, w in weights.items() if o != s) if resident else 0.0)
+               for s in STAGES if s in costs]
     r = request
-    return Plan(family=family, topology=topo.name, chips=topo.num_chips, mesh=dict(mesh.shape),
+    return Plan(family=family, topology=name, chips=chips, mesh=dict(mesh.shape),
                 request={"width": r.width, "height": r.height, "frames": r.frames, "steps": r.steps,
                          "guidance": r.guidance},
-                layers=layers, resident=resident, hbm=hbm, stages=stages, vae_tiling=tiling, notes=notes)
+                layers=layers, resident=resident, hbm=hbm, stages=planned, vae_tiling=tiling, notes=notes)
 
 
 def _resolved(module, request, configs):
@@ -255,10 +276,6 @@ def _resolved(module, request, configs):
 
 def _with_tiling(request, tiling: bool):
     return dataclasses.replace(request, vae_tiling=tiling)
-
-
-def _fit(costs: list[ProgramCost], hbm: float) -> bool:
-    return all(p.fits and p.peak is not None and p.peak <= hbm for p in costs)
 
 
 def _missing_layers(pipe, layers: int | None) -> dict[str, float]:
@@ -295,6 +312,70 @@ def _cost(program: aot.Program, extra: dict[str, float]) -> ProgramCost:
         compile_seconds=round(seconds, 2))
 
 
+def _preflight_key(family: str, request: Any, options: Any, configs: dict, run_devices: Sequence[Any],
+                   tiling: str, resident: bool, dtype: str) -> str:
+    """What the plan depends on: shapes, not words (a prompt only matters through quoted glyph text)."""
+    import jax
+
+    from tpupedia import results
+    from tpupedia.pipelines import common, stages
+
+    fields = {k: v for k, v in dataclasses.asdict(request).items()
+              if k not in ("prompt", "negative_prompt", "seed", "fps", "vae_tiling")}
+    quotes = any(q in p for p in (request.prompt, request.negative_prompt) for q in "\"'\u201c\u201d\u2018\u2019")
+    return stages.fingerprint({
+        "family": family, "request": fields, "quotes": quotes, "options": dataclasses.asdict(options) | {"quiet": None},
+        "configs": {k: common.config_fingerprint(c) for k, c in configs.items()},
+        "devices": [len(run_devices), run_devices[0].device_kind, jax.process_count()], "tiling": tiling,
+        "resident": resident, "dtype": dtype, "layers": PREFLIGHT_LAYERS,
+        "versions": [results.version("jax"), results.version("libtpu") if devices.has_libtpu() else None,
+                     results.version("diffusers"), results.version("transformers")]})
+
+
+def preflight(family: str, request: Any, options: Any, configs: dict[str, dict], run_devices: Sequence[Any], *,
+              cache_dir: Any, tiling: str = "auto", resident: bool = False, dtype: str = "bfloat16",
+              log: Any = print) -> Any:
+    """The plan's checks before a full-size run loads any weights (`tpupedia generate --preset full`).
+
+    On TPU devices, compile every program of the run for `run_devices` (the run's own chips) with
+    `PREFLIGHT_LAYERS` layers per model (`make`), and raise `PlanError` naming the stage and the
+    fix when a stage will not fit; otherwise return `request` with `vae_tiling` resolved (`tiling`
+    `auto`: on only when the untiled decode does not fit). The answer is cached as JSON in
+    `cache_dir`, keyed by everything it depends on (`_preflight_key`), so a second run with the
+    same shapes compiles nothing; an unreadable cache file is planned again. Off a TPU (CPU, GPU)
+    there is no TPU compiler to ask: `auto` means untiled and nothing is planned.
+    """
+    import json
+    from pathlib import Path
+
+    from tpupedia import results
+
+    if tiling not in TILING:
+        raise PlanError(f"vae_tiling={tiling!r} is not one of {', '.join(TILING)}")
+    if run_devices[0].platform != "tpu":
+        return dataclasses.replace(request, vae_tiling=tiling == "on")
+    key = _preflight_key(family, request, options, configs, run_devices, tiling, resident, dtype)
+    path = Path(cache_dir) / f"{family}-{key[:16]}.json"
+    try:
+        answer = json.loads(path.read_text())
+        if answer.get("key") != key or not isinstance(answer.get("fits"), bool):
+            raise ValueError(path)
+    except (OSError, ValueError):
+        log(f"plan: compiling the run's programs for {len(run_devices)} x {run_devices[0].device_kind} "
+            f"({PREFLIGHT_LAYERS} layer per model) before loading weights; cached for the next run")
+        found = make(family, request, options, configs=configs, layers=PREFLIGHT_LAYERS, vae_tiling=tiling,
+                     resident=resident, dtype=dtype, run_devices=run_devices)
+        answer = {"key": key, "fits": found.fits, "vae_tiling": found.vae_tiling, "advice": found.advice(),
+                  "summary": found.summary()}
+        results.write_json_atomic(path, answer)
+        log(found.summary())
+    if not answer["fits"]:
+        raise PlanError(f"{family} on {len(run_devices)} x {run_devices[0].device_kind} will not fit: "
+                        f"{answer['advice']} (nothing was loaded; `tpupedia plan {family}` shows the whole plan, "
+                        "--no-plan skips this check)")
+    return dataclasses.replace(request, vae_tiling=bool(answer["vae_tiling"]))
+
+
 def record(plan: Plan, path: str = DEFAULT_RECORDS, command: str = "") -> Any:
     """Merge `plan` into the plans file the docs' results page renders."""
     import datetime as _dt
@@ -306,6 +387,6 @@ def record(plan: Plan, path: str = DEFAULT_RECORDS, command: str = "") -> Any:
 
     def key(r):
         return (r["family"], r["topology"], tuple(sorted(r["mesh"].items())), tuple(sorted(r["request"].items())),
-                r["layers"], r["resident"])
+                r["layers"], r["resident"], tuple(s["stage"] for s in r["stages"]))
 
     return results.merge(data, path, key=key)

@@ -118,9 +118,9 @@ class JitModule(torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module, methods: tuple[str, ...] = ("forward",)):
         super().__init__()
+        import_torchax()  # the compatibility shim first, then torchax's modules
         from torchax.interop import JittableModule
 
-        import_torchax()
         self.__dict__["_jm"] = JittableModule(module)
         self.__dict__["_compiled"] = {}
         for name in methods:
@@ -177,9 +177,9 @@ class FunctionalModule:
     """
 
     def __init__(self, module: torch.nn.Module, method: Any = "forward", **static_kwargs: Any):
+        import_torchax()  # the compatibility shim first, then torchax's modules
         from torchax.interop import JittableModule
 
-        import_torchax()
         self.module = module
         self._jm = JittableModule(module)
         self._method = method

@@ -281,8 +281,13 @@ class CogVideoX(common.StagedPipeline):
     # -- stage 3 ---------------------------------------------------------------------------
     def _decode_programs(self, request: Request) -> list:
         """The decode stage's programs, the Flax NNX VAE's frame batches (`tpupedia.pipelines.decoding`),
-        on the mesh's first chip (the VAE runs whole on one chip)."""
+        on the mesh's first chip (the VAE runs whole on one chip). Only the Flax VAE is planned:
+        diffusers' decoder under torchax carries its causal cache in another form."""
         from tpupedia.pipelines import decoding
+
+        if self.vae != "flax":
+            raise PipelineError(f"vae={self.vae!r}: the decode programs are planned for the Flax VAE only; "
+                                "plan with --vae flax (the default)")
 
         return decoding.cogvideox_programs(self.configs["vae"], family.latent_frames(request.frames, self.shapes),
                                            request.height, request.width, list(self.mesh.devices.flat)[0],

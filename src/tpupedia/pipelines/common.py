@@ -281,6 +281,8 @@ class StagedPipeline:
             for key in ("num_layers", "num_hidden_layers"):  # diffusers / transformers depth fields
                 if key in config:
                     config[key] = min(self.layers, config[key])
+                    if isinstance(config.get("layer_types"), list):  # transformers checks one entry per layer
+                        config["layer_types"] = config["layer_types"][:config[key]]
         with torch.device("meta"):
             if hasattr(cls, "from_config"):  # diffusers
                 module = cls.from_config({k: v for k, v in config.items() if not k.startswith("_")})

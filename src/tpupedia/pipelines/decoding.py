@@ -24,7 +24,7 @@ from typing import Any
 from tpupedia import aot
 from tpupedia.pipelines.common import PipelineError
 
-__all__ = ["cogvideox_programs", "hunyuan_programs", "full_hunyuan_vae_config"]
+__all__ = ["cogvideox_programs", "hunyuan_programs"]
 
 STAGE = "decode"
 
@@ -122,25 +122,14 @@ def cogvideox_programs(vae_config: dict, latent_frames: int, height: int, width:
     latents = jax.ShapeDtypeStruct((1, config.latent_channels, latent_frames, *latent_hw), dtype)
     calls = _chunk_calls(graphdef, state, latents)
     state = _on(device, state)
+    weights = _nbytes(state)
     decode_chunk = functools.partial(cogvideox_vae._jit_apply, graphdef, "decode_chunk")  # what `_runner` jits
     return [aot.Program(STAGE, _chunk_name(chunk, cache is not None, n, latent_hw), decode_chunk,
-                        (state, _on(device, chunk), _on(device, cache)), weights_bytes=_nbytes(state), calls=n)
+                        (state, _on(device, chunk), _on(device, cache)), weights_bytes=weights, calls=n)
             for n, chunk, cache in calls.values()]
 
 
 # --- HunyuanVideo-1.5: diffusers' VAE under torchax, all frames at once --------------------------
-
-def full_hunyuan_vae_config() -> dict[str, Any]:
-    """HunyuanVideo-1.5's VAE config: diffusers' `AutoencoderKLHunyuanVideo15` defaults, which are
-    the released 720p checkpoint's `vae/config.json` (32 latent channels, blocks 128-256-512-1024-1024,
-    2 layers per block, 16x spatial and 4x temporal compression, scaling factor 1.03682)."""
-    import inspect
-
-    from diffusers import AutoencoderKLHunyuanVideo15
-
-    parameters = inspect.signature(AutoencoderKLHunyuanVideo15.__init__).parameters.values()
-    return {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
-
 
 def _decoder_calls(vae: Any, latents: Any) -> Counter:
     """How often diffusers' `vae.decode(latents)` calls `vae.decoder`, per input shape, run on `meta`."""
@@ -181,10 +170,15 @@ def hunyuan_programs(vae_config: dict, latent_frames: int, height: int, width: i
     decoded from `latent_frames` latent frames (`latent_shape(...)[2]`).
 
     `vae_config` is the checkpoint's VAE config dict (`AutoencoderKLHunyuanVideo15` fields; missing
-    ones take diffusers' defaults). The VAE is built on `meta`, its decoder's weights become
-    abstract arguments in `dtype` on `device`. One program per distinct decoder input shape: the
-    whole latent untiled, each distinct spatial tile with `tiling` (`calls` counts tiles). Raises
-    `PipelineError` for frames < 1 or sizes that are not multiples of the VAE's spatial compression.
+    ones take diffusers' defaults, the release's: `models.hunyuan.full_configs()["vae"]`). The VAE
+    is built on `meta`, its decoder's weights become abstract arguments in `dtype` on `device`. One
+    program per distinct decoder input shape: the whole latent untiled, each distinct spatial tile
+    with `tiling` (`calls` counts tiles). Raises `PipelineError` for frames < 1 or sizes that are
+    not multiples of the VAE's spatial compression.
+
+    `weights_bytes` is the decoder's weights (its arguments); the pipeline also keeps the encoder
+    on the chip. The mid-block attention gets the pipeline's loop-free causal mask
+    (`models.hunyuan.make_vae_jit_friendly`).
     """
     import jax
     import jax.numpy as jnp
@@ -192,23 +186,24 @@ def hunyuan_programs(vae_config: dict, latent_frames: int, height: int, width: i
     from diffusers import AutoencoderKLHunyuanVideo15
 
     from tpupedia import torchax_utils
+    from tpupedia.models import hunyuan
 
-    config = full_hunyuan_vae_config() | {k: v for k, v in vae_config.items() if not k.startswith("_")}
-    ratio = int(config["spatial_compression_ratio"])
+    with torch.device("meta"):  # shapes only, and the config as diffusers reads it (defaults filled in)
+        vae = AutoencoderKLHunyuanVideo15.from_config({k: v for k, v in vae_config.items() if not k.startswith("_")})
+    ratio = vae.spatial_compression_ratio
     _check("HunyuanVideo-1.5", latent_frames, height, width, ratio)
     dtype = jnp.dtype(dtype)
     torch_dtype = getattr(torch, dtype.name)
-    with torch.device("meta"):
-        vae = AutoencoderKLHunyuanVideo15.from_config(config)
-    vae = vae.to(torch_dtype).eval()
+    vae = hunyuan.make_vae_jit_friendly(vae.to(torch_dtype).eval())
     vae.enable_tiling() if tiling else vae.disable_tiling()  # as the pipeline's `_decode`
     latent_hw = (height // ratio, width // ratio)
-    latents = torch.empty((1, config["latent_channels"], latent_frames, *latent_hw), dtype=torch_dtype, device="meta")
+    latents = torch.empty((1, vae.config.latent_channels, latent_frames, *latent_hw), dtype=torch_dtype, device="meta")
     calls = _decoder_calls(vae, latents)
     env = torchax_utils.default_env()  # imports torchax through the compatibility shim
     fm = torchax_utils.FunctionalModule(vae.decoder)  # what `JitModule(vae.decoder)` calls
     state = _on(device, fm.abstract_state())
+    weights = _nbytes(state)
     decode = _reference_attention(fm, env)
     return [aot.Program(STAGE, _decoder_name(shape, n, latent_hw), decode,
-                        (*state, _on(device, jax.ShapeDtypeStruct(shape, dtype))), weights_bytes=_nbytes(state), calls=n)
+                        (*state, _on(device, jax.ShapeDtypeStruct(shape, dtype))), weights_bytes=weights, calls=n)
             for shape, n in calls.items()]

@@ -217,8 +217,8 @@ class Hunyuan(common.StagedPipeline):
 
         def hidden(module, ids, mask):  # the one hidden state diffusers keeps, selected inside jit
             self.traces["text"] += 1
-            out = module(input_ids=ids, attention_mask=mask, output_hidden_states=True)
-            return out.hidden_states[layer][:, crop:]
+            out = module(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+            return (out[layer] if len(out) > -layer else out[-1])[:, crop:]  # a plan's shallow model: its last
 
         def encoder(cls, name, forward):
             module = self._load(cls, name)
@@ -456,6 +456,7 @@ class Hunyuan(common.StagedPipeline):
         def load():
             vae = AutoencoderKLHunyuanVideo15.from_pretrained(self.source, subfolder="vae", dtype=self.dtype,
                                                               use_safetensors=True).eval()
+            family.make_vae_jit_friendly(vae)
             self._to_jax("vae", vae, on_mesh=False)
             vae.decoder = torchax_utils.JitModule(vae.decoder)
             return vae

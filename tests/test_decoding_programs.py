@@ -1,0 +1,165 @@
+"""The decode stage's programs (`tpupedia.pipelines.decoding`) against what the real decode runs.
+
+Each family's tiny VAE decodes while its decoder calls are recorded (the NNX port's jitted
+`_jit_apply`, traced with `jax.eval_shape`; diffusers' `vae.decoder`, run on real latents); the
+programs must list exactly those calls, with the same input shapes and dtypes, the same outputs
+and the right call counts, tiled and untiled. A Hunyuan program run with the real weights must
+compute the decoder's output.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from tpupedia import devices
+from tpupedia.models import cogvideox, hunyuan
+from tpupedia.pipelines import decoding
+from tpupedia.pipelines.common import PipelineError
+
+# CogVideoX tiles of 48x40 pixels (6x5 latents): overlaps of 1/6 and 1/5 are then whole latents.
+COG_CONFIG = cogvideox.tiny_vae_config() | {"sample_height": 96, "sample_width": 80}
+COG_LATENTS = (7, 64, 88)  # latent frames, video height, width: 8x11 latents, frame batches of 3, 2, 2
+HY_LATENTS = (2, 288, 480)  # 18x30 latents: 16x16 tiles every 12 latents, 2 rows x 3 columns
+
+
+def _spec(tree):
+    """Shapes and dtypes, no sharding, as a hashable key."""
+    leaves = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in jax.tree.leaves(tree)]
+    return jax.tree.structure(tree), tuple(leaves)
+
+
+def _cogvideox_decode_calls(monkeypatch, tiling: bool) -> tuple[Counter, dict, int]:
+    """The tiny NNX VAE (converted from diffusers, as the pipeline loads it) decoding latents, every
+    call of its jitted `_jit_apply` recorded: `{(chunk, cache) spec: calls}`, each spec's output
+    spec, and the VAE's parameter bytes. The decode runs under `jax.eval_shape`: the model's own
+    loop over frame batches and tiles, traced, without compiling the chunks for the CPU."""
+    from diffusers import AutoencoderKLCogVideoX
+    from flax import nnx
+
+    from tpupedia.models import cogvideox_vae
+    from tpupedia.models import cogvideox_vae_convert as convert
+
+    torch.manual_seed(0)
+    torch_vae = AutoencoderKLCogVideoX(**COG_CONFIG).eval()
+    torch_vae.enable_tiling() if tiling else torch_vae.disable_tiling()
+    vae = convert.from_diffusers(torch_vae, dtype=jnp.bfloat16)
+    calls, outputs = Counter(), {}
+    real = cogvideox_vae._jit_apply
+
+    def recording(graphdef, method, state, chunk, cache):
+        out = real(graphdef, method, state, chunk, cache)
+        key = _spec((chunk, cache))
+        calls[key] += 1
+        outputs[key] = _spec(out)
+        return out
+
+    monkeypatch.setattr(cogvideox_vae, "_jit_apply", recording)
+    frames, height, width = COG_LATENTS
+    z = jax.ShapeDtypeStruct((1, COG_CONFIG["latent_channels"], frames, height // 8, width // 8), jnp.float32)
+    video = jax.eval_shape(vae.decode, z)
+    assert video.shape == (1, 3, 4 * (frames - 1) + 1, height, width)
+    return calls, outputs, sum(a.nbytes for a in jax.tree.leaves(nnx.state(vae)))
+
+
+@pytest.mark.parametrize("tiling", [False, True], ids=["untiled", "tiled"])
+def test_cogvideox_programs_are_the_decode_calls(monkeypatch, tiling):
+    programs = decoding.cogvideox_programs(COG_CONFIG, *COG_LATENTS, jax.devices()[0], tiling=tiling)
+    calls, outputs, weights = _cogvideox_decode_calls(monkeypatch, tiling)
+    got = Counter({_spec(p.args[1:]): p.calls for p in programs})
+    assert got == calls
+    assert len(programs) == len(calls) == (8 if tiling else 2)  # 4 tile shapes x (first, later batches)
+    for p in programs:
+        assert p.stage == "decode" and p.weights_bytes == weights
+        assert _spec(jax.eval_shape(p.fn, *p.args)) == outputs[_spec(p.args[1:])]
+        assert ("causal cache" in p.name) == (p.args[2] is not None)
+        assert ("tiles" in p.name) == tiling
+
+
+def _hunyuan_decode_calls(tiling: bool):
+    """Decode random latents with the tiny diffusers VAE, its decoder wrapped to record its inputs."""
+    from diffusers import AutoencoderKLHunyuanVideo15
+
+    torch.manual_seed(0)
+    vae = AutoencoderKLHunyuanVideo15(**hunyuan.tiny_vae_config()).eval()
+    decoder, calls, outputs = vae.decoder, Counter(), {}
+
+    class Recording(torch.nn.Module):
+        def forward(self, z):
+            out = decoder(z)
+            calls[tuple(z.shape)] += 1
+            outputs[tuple(z.shape)] = tuple(out.shape)
+            return out
+
+    vae.decoder = Recording()
+    vae.enable_tiling() if tiling else vae.disable_tiling()
+    frames, height, width = HY_LATENTS
+    z = torch.randn(1, hunyuan.tiny_vae_config()["latent_channels"], frames, height // 16, width // 16)
+    with torch.no_grad():
+        video = vae.decode(z).sample
+    assert tuple(video.shape) == (1, 3, 4 * (frames - 1) + 1, height, width)
+    return calls, outputs, decoder
+
+
+@pytest.mark.parametrize("tiling", [False, True], ids=["untiled", "tiled"])
+def test_hunyuan_programs_are_the_decoder_calls(tiling):
+    calls, outputs, decoder = _hunyuan_decode_calls(tiling)
+    programs = decoding.hunyuan_programs(hunyuan.tiny_vae_config(), *HY_LATENTS, jax.devices()[0],
+                                         dtype="float32", tiling=tiling)
+    got = Counter({tuple(p.args[2].shape): p.calls for p in programs})
+    assert got == calls
+    assert len(programs) == (4 if tiling else 1)
+    weights = sum(t.numel() * t.element_size() for t in decoder.parameters())
+    for p in programs:
+        assert p.stage == "decode" and p.weights_bytes == weights and p.args[2].dtype == jnp.float32
+        out = jax.eval_shape(p.fn, *p.args)
+        assert (tuple(out.shape), out.dtype) == (outputs[tuple(p.args[2].shape)], jnp.float32)
+        assert ("tiles" in p.name) == tiling
+
+
+def test_hunyuan_program_computes_the_decoder():
+    """Given the real weights, the program (jitted for the CPU) computes diffusers' decoder."""
+    from diffusers import AutoencoderKLHunyuanVideo15
+
+    torch.manual_seed(0)
+    decoder = AutoencoderKLHunyuanVideo15(**hunyuan.tiny_vae_config()).eval().decoder
+    (program,) = decoding.hunyuan_programs(hunyuan.tiny_vae_config(), 1, 32, 48, jax.devices()[0], dtype="float32")
+    params = {name: jnp.asarray(t.detach().numpy()) for name, t in decoder.named_parameters()}
+    z = torch.randn(program.args[2].shape, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = decoder(z).numpy()
+    got = np.asarray(jax.jit(program.fn)(params, {}, jnp.asarray(z.numpy())))
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not devices.has_libtpu(), reason="libtpu not installed (pip install 'jax[tpu]')")
+def test_a_tiny_program_compiles_for_a_v6e_chip():
+    chip = devices.tpu_topology("v6e:2x4")[0]  # one chip of the slice: the decode runs on one
+    program = decoding.cogvideox_programs(cogvideox.tiny_vae_config(), 1, 8, 8, chip)[0]
+    result = program.compile()
+    assert result.fits, result.summary()
+    assert result.memory.arguments >= program.weights_bytes > 0
+
+
+PROGRAMS = {"cogvideox": (decoding.cogvideox_programs, cogvideox.tiny_vae_config()),
+            "hunyuan": (decoding.hunyuan_programs, hunyuan.tiny_vae_config())}
+
+
+@pytest.mark.parametrize("family, size, words", [
+    ("cogvideox", (0, 64, 64), ["latent_frames=0", "1 or more"]),
+    ("cogvideox", (2, 60, 64), ["height=60", "multiple of 8"]),
+    ("cogvideox", (2, 64, -8), ["width=-8", "positive multiple of 8"]),
+    ("hunyuan", (0, 64, 64), ["latent_frames=0", "1 or more"]),
+    ("hunyuan", (2, 72, 64), ["height=72", "multiple of 16"]),  # fine for CogVideoX's 8x, not for 16x
+    ("hunyuan", (2, 64, 64.0), ["width=64.0", "multiple of 16"]),
+])
+def test_bad_input_names_the_value_and_what_is_allowed(family, size, words):
+    programs, config = PROGRAMS[family]
+    with pytest.raises(PipelineError) as err:
+        programs(config, *size, jax.devices()[0])
+    assert all(w in str(err.value) for w in words), str(err.value)
