@@ -97,6 +97,8 @@ def _plans_table() -> str:
         if "decode" in peaks:
             peaks["decode"] += f" ({'tiled' if r['vae_tiling'] else 'untiled'})"
         mesh = ",".join(f"{k}={v}" for k, v in r["mesh"].items())
+        if r.get("attention"):
+            mesh += f", {r['attention']} attention"
         depth = "full" if r["layers"] is None else f"{r['layers']} layer(s), the rest's weights added"
         verdict = "fits" if r["fits"] else f"does not fit: {r['advice']}"
         lines.append(f"| {r['family']}{' (batch)' if r['resident'] else ''} | {q['width']}x{q['height']}, "

@@ -26,7 +26,9 @@
 # 3. **memory per chip, by compiler**: an ahead-of-time (AOT) dry-run of a full-size CogVideoX
 #    step for a `v6e:2x4` slice, with `libtpu`'s real compiler;
 # 4. **MFU from reported step times**: how close the upstream project's TPU runs came to the
-#    chips' peak.
+#    chips' peak;
+# 5. **the whole run**: every stage's programs compiled for the slice (`tpupedia plan`), for one
+#    video and for a batch.
 #
 # The CI run compiles one transformer layer (`layers=1`) and scales the weights to full depth, to
 # stay fast; `tpupedia dryrun` produces the full-depth numbers, stored on the results page.
@@ -36,7 +38,7 @@
 # | `tiny` (CPU, CI) | no weights: abstract shapes only; the compiles read from their records | about 1.8 GB of host RAM | about 3.5 minutes, measured here on a 2-core CPU |
 # | `full` (TPU VM or any host with libtpu) | no weights either: this notebook only compiles, on the host CPU | the program it plans: 3.8 GiB of arguments + 1.6 GiB of temporaries per chip (AOT here); host RAM for the 42-layer compile not recorded (the 54-block HunyuanVideo-1.5 compiles took 3.6–8.7 GB, measured here) | adds one live compile at all 42 layers, the splash-attention step of section 3: 182 s, measured on a shared 2-core CPU; the 42-layer reference-attention compile is read from its record, and section 4 compiles at one layer, as on tiny |
 #
-# *Reading time: about 8 minutes.*
+# *Reading time: about 11 minutes.*
 
 # %%
 # %xmode Minimal
@@ -303,6 +305,99 @@ assert all(0.05 < m < 0.5 for m in mfu.values())
 # about 35 ms in splash attention and 45 ms in linear layers plus all-reduces) agrees that both
 # halves matter. The roofline says how much room there is; the profile says where to look.
 #
+# ## 6. The whole run: every stage, planned before it runs
+#
+# A denoising step is one program of a run, not the run. Before it, the text encoders turn the
+# prompt into embeddings; after it, the VAE decodes the latents into frames, in several calls of
+# different shapes. Each stage loads its own models and frees them when it ends, so what must fit
+# a chip is each stage's peak, not the sum. A batch (`--prompts`) keeps every stage's models
+# resident between prompts, so there each stage's peak also holds the other stages' weights.
+# A dry-run of one step cannot see any of that.
+#
+# `tpupedia.plan.make` can. It builds the pipeline class that `tpupedia generate` runs, with
+# abstract weights on PyTorch's `meta` device, and asks each stage for the programs it compiles.
+# Each stage's text encoders come at their real token lengths, the denoise step is built by the
+# same code the pipeline runs, and the decoder is planned at every call shape. It then compiles
+# each program for the slice. The report gives, per stage and per chip, the weights, the
+# compiler's arguments, temporaries and outputs, and what other stages leave resident. It names
+# the binding stage, and `Plan.check()` refuses a run that will not fit, naming the stage and
+# the option that would fix it.
+#
+# Here we plan the text and denoise stages for `v6e:2x4`. On `tiny` this uses the tiny
+# checkpoint's configs, which takes seconds. On `full` it uses the release's configs with one
+# layer per model; the other layers' weight shards are added from their shapes. We plan each
+# run twice: once for one video, once for a batch. The decode stage is left out because the VAE
+# decoder's compile takes over a minute on this host even for a tiny VAE (HunyuanVideo-1.5's: 75 s,
+# measured here).
+# `tests/test_plan.py` plans it.
+
+# %%
+from tpupedia import aot, plan, results
+from tpupedia.pipelines import cogvideox as cogvideox_pipeline
+
+configs = (cogvideox.full_configs() if preset.pretrained
+           else cogvideox.component_configs(cogvideox.model_source(preset)[0]))
+request = cogvideox_pipeline.Request(prompt="a panda playing a guitar", **cogvideox.default_request(preset))
+runs = {kind: plan.make("cogvideox", request, cogvideox_pipeline.Options(), configs=configs, topology="v6e:2x4",
+                        layers=1 if preset.pretrained else None, stages=("text", "denoise"), resident=kind == "batch")
+        for kind in ("one video", "batch")}
+print(f"{request.width}x{request.height}, {request.frames} frames, {request.steps} steps; "
+      f"mesh {runs['one video'].mesh}, attention {runs['one video'].attention}")
+for kind, p in runs.items():
+    for s in p.stages:
+        print(f"{kind:>9} {s.stage:>8}: peak {aot.format_bytes(s.peak):>10} per chip = largest program "
+              f"{aot.format_bytes(s.peak - s.resident):>10} + resident from other stages {aot.format_bytes(s.resident)}")
+    print(f"{kind:>9} binding stage: {p.binding}; {'fits' if p.fits else p.advice()}")
+
+# %% [markdown]
+# For one video, nothing is resident: the text stage's weights are gone before the transformer
+# loads. In a batch, the denoise peak also carries the text encoders, and the text peak carries
+# the transformer. The attention the step compiled with is splash at CogVideoX's block sizes
+# (`cogvideox.SPLASH_BLOCK_SIZES`, upstream's tuned values), as a run on the TPU picks it.
+
+# %%
+one, batch = runs["one video"], runs["batch"]
+assert one.fits and batch.fits and one.binding == "denoise"
+assert all(s.resident == 0 for s in one.stages)
+for stage, other in (("text", "denoise"), ("denoise", "text")):
+    assert batch.stage(stage).resident == one.stage(other).weights > 0
+    assert batch.stage(stage).peak == one.stage(stage).peak + one.stage(other).weights
+assert one.attention == "splash " + "/".join(map(str, cogvideox.SPLASH_BLOCK_SIZES))
+
+# %% [markdown]
+# At full size, the release configs were planned this way for both families, on a whole v6e-8
+# and on a 4-chip host, with `tpupedia plan FAMILY --topology T --layers 1 --stages text,denoise
+# --record`. The figures below are AOT here, on a CPU host. The results page shows them with
+# their commands.
+
+# %%
+from IPython.display import Markdown
+
+full_plans = [r for r in results.load(Path("..") / plan.DEFAULT_RECORDS)
+              if r["layers"] == 1 and [s["stage"] for s in r["stages"]] == ["text", "denoise"]]
+peaks = {(r["family"], r["chips"]): {s["stage"]: s["peak"] for s in r["stages"]} for r in full_plans}
+rows = ["| model | request | slice | text | denoise | binding |", "|---|---|---|---|---|---|"]
+for r in sorted(full_plans, key=lambda r: (r["family"], -r["chips"])):
+    q, p = r["request"], peaks[(r["family"], r["chips"])]
+    rows.append(f"| {r['family']} | {q['width']}x{q['height']}, {q['frames']} frames | {r['topology']} ({r['chips']} chips) "
+                f"| {aot.format_bytes(p['text'])} | {aot.format_bytes(p['denoise'])} | {r['binding']} |")
+Markdown("\n".join(rows))
+
+# %%
+assert {(f, c) for f, c in peaks} == {(f, c) for f in ("cogvideox", "hunyuan") for c in (8, 4)}
+assert all(r["fits"] and r["binding"] == "denoise" for r in full_plans)
+for f in ("cogvideox", "hunyuan"):  # half the chips: each chip holds twice the shard
+    assert peaks[(f, 4)]["denoise"] > peaks[(f, 8)]["denoise"] and peaks[(f, 4)]["text"] > peaks[(f, 8)]["text"]
+
+# %% [markdown]
+# On a TPU VM, `tpupedia generate --preset full` runs these checks itself, before it loads any
+# weight, on the VM's own chips (`plan.preflight`). It compiles one layer per model, caches the
+# answer per shape, and refuses a run that will not fit in one line. It also decides VAE tiling
+# (`--vae-tiling auto`): on only when the untiled decode does not fit one chip. What a one-layer
+# plan cannot prove is the full depth's temporaries. Layers run one after another and reuse most
+# of their working set, but section 3 showed that a full-depth compile can need more, so a plan
+# that fits close to the limit deserves `tpupedia plan` without `--layers`.
+#
 # ## Takeaways
 #
 # * Count FLOPs first. At 720p and 81 frames, attention is over two thirds of a CogVideoX step.
@@ -312,3 +407,5 @@ assert all(0.05 < m < 0.5 for m in mfu.values())
 #   with room to spare.
 # * Compare strategies by per-chip bytes *and* collectives, from the compiled program.
 # * MFU turns a reported step time into a statement about headroom.
+# * A run is several programs: `tpupedia plan` compiles each stage's, and the largest stage's peak
+#   per chip, with what a batch keeps resident, is what must fit.

@@ -256,3 +256,61 @@ def test_stop_escalates_to_sigkill_for_a_process_that_ignores_sigterm():
     distributed.stop([ignoring, polite], grace_s=1.0)
     assert time.monotonic() - start < 10
     assert polite.returncode == -signal.SIGTERM and ignoring.returncode == -signal.SIGKILL
+
+
+def test_a_process_killed_mid_batch_stops_the_job_within_seconds(tmp_path):
+    """As a user would meet it: two real JAX processes (gloo) generating a batch; SIGKILL one after
+    its first video. The launcher names it and stops the other within the grace period, instead of
+    leaving it to wait for gloo's timeouts (about 90 s before `stop` escalated to SIGKILL)."""
+    import signal
+    import threading
+    import time
+
+    (tmp_path / "p.txt").write_text("\n".join(f"prompt number {i}" for i in range(12)) + "\n")
+    first_video = threading.Event()
+
+    class Lines:
+        def __init__(self):
+            self.text = []
+
+        def write(self, line):
+            self.text.append(line)
+            if line.startswith("[p1] 0001-"):  # process 1 wrote its first video
+                first_video.set()
+
+        def flush(self):
+            pass
+
+    out, err, outcome = Lines(), Lines(), {}
+
+    def run():
+        try:
+            distributed.launch(["generate", "cogvideox", "--preset", "tiny", "--prompts", "p.txt", "--outdir", "out"],
+                               processes=2, devices_per_process=1, grace_s=3.0, out=out, err=err,
+                               cwds=[tmp_path, tmp_path], timeout_s=240)
+        except distributed.DistributedError as e:
+            outcome["error"] = str(e)
+        outcome["ended"] = time.monotonic()
+
+    job = threading.Thread(target=run)
+    job.start()
+    assert first_video.wait(180), "".join(out.text + err.text)[-3000:]
+    pid = next(int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _is_rank(p, 1))
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    job.join(60)
+    assert not job.is_alive()
+    assert outcome["error"] == "process 1 of 2 exited with status -9; the others were stopped"
+    assert outcome["ended"] - killed < 3.0 + 5.0  # the grace period, then SIGKILL: seconds, not gloo's timeouts
+    made = (tmp_path / "out" / "index.jsonl").read_text().splitlines()
+    assert 2 <= len(made) < 12  # process 0 had started; it did not run on alone
+
+
+def _is_rank(proc: Path, rank: int) -> bool:
+    """Whether /proc entry `proc` is a `tpupedia.cli` process that `launch` started as `rank`."""
+    try:
+        environ = (proc / "environ").read_bytes().split(b"\0")
+        cmdline = (proc / "cmdline").read_bytes()
+    except OSError:
+        return False
+    return b"tpupedia.cli" in cmdline and f"{distributed.ENV_PROCESS_ID}={rank}".encode() in environ

@@ -115,10 +115,29 @@ def test_cli_dryrun_writes_json(tmp_path, capsys):
     assert data["fits"] and data["layers_compiled"] == 1 and data["layers_full"] == 32
 
 
+@requires_libtpu
+def test_a_splash_dry_run_records_the_block_sizes_it_compiled_with(tmp_path, capsys):
+    """The recorded command reproduces the record: it names the block sizes, default or asked."""
+    from tpupedia import results
+    from tpupedia.models import llama
+
+    records = tmp_path / "dryruns.json"
+    base = ["dryrun", "llama", "--layers", "1", "--seq", "256", "--attention", "splash", "--record", str(records)]
+    assert cli.main(base) == 0
+    assert cli.main([*base, "--block-sizes", "256,256,128"]) == 0
+    assert "attention splash (blocks 256/256/128)" in capsys.readouterr().out
+    got = {tuple(r["block_sizes"]): r["command"] for r in results.load(records)}
+    assert set(got) == {tuple(llama.SPLASH_BLOCK_SIZES), (256, 256, 128)}
+    assert all(f"--block-sizes {','.join(map(str, bs))}" in cmd for bs, cmd in got.items())
+
+
 def test_cli_dryrun_rejects_bad_input_in_one_line(capsys, monkeypatch):
     assert cli.main(["dryrun", "cogvideox", "--frames", "80"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("tpupedia dryrun: frames=80") and "4n+1 frames" in err and len(err.strip().splitlines()) == 1
+    assert cli.main(["dryrun", "hunyuan", "--attention", "splash", "--block-sizes", "3072,2048,1000"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tpupedia dryrun: block_kv_compute=1000") and len(err.strip().splitlines()) == 1
     monkeypatch.setattr(devices, "has_libtpu", lambda: False)  # a host without libtpu: one line, no traceback
     assert cli.main(["dryrun", "llama", "--layers", "1", "--seq", "128"]) == 2
     err = capsys.readouterr().err

@@ -27,6 +27,7 @@ def _stock_frames(checkpoint: Path, request: pipeline.Request) -> np.ndarray:
 
     pipe = CogVideoXPipeline.from_pretrained(checkpoint, use_safetensors=True)
     pipe.set_progress_bar_config(disable=True)
+    pipe.vae.enable_tiling() if request.vae_tiling else pipe.vae.disable_tiling()
     out = pipe(prompt=request.prompt, negative_prompt=request.negative_prompt, num_frames=request.frames,
                height=request.height, width=request.width, num_inference_steps=request.steps,
                guidance_scale=request.guidance, generator=torch.Generator().manual_seed(request.seed),
@@ -54,6 +55,26 @@ def test_frames_match_stock_diffusers(checkpoint, tmp_path):
     print(f"max abs error vs stock diffusers: {error:.2e}")
     assert error <= 1e-4, error
     assert frames.std() > 0.01  # not a constant image that would match anything
+
+
+def test_tiled_frames_match_stock_diffusers_tiled(tmp_path):
+    """`vae_tiling` on both sides: stock diffusers' `vae.enable_tiling()` and the Flax NNX VAE's tiles
+    give the same frames (fp32, 1e-4). The VAE's tiles (half its `sample_height/width`: 48x40 pixels
+    here) split the 64x96 video both ways, so tiling really changes pixels."""
+    import dataclasses
+
+    checkpoint = family.tiny_checkpoint(tmp_path / "ckpt", vae={"sample_height": 96, "sample_width": 80},
+                                        transformer={"sample_height": 8, "sample_width": 12})  # RoPE grid 8x12 latents
+    request = dataclasses.replace(REQUEST, height=64, width=96, steps=2, vae_tiling=True)
+    expected = _stock_frames(checkpoint, request)
+    pipeline.run(request, pipeline.Options(quiet=True), preset=TINY, model=str(checkpoint), workdir=tmp_path / "w",
+                 log=lambda _: None)
+    frames = stages.read(tmp_path / "w", "decode", _settings(checkpoint, "decode", request)).tensors["frames"].numpy()
+    assert frames.shape == expected.shape == (9, 64, 96, 3)
+    error = float(np.abs(frames - expected).max())
+    assert error <= 1e-4, error
+    untiled = _stock_frames(checkpoint, dataclasses.replace(request, vae_tiling=False))
+    assert float(np.abs(untiled - expected).max()) > 1e-3  # the seams are real: tiled is not untiled
 
 
 def _settings(checkpoint: Path, stage: str, request: pipeline.Request = REQUEST, vae: str = "flax",
@@ -193,6 +214,9 @@ def test_bench_generate_records_per_stage_timings(tmp_path):
     (["--preset", "tiny", "--workdir", "{tmp}/a-file/stages"], ["a-file/stages", "cannot be created"]),
     (["--preset", "tiny", "--seed", str(2**64)], [f"seed={2**64}", "2^64"]),
     (["--preset", "tiny", "--seed", "-1"], ["seed=-1"]),
+    (["--preset", "tiny", "--block-sizes", "100,128,128"], ["block_q=100", "multiple of 128"]),
+    (["--preset", "tiny", "--block-sizes", "256,256,512"], ["block_kv_compute=512", "divide block_kv=256"]),
+    (["--preset", "tiny", "--block-sizes", "3328x2816"], ["3328x2816", "BLOCK_Q,BLOCK_KV,BLOCK_KV_COMPUTE"]),
     (["--preset", "tiny", "--mesh", "dp=4,tp=2"], ["dp=4", "dp=1 or dp=2"]),
     (["--preset", "tiny", "--mesh", "dp=2,tp=4", "--guidance", "1"], ["dp=2", "guidance off", "dp=1"]),
 ])

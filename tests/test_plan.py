@@ -174,6 +174,52 @@ def test_generate_full_runs_the_preflight_before_loading(tmp_path, monkeypatch, 
         main(argv + ["--no-plan", "--vae-tiling"])
 
 
+def test_a_full_size_batch_plans_each_request_before_loading(tmp_path, monkeypatch, capsys):
+    """A batch whose lines ask different shapes: each request is planned (for one process's own
+    chips, models resident) and takes its own resolved VAE tiling; the run uses the planned
+    requests; a line that cannot fit refuses the batch, naming the line, before anything loads."""
+    import dataclasses
+    import json
+
+    import jax
+
+    from tpupedia.models import cogvideox
+    from tpupedia.pipelines import common
+
+    checkpoint = cogvideox.tiny_checkpoint(tmp_path / "ckpt")
+    monkeypatch.setenv("TPUPEDIA_PRESET", "full")
+    monkeypatch.setenv("TPUPEDIA_CACHE", str(tmp_path / "cache"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps(x) for x in (
+        {"prompt": "a cat", "frames": 9}, {"prompt": "a dog", "frames": 13}, {"prompt": "a fox", "frames": 9})))
+    seen, ran = [], []
+
+    def tile_long_videos(family, request, options, configs, run_devices, **kwargs):
+        seen.append((request.frames, kwargs["resident"], len(run_devices)))
+        if request.frames > 20:
+            raise plan.PlanError(f"{family} will not fit: stage decode needs 40.00 GiB")
+        return dataclasses.replace(request, vae_tiling=request.frames > 9)
+
+    def stop(pipe, request, **kwargs):
+        ran.append((request.frames, request.vae_tiling))
+        raise plan.PlanError("stopped before loading")
+
+    monkeypatch.setattr(plan, "preflight", tile_long_videos)
+    monkeypatch.setattr(common, "run_stages", stop)
+    argv = ["generate", "cogvideox", "--model", str(checkpoint), "--prompts", str(prompts),
+            "--outdir", str(tmp_path / "out"), "--compilation-cache", "off"]
+    assert main(argv) == 2
+    assert seen == [(9, True, len(jax.local_devices())), (13, True, len(jax.local_devices())),
+                    (9, True, len(jax.local_devices()))]
+    assert ran == [(9, False)]  # the first prompt reached the run with its planned request
+    capsys.readouterr()
+    prompts.write_text(prompts.read_text() + "\n" + json.dumps({"prompt": "a long owl", "frames": 49}))
+    seen.clear(), ran.clear()
+    assert main(argv) == 2
+    assert "tpupedia generate: prompt 3 ('a long owl'): cogvideox will not fit" in capsys.readouterr().err
+    assert len(seen) == 4 and ran == []  # refused before the first prompt ran
+
+
 @pytest.mark.parametrize("family", ["cogvideox", "hunyuan"])
 @pytest.mark.parametrize("topology, chips", [("v6e:2x4", 8), ("v6e:2x2", 4)], ids=["v6e-8", "4-chip host"])
 def test_the_release_configs_text_and_denoise_fit_at_reduced_depth(family, topology, chips):
@@ -197,3 +243,28 @@ def test_the_release_configs_text_and_denoise_fit_at_reduced_depth(family, topol
     assert step.calls == defaults["steps"] and step.weights > 2 * 2**30  # the whole transformer's shard
     assert any("missing layers' weight shards" in n for n in p.notes)
     assert "stages planned: text, denoise" in p.summary()
+    blocks = "/".join(map(str, module.PIPELINE.family.SPLASH_BLOCK_SIZES))  # upstream's tuned sizes
+    assert p.attention == f"splash {blocks}" and f"attention splash {blocks}" in p.summary()
+
+
+@pytest.mark.parametrize("family", ["cogvideox", "hunyuan"])
+def test_the_denoise_step_runs_splash_at_the_block_sizes_asked(family, tmp_path, monkeypatch):
+    """`Options.block_sizes` (`--block-sizes`) reaches the kernel of the step the pipeline
+    compiles (CogVideoX through the SDPA override, HunyuanVideo-1.5 through its padded attention);
+    each call caps them to its own sequence."""
+    import importlib
+
+    from tpupedia import attention, presets
+
+    module = importlib.import_module(f"tpupedia.pipelines.{family}")
+    fam = module.PIPELINE.family
+    configs = fam.component_configs(str(fam.tiny_checkpoint(tmp_path / family)))
+    asked = []
+    cap = attention._cap_block_sizes
+    monkeypatch.setattr(attention, "_cap_block_sizes", lambda bs, q, kv: asked.append((bs.block_q, bs.block_kv, bs.block_kv_compute)) or cap(bs, q, kv))
+    request = module.Request(prompt="a video", **(fam.default_request(presets.get("tiny")) | {"steps": 2}))
+    p = plan.make(family, request, module.Options(attention="splash", block_sizes=(256, 256, 128)), configs=configs,
+                  topology="v6e:2x2", stages=("denoise",), dtype="float32")
+    assert p.fits and p.attention == "splash 256/256/128", p.summary()
+    assert asked and set(asked) == {(256, 256, 128)}, asked
+

@@ -54,6 +54,8 @@ __all__ = [
     "round_up",
     "default_block_sizes",
     "check_block_sizes",
+    "check_block_rules",
+    "parse_block_sizes",
     "split_mask",
     "reference_attention",
     "splash_attention",
@@ -134,6 +136,26 @@ def check_block_sizes(block_sizes: Any, q_len: int, kv_len: int) -> sa.BlockSize
             f"block_kv_compute={bs.block_kv_compute} must divide block_kv={bs.block_kv}"
         )
     return bs
+
+
+def check_block_rules(block_sizes: Any) -> tuple[int, int, int]:
+    """The rules of :func:`check_block_sizes` that hold for any sequence length (multiples of 128,
+    ``block_kv_compute`` divides ``block_kv``): for block sizes that are upper bounds, capped per
+    call to each sequence (:func:`install_attention`, :func:`padded_attention`). Returns
+    ``(block_q, block_kv, block_kv_compute)``."""
+    bs = _as_block_sizes(block_sizes)
+    longest = max(v for v in (bs.block_q, bs.block_kv, bs.block_kv_compute) if isinstance(v, int))
+    bs = check_block_sizes(bs, longest, longest)
+    return bs.block_q, bs.block_kv, bs.block_kv_compute
+
+
+def parse_block_sizes(text: str) -> tuple[int, int, int]:
+    """``"3328,2816,256"`` as checked ``(block_q, block_kv, block_kv_compute)`` (``--block-sizes``)."""
+    parts = [p.strip() for p in str(text).split(",")]
+    if len(parts) != 3 or not all(p.isdigit() for p in parts):
+        raise AttentionError(f"block sizes {text!r}: expected three positive integers "
+                             "BLOCK_Q,BLOCK_KV,BLOCK_KV_COMPUTE, e.g. 3328,2816,256")
+    return check_block_rules(tuple(int(p) for p in parts))
 
 
 def _cap_block_sizes(bs: sa.BlockSizes, q_len: int, kv_len: int) -> sa.BlockSizes:
@@ -466,8 +488,7 @@ def install_attention(
 
     resolved = resolve_backend(backend)
     if block_sizes is not None:
-        bs = _as_block_sizes(block_sizes)
-        check_block_sizes(bs, max(bs.block_q, bs.block_kv), max(bs.block_q, bs.block_kv))
+        check_block_rules(block_sizes)
     info = AttentionOverride(resolved, mesh, block_sizes, mask_structure, interpret)
     jitted = jax.jit(
         functools.partial(attention, backend=resolved, block_sizes=block_sizes,
@@ -505,10 +526,14 @@ def padded_attention(q, k, v, valid, *, backend="auto", scale=None, block_sizes=
     This is the mask HunyuanVideo-1.5's processor builds as a ``(B, 1, S, S)`` matrix, declared
     by its structure instead: the splash path turns ``valid`` into segment ids and never forms an
     ``S x S`` mask; the reference path broadcasts it inside the score computation. Query rows that
-    see no key (the padded tokens) return 0 on both paths.
+    see no key (the padded tokens) return 0 on both paths. ``block_sizes`` are upper bounds, capped
+    to the 128-padded sequence (as :func:`install_attention` does per call).
     """
     valid = valid.astype(bool)
     if resolve_backend(backend) == "reference":
         return reference_attention(q, k, v, valid[:, None, None, :] & valid[:, None, :, None], scale=scale)
+    if block_sizes is not None:
+        check_block_rules(block_sizes)
+        block_sizes = _cap_block_sizes(_as_block_sizes(block_sizes), q.shape[2], k.shape[2])
     return splash_attention(q, k, v, valid, valid, scale=scale, block_sizes=block_sizes, interpret=interpret,
                             mesh=mesh, batch_axis=batch_axis, head_axis=head_axis)

@@ -85,7 +85,7 @@ def _dryrun(args: argparse.Namespace) -> int:
         model=args.model, topology=args.topology, resolution=args.resolution, frames=args.frames,
         sharding=args.sharding, attention=args.attention, layers=args.layers, seq=args.seq,
         measured_step_seconds=args.measured_step_seconds, mesh_shape=parse_mesh(args.mesh) if args.mesh else None,
-        mask=args.mask,
+        mask=args.mask, block_sizes=_block_sizes(args.block_sizes),
     )
     print(report.summary())
     if args.record:
@@ -93,11 +93,13 @@ def _dryrun(args: argparse.Namespace) -> int:
         if args.model == "llama":
             command += f" --seq {args.seq}"
         else:
-            command += f" --resolution {args.resolution} --frames {args.frames}"
+            command += f" --resolution {report.width}x{report.height} --frames {report.frames}"
         if args.model != "cogvideox-vae":  # the VAE runs whole on one chip, without attention
             command += f" --sharding {args.sharding} --attention {args.attention}"
         if args.layers:
             command += f" --layers {args.layers}"
+        if args.attention == "splash":
+            command += f" --block-sizes {','.join(map(str, report.block_sizes))}"
         if args.model == "hunyuan":
             command += f" --mask {args.mask}"
         if args.mesh:
@@ -122,7 +124,7 @@ def _plan(args: argparse.Namespace) -> int:
         fields["width"], fields["height"] = dryrun.parse_resolution(args.resolution, 16)
     request = pipeline.Request(prompt=args.prompt, **fields)
     options = common.Options(mesh=common.parse_mesh(args.mesh) if args.mesh else None, sharding=args.sharding,
-                             attention=args.attention)
+                             attention=args.attention, block_sizes=_block_sizes(args.block_sizes))
     configs = family.component_configs(family.model_source(presets.get("full"), args.model)[0]) if args.model else None
     result = plan.make(args.model_family, request, options, configs=configs, topology=args.topology,
                        layers=args.layers, vae_tiling=args.vae_tiling, resident=args.batch,
@@ -134,6 +136,13 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"  recorded in {plan.record(result, args.record, command='tpupedia ' + ' '.join(args.argv))}")
     result.check()  # a run that will not fit: PlanError, one line naming the stage and the fix, exit 2
     return 0
+
+
+def _block_sizes(text: str | None) -> tuple[int, int, int] | None:
+    """`--block-sizes Q,KV,KV_COMPUTE` checked (`AttentionError`: one line, exit 2, before JAX starts)."""
+    from tpupedia import attention
+
+    return attention.parse_block_sizes(text) if text else None
 
 
 GENERATORS = ("cogvideox", "hunyuan")
@@ -167,7 +176,8 @@ def _generate_setup(args: argparse.Namespace):
     request = pipeline.Request(prompt=args.prompt or "(from --prompts)", negative_prompt=args.negative_prompt,
                                vae_tiling=args.vae_tiling == "on", **fields)
     options = common.Options(mesh=common.parse_mesh(args.mesh) if args.mesh else None, sharding=args.sharding,
-                             attention=args.attention, vae=args.vae, quiet=args.quiet, dtype=args.dtype)
+                             attention=args.attention, block_sizes=_block_sizes(args.block_sizes), vae=args.vae, quiet=args.quiet,
+                             dtype=args.dtype)
     configs = None  # a checkpoint named on the command line: its configs' rules (JSON only, no weights)
     if family.named_source(args.model):
         configs = family.component_configs(family.model_source(preset, args.model)[0])
@@ -194,20 +204,36 @@ def _generate_setup(args: argparse.Namespace):
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     session.quiet()
-    if preset.pretrained and not args.no_plan:  # a full-size run: will it fit? (plan.preflight; TPU only)
-        import jax
+    check = _preflight(args, family, preset, options, configs)
+    if check is not None and not getattr(args, "prompts", None):
+        request = check(request)  # a batch checks each of its requests (`run_batch(prepare=...)`)
+    return preset, pipeline, request, options, check
 
-        from tpupedia import plan
-        from tpupedia.models import checkpoints
 
-        if configs is None:
-            configs = family.component_configs(family.model_source(preset, args.model)[0])
-        request = plan.preflight(args.model_family, request, options, configs, jax.devices(),
-                                 cache_dir=checkpoints.cache_dir() / "plans", tiling=args.vae_tiling,
-                                 resident=bool(getattr(args, "prompts", None)),
-                                 dtype=str(common.torch_dtype(options, preset)).removeprefix("torch."),
-                                 log=(lambda _: None) if args.quiet else print)
-    return preset, pipeline, request, options
+def _preflight(args: argparse.Namespace, family, preset, options, configs):
+    """For a full-size run, `request -> request`: the plan's checks (`plan.preflight`, on a TPU
+    only, cached per shape) before any weight loads, VAE tiling resolved; otherwise `None`. A
+    batch plans each request for one process's own chips, models resident; one video for the job's."""
+    if not preset.pretrained or args.no_plan:
+        return None
+    import jax
+
+    from tpupedia import plan
+    from tpupedia.models import checkpoints
+    from tpupedia.pipelines import common
+
+    if configs is None:
+        configs = family.component_configs(family.model_source(preset, args.model)[0])
+    batch = bool(getattr(args, "prompts", None))
+    chips = jax.local_devices() if batch else jax.devices()
+    dtype = str(common.torch_dtype(options, preset)).removeprefix("torch.")
+
+    def check(request):
+        return plan.preflight(args.model_family, request, options, configs, chips,
+                              cache_dir=checkpoints.cache_dir() / "plans", tiling=args.vae_tiling, resident=batch,
+                              dtype=dtype, log=(lambda _: None) if args.quiet else print)
+
+    return check
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -217,10 +243,10 @@ def _generate(args: argparse.Namespace) -> int:
         raise CommandLineError("give either --prompt TEXT (one video) or --prompts FILE --outdir DIR (a batch)")
     if args.prompts is not None and args.outdir is None:
         raise CommandLineError("--prompts FILE needs --outdir DIR for the videos")
-    preset, pipeline, request, options = _generate_setup(args)
+    preset, pipeline, request, options, check = _generate_setup(args)
     if args.prompts is not None:
         pipeline.run_batch(args.prompts, request, options, preset=preset, outdir=args.outdir, model=args.model,
-                           force=args.force, log=(lambda _: None) if args.quiet else print)
+                           force=args.force, prepare=check, log=(lambda _: None) if args.quiet else print)
         return 0
     pipeline.run(request, options, preset=preset, model=args.model, stage=args.stage,
                  workdir=args.workdir or f"tpupedia-runs/{args.model_family}", out=args.out, force=args.force,
@@ -231,7 +257,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _bench_generate(args: argparse.Namespace) -> int:
     from tpupedia import bench
 
-    preset, pipeline, request, options = _generate_setup(args)
+    preset, pipeline, request, options, _ = _generate_setup(args)
     record = bench.bench_generate(args.model_family, preset, request, options, model=args.model)
     path = bench.merge_record(record, args.output, key=bench._pipeline_key)
     m = record["machine"]
@@ -251,7 +277,7 @@ def _bench_deepcache(args: argparse.Namespace) -> int:
         args.steps = 50  # the upstream schedule needs 50 steps
     if args.deepcache is None:
         args.deepcache = "11:45:4"
-    preset, pipeline, request, options = _generate_setup(args)
+    preset, pipeline, request, options, _ = _generate_setup(args)
     record = bench.bench_deepcache(preset, request, options, model=args.model)
     path = bench.merge_record(record, args.output, key=bench._pipeline_key)
     r = record["result"]
@@ -300,6 +326,8 @@ def _add_generate_arguments(p: argparse.ArgumentParser, family: str, *, stages: 
     p.add_argument("--sharding", choices=["tp", "fsdp", "replicated"], default="tp")
     p.add_argument("--attention", choices=["auto", "splash", "reference"], default="auto",
                    help="auto: splash on TPU, the reference elsewhere")
+    p.add_argument("--block-sizes", default=None, metavar="Q,KV,KV_COMPUTE",
+                   help=f"splash block sizes, multiples of 128 (default: tpupedia.models.{family}.SPLASH_BLOCK_SIZES)")
     vaes = _pipeline_module(family).PIPELINE.vaes
     p.add_argument("--vae", choices=list(vaes), default=None, help=f"VAE implementation (default {vaes[0]})")
     p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
@@ -337,11 +365,14 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("dryrun", help="AOT-compile one full-size step for a TPU slice; per-chip memory, collectives, roofline")
     d.add_argument("model", choices=["cogvideox", "cogvideox-vae", "hunyuan", "llama"])
     d.add_argument("--topology", default="v6e:2x4", help="TPU slice as libtpu names it (v6e:2x4, v6e:4x4, v5e:2x4, v5p:2x2x2)")
-    d.add_argument("--resolution", default="720p", help="720p, 480p or WIDTHxHEIGHT (video models)")
-    d.add_argument("--frames", type=int, default=81, help="4n+1 frames (video models)")
+    d.add_argument("--resolution", default=None,
+                   help="720p, 480p or WIDTHxHEIGHT (video models; default: the family's, as generate --preset full)")
+    d.add_argument("--frames", type=int, default=None, help="4n+1 frames (video models; default: the family's)")
     d.add_argument("--seq", type=int, default=2048, help="sequence length (llama)")
     d.add_argument("--sharding", default="tp", help="a strategy of tpupedia.sharding: tp, tp_transposed, fsdp, replicated (hunyuan: also tp_fc2_replicated)")
     d.add_argument("--attention", default="reference", choices=["reference", "splash"])
+    d.add_argument("--block-sizes", default=None, metavar="Q,KV,KV_COMPUTE",
+                   help="splash block sizes, multiples of 128 (default: the family's SPLASH_BLOCK_SIZES)")
     d.add_argument("--layers", type=int, default=None, help="compile N layers and scale the weights to full depth")
     d.add_argument("--mesh", default=None, help="dp=N,tp=M over the slice's chips (default dp=2, tp the rest)")
     d.add_argument("--mask", choices=["vector", "matrix"], default="vector",
@@ -368,6 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--sharding", choices=["tp", "fsdp", "replicated"], default="tp")
         q.add_argument("--attention", choices=["auto", "splash", "reference"], default="auto",
                        help="auto: splash, as a TPU run picks it")
+        q.add_argument("--block-sizes", default=None, metavar="Q,KV,KV_COMPUTE",
+                       help=f"splash block sizes, multiples of 128 (default: tpupedia.models.{name}.SPLASH_BLOCK_SIZES)")
         q.add_argument("--vae-tiling", choices=["auto", "on", "off"], default="auto",
                        help="auto: tiled only when the untiled decode does not fit one chip")
         q.add_argument("--layers", type=int, default=None, help="compile N layers per model, add the rest's weights")

@@ -102,6 +102,9 @@ class DryRunReport:
     mfu: float | None = None
     notes: list[str] = field(default_factory=list)
     collective_bytes: dict[str, float] = field(default_factory=dict)
+    block_sizes: list[int] | None = None
+    """The splash kernel's `[block_q, block_kv, block_kv_compute]` (upper bounds, capped per call);
+    `None` with the reference attention."""
     mask: str | None = None
     """HunyuanVideo-1.5: `vector` (the pipeline's (B, S) padding, `hunyuan.PaddingAttnProcessor`)
     or `matrix` (diffusers' processor, which builds a (B, 1, S, S) mask in every block)."""
@@ -120,6 +123,7 @@ class DryRunReport:
         size = f"{self.width}x{self.height}, {self.frames} frames" if self.width else f"{self.tokens} tokens"
         lines = [f"{self.model} {size} on {self.topology} ({self.num_chips} x {self.chip}), "
                  f"mesh {self.mesh}, sharding {self.sharding}, attention {self.attention}"
+                 + (f" (blocks {'/'.join(map(str, self.block_sizes))})" if self.block_sizes else "")
                  + (f", text mask as a {self.mask}" if self.mask else "")]
         if self.fits:
             lines.append(f"  fits: arguments {self.arguments_bytes / g:.2f} GiB + temporaries "
@@ -161,20 +165,33 @@ def _validate(model: str, frames: int | None, sharding: str, attention: str, lay
         raise DryRunError(f"layers={layers} must be a positive integer")
 
 
-def run(model: str = "cogvideox", topology: str = "v6e:2x4", resolution: str = "720p",
-        frames: int | None = 81, sharding: str = "tp", attention: str = "reference",
+def run(model: str = "cogvideox", topology: str = "v6e:2x4", resolution: str | None = None,
+        frames: int | None = None, sharding: str = "tp", attention: str = "reference",
         layers: int | None = None, mesh_shape: tuple[int, int] | None = None, seq: int = 2048,
-        measured_step_seconds: float | None = None, mask: str = "vector") -> DryRunReport:
+        measured_step_seconds: float | None = None, mask: str = "vector",
+        block_sizes: tuple[int, int, int] | None = None) -> DryRunReport:
     """Compile one full-size step of `model` for `topology` and report what it costs per chip.
 
     The mesh is `("dp", "tp")`; by default `dp=2` (the guidance batch) and `tp` the rest of the
     chips, for LLMs `dp=1`. HunyuanVideo-1.5 compiles the pipeline's forward (`mask="vector"`)
     or diffusers' attention processor with its (B, 1, S, S) mask (`mask="matrix"`, notebook 07).
+    Splash runs at `block_sizes`, by default the family's `SPLASH_BLOCK_SIZES` (what the pipeline
+    runs). `resolution` and `frames` default to the family's full-preset request (`generate`'s).
     Bad arguments raise `DryRunError` before anything is built.
     """
+    if model != "llama":
+        from tpupedia import presets
+
+        default = FAMILIES[model.removesuffix("-vae")].default_request(presets.get("full"))
+        resolution = resolution or f"{default['width']}x{default['height']}"
+        frames = default["frames"] if frames is None else frames
     _validate(model, frames, sharding, attention, layers)
     if mask not in ("vector", "matrix"):
         raise DryRunError(f"mask={mask!r} is not one of vector, matrix")
+    if block_sizes is not None:  # splash's rules (AttentionError names the value)
+        from tpupedia import attention as kernel
+
+        kernel.check_block_rules(block_sizes)
     topo = hardware.parse_topology(topology)  # parsed once; the parsed slice is passed on
     n = topo.num_chips
     if mesh_shape is None:
@@ -194,6 +211,9 @@ def run(model: str = "cogvideox", topology: str = "v6e:2x4", resolution: str = "
     mesh = devices.topology_mesh(topo, mesh_shape, ("dp", "tp"))
     family = FAMILIES[model]
     full_layers = family.FULL_LAYERS
+    blocks = None
+    if attention == "splash":
+        blocks = tuple(block_sizes or family.SPLASH_BLOCK_SIZES)
     module = family.build(layers)
     if model == "llama":
         specs, call = family.step_inputs(seq)
@@ -210,7 +230,7 @@ def run(model: str = "cogvideox", topology: str = "v6e:2x4", resolution: str = "
     except sharding_rules.ShardingError as err:
         raise DryRunError(str(err)) from None
     if model == "hunyuan" and mask == "vector":
-        hunyuan.make_jit_friendly(module, _padded_attend(mesh, attention))
+        hunyuan.make_jit_friendly(module, _padded_attend(mesh, attention, blocks))
     method = hunyuan.static_forward if model == "hunyuan" else "forward"
     functional = torchax_utils.FunctionalModule(module, method)
     weights, buffers = functional.abstract_state(the_plan)
@@ -221,7 +241,7 @@ def run(model: str = "cogvideox", topology: str = "v6e:2x4", resolution: str = "
 
     with torchax_utils.restoring_ops(env):  # the environment is shared: leave it as found
         if attention == "splash":
-            _install_splash(env, mesh, model)
+            _install_splash(env, mesh, model, blocks)
         else:
             torchax_utils.stock_ops(env)  # torchax's reference SDPA, whatever was installed before
         result = aot.compile_aot(step, weights, buffers, *inputs)
@@ -265,12 +285,13 @@ def run(model: str = "cogvideox", topology: str = "v6e:2x4", resolution: str = "
         collectives=result.collectives, flops=flops, roofline_seconds=roofline,
         measured_step_seconds=measured_step_seconds, mfu=mfu, notes=notes,
         collective_bytes=traffic, floors=floors, bound=bound, mask=mask if model == "hunyuan" else None,
+        block_sizes=list(blocks) if blocks else None,
     )
 
 
-def _padded_attend(mesh, backend: str):
+def _padded_attend(mesh, backend: str, block_sizes=None):
     """`attend(q, k, v, valid)` for `hunyuan.PaddingAttnProcessor`: the compiled splash kernel
-    (padding as segment ids, heads over `tp`, batch over `dp`) or the reference."""
+    (padding as segment ids, heads over `tp`, batch over `dp`, `block_sizes`) or the reference."""
     import functools
 
     import jax
@@ -278,7 +299,8 @@ def _padded_attend(mesh, backend: str):
     from tpupedia import attention
 
     fn = jax.jit(functools.partial(attention.padded_attention, backend=backend, interpret=False,
-                                   mesh=mesh if backend == "splash" else None, batch_axis="dp", head_axis="tp"))
+                                   mesh=mesh if backend == "splash" else None, batch_axis="dp", head_axis="tp",
+                                   block_sizes=block_sizes))
 
     def attend(q, k, v, valid):
         from torchax.interop import call_jax
@@ -294,11 +316,11 @@ def _padded_attend(mesh, backend: str):
 _MASK_STRUCTURE = {"cogvideox": "padding", "hunyuan": "padding", "llama": "causal_padding"}
 
 
-def _install_splash(env, mesh, model: str) -> None:
+def _install_splash(env, mesh, model: str, block_sizes) -> None:
     """Route SDPA to the compiled (not interpreted) splash kernel, heads split over `tp`."""
     from tpupedia import attention
 
-    attention.install_attention(env, mesh=mesh, backend="splash", interpret=False,
+    attention.install_attention(env, mesh=mesh, backend="splash", interpret=False, block_sizes=block_sizes,
                                 mask_structure=_MASK_STRUCTURE[model], batch_axis="dp", head_axis="tp")
 
 
@@ -310,7 +332,8 @@ def _abstract_inputs(mesh, specs):
 
 def _record_key(r: dict[str, Any]) -> tuple:
     return (r["model"], r["topology"], r["width"], r["height"], r["frames"], r["tokens"], r["sharding"],
-            r["attention"], r["layers_compiled"], tuple(sorted(r["mesh"].items())), r.get("mask"))
+            r["attention"], r["layers_compiled"], tuple(sorted(r["mesh"].items())), r.get("mask"),
+            tuple(r.get("block_sizes") or ()))
 
 
 def record(report: DryRunReport, path: str = DEFAULT_RECORDS, command: str = "") -> Any:

@@ -117,6 +117,8 @@ class Plan:
     stages: list[StageCost]
     vae_tiling: bool
     notes: list[str] = field(default_factory=list)
+    attention: str = ""
+    """The denoise stage's attention: `splash Q/KV/KV_COMPUTE` (its block sizes) or `reference`."""
 
     def stage(self, name: str) -> StageCost:
         return next(s for s in self.stages if s.stage == name)
@@ -162,6 +164,7 @@ class Plan:
         r = self.request
         head = (f"{self.family} {r['width']}x{r['height']}, {r['frames']} frames, {r['steps']} steps on {self.topology} "
                 f"({self.chips} chips), mesh {self.mesh}"
+                + (f", attention {self.attention}" if self.attention else "")
                 + (f", {self.layers} layers compiled" if self.layers else "")
                 + (", batch (models resident)" if self.resident else "")
                 + (f", VAE tiling {'on' if self.vae_tiling else 'off'}" if any(s.stage == "decode" for s in self.stages)
@@ -254,7 +257,7 @@ def make(family: str, request: Any, options: Any, *, configs: dict[str, dict] | 
             untiled = max((p.peak or p.oom_required or 0) for p in decode)
             tiling = True
             decode = [_cost(p, extra) for p in pipe._decode_programs(_with_tiling(request, True))]
-            notes.append(f"VAE tiling: auto turned it on, the untiled decode does not fit one chip "
+            notes.append(f"VAE tiling: auto turned it on, the untiled decode does not fit "
                          f"({untiled / _GIB:.2f} GiB or more of {hbm / _GIB:.2f} GiB)")
         costs["decode"] = decode
     else:
@@ -263,10 +266,13 @@ def make(family: str, request: Any, options: Any, *, configs: dict[str, dict] | 
     planned = [StageCost(s, costs[s], sum(w for o, w in weights.items() if o != s) if resident else 0.0)
                for s in STAGES if s in costs]
     r = request
+    backend = common.attention_backend(options.attention, mesh)
+    attention = backend + (f" {'/'.join(map(str, pipe.block_sizes))}" if backend == "splash" else "")
     return Plan(family=family, topology=name, chips=chips, mesh=dict(mesh.shape),
                 request={"width": r.width, "height": r.height, "frames": r.frames, "steps": r.steps,
                          "guidance": r.guidance},
-                layers=layers, resident=resident, hbm=hbm, stages=planned, vae_tiling=tiling, notes=notes)
+                layers=layers, resident=resident, hbm=hbm, stages=planned, vae_tiling=tiling, notes=notes,
+                attention=attention)
 
 
 def _resolved(module, request, configs):
@@ -387,6 +393,6 @@ def record(plan: Plan, path: str = DEFAULT_RECORDS, command: str = "") -> Any:
 
     def key(r):
         return (r["family"], r["topology"], tuple(sorted(r["mesh"].items())), tuple(sorted(r["request"].items())),
-                r["layers"], r["resident"], tuple(s["stage"] for s in r["stages"]))
+                r["layers"], r["resident"], tuple(s["stage"] for s in r["stages"]), r.get("attention", ""))
 
     return results.merge(data, path, key=key)

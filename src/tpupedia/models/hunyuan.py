@@ -47,7 +47,7 @@ from tpupedia.models import ModelInputError, checkpoints, tokenizer_files
 from tpupedia.models.shapes import ShapeFacts
 
 __all__ = ["FAMILY", "FULL_ID", "FULL_LAYERS", "TEMPORAL_COMPRESSION", "SPATIAL_COMPRESSION", "PATCH_SIZE",
-           "LATENT_CHANNELS", "DEFAULT_SHAPES", "shape_facts", "TEXT_SLOTS", "ENV_MODEL", "ModelInputError",
+           "LATENT_CHANNELS", "DEFAULT_SHAPES", "shape_facts", "TEXT_SLOTS", "SPLASH_BLOCK_SIZES", "ENV_MODEL", "ModelInputError",
            "full_transformer_config", "tiny_transformer_config", "tiny_vae_config", "tiny_text_encoder_configs",
            "tiny_qwen_tokenizer", "default_request", "check_frames", "check_size", "latent_frames", "latent_shape",
            "video_tokens", "step_flops", "build", "step_inputs", "static_forward", "make_static",
@@ -71,6 +71,13 @@ TEXT_ENCODERS = {"text_encoder": "qwen2", "text_encoder_2": "t5"}
 in Llama naming; ByT5 for quoted glyph text)."""
 TEXT_SLOTS = {"qwen": (1000, 3584), "byt5": (256, 1472), "image": (729, 1152)}
 """Tokens and width of each conditioning slot of a step (text-to-video passes a zero image)."""
+SPLASH_BLOCK_SIZES = (3072, 2048, 1024)
+"""Splash `(block_q, block_kv, block_kv_compute)` for the joint attention: upstream's sizes for
+this model (yangwhale/gpu-tpu-pedia at 3fa9ce1,
+`tpu/HunyuanVideo-1.5/generate_hunyuan_torchax_staged/stage2_transformer.py`, run there on a TPU
+v6e-8 with their own exp2 kernel). JAX's splash kernel at these sizes compiles for v6e within its
+VMEM at the release shape (AOT: `tests/test_plan.py` plans the release's denoise step with
+them); `--block-sizes` overrides."""
 
 
 def full_transformer_config(layers: int | None = None) -> dict[str, Any]:

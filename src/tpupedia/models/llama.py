@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["FAMILY", "FULL_ID", "FULL_LAYERS", "full_config", "forward_flops", "build", "step_inputs"]
+__all__ = ["FAMILY", "FULL_ID", "FULL_LAYERS", "SPLASH_BLOCK_SIZES", "full_config", "forward_flops", "build", "step_inputs"]
 
 FAMILY = "llama"
 FULL_ID = "meta-llama/Llama-2-7b-hf"
 FULL_LAYERS = 32
+SPLASH_BLOCK_SIZES = (512, 512, 512)
+"""Splash block sizes for the dry-run (`tpupedia.attention.default_block_sizes`' cap); untuned."""
 
 
 def full_config(layers: int | None = None) -> dict[str, Any]:

@@ -276,7 +276,7 @@ class CogVideoX(common.StagedPipeline):
                             jit_kwargs={"donate_argnums": (2, 3), "out_shardings": (replicated, replicated)},
                             weights_bytes=self.plans["transformer"].bytes_per_device, calls=len(setup.timesteps),
                             component="transformer",
-                            context=lambda: common.attention_installed(self.env, self.mesh, backend))]
+                            context=lambda: common.attention_installed(self.env, self.mesh, backend, self.block_sizes))]
 
     # -- stage 3 ---------------------------------------------------------------------------
     def _decode_programs(self, request: Request) -> list:

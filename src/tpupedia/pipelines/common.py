@@ -68,6 +68,9 @@ class Options:
     """`(dp, tp)`; default `mesh_shape`: dp=2 for a guidance pair, dp=1 without guidance."""
     sharding: str = "tp"
     attention: str = "auto"
+    block_sizes: tuple[int, int, int] | None = None
+    """Splash `(block_q, block_kv, block_kv_compute)`, upper bounds capped to each sequence;
+    `None`: the family's `SPLASH_BLOCK_SIZES` (`tpupedia.models.<family>`)."""
     vae: str | None = None
     """Which VAE implementation decodes; `None`: the family's first (`StagedPipeline.vaes`)."""
     quiet: bool = False
@@ -101,6 +104,10 @@ def validate(request: Request, options: Options, device_count: int | None = None
                                  ("dtype", options.dtype, DTYPES), ("vae", options.vae or vaes[0], vaes)):
         if value not in allowed:
             raise PipelineError(f"{name}={value!r} is not one of {', '.join(allowed)}")
+    if options.block_sizes is not None:  # splash's rules (AttentionError names the value)
+        from tpupedia import attention
+
+        attention.check_block_rules(options.block_sizes)
     if options.mesh is not None and device_count is not None and math.prod(options.mesh) != device_count:
         dp, tp = options.mesh
         raise PipelineError(f"mesh dp={dp},tp={tp} needs {dp * tp} devices, but {device_count} are available; "
@@ -214,6 +221,8 @@ class StagedPipeline:
         """Build models on PyTorch's `meta` device from `configs` and plan their shardings without
         placing anything (`tpupedia.plan`): the stages' `_*_programs` then describe, with abstract
         weights, the programs a real run compiles."""
+        self.block_sizes: tuple[int, int, int] = tuple(options.block_sizes or self.family.SPLASH_BLOCK_SIZES)
+        """The splash kernel's block sizes for the long sequences (capped per call to shorter ones)."""
         self.layers: int | None = None
         """With `abstract`: build transformers and text encoders this many layers deep (a cheaper
         compile; `tpupedia.plan` adds the missing layers' weight shards from their shapes)."""
@@ -416,9 +425,10 @@ def attention_backend(choice: str, mesh=None) -> str:
     return "splash" if on_tpu(mesh) else "reference"
 
 
-def install_attention(env, mesh, backend: str) -> None:
+def install_attention(env, mesh, backend: str, block_sizes=None) -> None:
     """Route torchax's SDPA to splash (exact padding through segment ids, batch on `dp`, heads on
-    `tp`) or, for `reference`, to torchax's own SDPA with fully masked query rows returning 0."""
+    `tp`, `block_sizes` as upper bounds) or, for `reference`, to torchax's own SDPA with fully
+    masked query rows returning 0."""
     from tpupedia import torchax_utils
 
     if backend == "reference":
@@ -428,16 +438,17 @@ def install_attention(env, mesh, backend: str) -> None:
     from tpupedia import attention
 
     attention.install_attention(env, mesh=mesh, backend="splash", interpret=not on_tpu(mesh),
-                                mask_structure="padding", batch_axis="dp", head_axis="tp")
+                                mask_structure="padding", batch_axis="dp", head_axis="tp",
+                                block_sizes=block_sizes)
 
 
 @contextlib.contextmanager
-def attention_installed(env, mesh, backend: str):
+def attention_installed(env, mesh, backend: str, block_sizes=None):
     """`install_attention` for the duration of a `with` block, the environment's ops restored after."""
     from tpupedia import torchax_utils
 
     with torchax_utils.restoring_ops(env):
-        install_attention(env, mesh, backend)
+        install_attention(env, mesh, backend, block_sizes)
         yield
 
 
@@ -617,11 +628,13 @@ def _write_video(pipe: StagedPipeline, request: Request, workdir: Path, out: str
 
 def run_batch(pipeline_cls: type[StagedPipeline], prompts: str | Path, base: Request, options: Options, *,
               preset: Any, outdir: str | Path, model: str | None = None, force: bool = False,
-              log: Callable[[str], None] = print) -> list[str]:
+              prepare: Callable[[Request], Request] | None = None, log: Callable[[str], None] = print) -> list[str]:
     """Generate every prompt of a prompts file into `outdir` (see `tpupedia.batch`), skipping the
     ones already done; returns the names this process generated.
 
-    Every request is validated before a model loads. Each process takes its share of the prompts
+    Every request is validated before a model loads, then passed through `prepare` (the CLI's
+    full-size preflight, `tpupedia.plan.preflight`: each request's shapes planned, its VAE tiling
+    resolved; a request that cannot fit refuses the batch before anything loads). Each process takes its share of the prompts
     and runs them on its own devices (`collective=False`); each prompt's stage files live in
     `outdir/.stages/NAME`, so a prompt interrupted mid-way resumes from its last finished stage.
     Each process builds one `resident` pipeline, at its first prompt that is not done: the models
@@ -649,6 +662,12 @@ def run_batch(pipeline_cls: type[StagedPipeline], prompts: str | Path, base: Req
     source, label = family.model_source(preset, model)
     configs = family.component_configs(source)
     check_all(configs)
+    if prepare is not None:
+        for item in items:
+            try:
+                requests[item.index] = prepare(requests[item.index])
+            except TpupediaError as err:
+                raise PipelineError(f"prompt {item.index} ({item.prompt[:40]!r}): {err}") from None
     dtype = torch_dtype(options, preset)
 
     def decode_settings(request):  # what the decode stage file of `request` must say, no model loaded

@@ -340,7 +340,7 @@ class Hunyuan(common.StagedPipeline):
             transformer = self._load(HunyuanVideo15Transformer3DModel, "transformer")
             padded = jax.jit(functools.partial(
                 attention.padded_attention, backend=backend, mesh=mesh if backend == "splash" else None,
-                interpret=not common.on_tpu(mesh), batch_axis="dp", head_axis="tp"))
+                interpret=not common.on_tpu(mesh), batch_axis="dp", head_axis="tp", block_sizes=self.block_sizes))
 
             def attend(q, k, v, valid):  # torchax tensors in, torchax tensor out
                 from torchax.interop import call_jax
@@ -411,7 +411,7 @@ class Hunyuan(common.StagedPipeline):
                    aot.abstract((), np.bool_, replicated))
         common_args = (text, aot.abstract((n, image, cfg["image_embed_dim"]), dtype, batch), *scalars)
         weights = self.plans["transformer"].bytes_per_device
-        context = functools.partial(common.attention_installed, self.env, mesh, backend)
+        context = functools.partial(common.attention_installed, self.env, mesh, backend, self.block_sizes)
         size = "x".join(str(d) for d in setup.latents.shape[2:])
         # Latents keep one (replicated) sharding in and out, so every step reuses the first step's
         # program; they are donated, so XLA updates them in place. The cache stays split on `dp`.
