@@ -179,7 +179,7 @@ def run(model: str = "cogvideox", topology: str = "v6e:2x4", resolution: str | N
     runs). `resolution` and `frames` default to the family's full-preset request (`generate`'s).
     Bad arguments raise `DryRunError` before anything is built.
     """
-    if model != "llama":
+    if model in MODELS and model != "llama":  # an unknown model is refused by `_validate`, below
         from tpupedia import presets
 
         default = FAMILIES[model.removesuffix("-vae")].default_request(presets.get("full"))
