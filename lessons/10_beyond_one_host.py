@@ -281,8 +281,10 @@ assert sum(eight.collectives.values()) > 10 * sum(two.collectives.values())
 #   peak, the fastest any implementation could be;
 # - the **reported** v6e-8 time, 106.47 s per video (reported upstream, TPU v6e-8; yangwhale/
 #   gpu-tpu-pedia, commit 3fa9ce1, CogVideoX README), assumed to double on a 4-chip host
-#   (an assumption: a 4-chip pipeline also has half the HBM, which section 8 of notebook 06
-#   shows is enough for the transformer step but not for the 1360x768 VAE frame batch).
+#   (an assumption about time, not memory: each chip of a 4-chip host has the same HBM, holds
+#   twice the transformer's shards, and still fits every stage; the results page's plans give
+#   each stage's per-chip peak there, and section 8 of notebook 06 shows that a 1360x768 VAE
+#   frame batch fits one chip).
 
 # %%
 from tpupedia import hardware
