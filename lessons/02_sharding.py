@@ -31,7 +31,7 @@
 #
 # | preset | loads | memory | compute time |
 # |---|---|---|---|
-# | `tiny` (CPU, CI) | a tiny random Llama built in code | about 1.4 GB of host RAM | 30–45 s, measured here on a 2-core CPU, most of it the TPU compile of section 5 |
+# | `tiny` (CPU, CI) | a tiny random Llama built in code | about 1.4 GB of host RAM | about 50 s, measured here on a 2-core CPU, most of it the TPU compile of section 5 |
 # | `full` (TPU v6e-8) | the same tiny Llama; section 5 compiles a 2-layer, 2,048-wide Llama for the chips | about 175 MiB per chip for the section-5 program (AOT here: 122.5 arguments + 31.3 outputs + 20.1 temporaries) | about the same: the section-5 compile runs on the host CPU (not measured on a TPU VM) |
 #
 # The sharding lessons need eight devices: on a machine with fewer (one GPU, say), run this

@@ -37,14 +37,14 @@
 #
 # | preset | loads | memory | compute time |
 # |---|---|---|---|
-# | `tiny` (CPU, CI) | a random 2-layer CogVideoX checkpoint written with `save_pretrained`, 8 simulated devices | about 1 GB of host RAM | about 20 s, measured here on a 2-core CPU |
-# | `full` (TPU v6e-8) | `zai-org/CogVideoX1.5-5B`: about 21 GB of bf16 weights (T5-XXL 9.5 GB, transformer 11.2 GB, VAE 0.4 GB, from their parameter counts); on the host CPU too, for section 6's one-step parity check | per chip: T5-XXL 2.2 GiB while encoding (9.5 GB split over `tp`, AOT here); the transformer step at 1360x768, 81 frames, 3.8 GiB of arguments + 1.8 GiB of temporaries (AOT here, the `tp` table on the 2×4 mesh, splash); the VAE decode at 768×1360 about 22 GiB of temporaries on one chip (AOT here) | about 107 s for 50 steps at 720p once compiled (reported upstream, TPU v6e-8), plus section 8's live compile of the step, a few minutes on the host |
+# | `tiny` (CPU, CI) | a random 2-layer CogVideoX checkpoint written with `save_pretrained`, 8 simulated devices | about 1 GB of host RAM | about 30 s, measured here on a 2-core CPU |
+# | `full` (TPU v6e-8) | `zai-org/CogVideoX1.5-5B`: about 21 GB of bf16 weights (T5-XXL 9.5 GB, transformer 11.2 GB, VAE 0.4 GB, from their parameter counts); on the host CPU too, for section 6's one-step parity check | per chip: T5-XXL 2.2 GiB while encoding (9.5 GB split over `tp`, AOT here); the transformer step at 1360x768, 81 frames, 3.8 GiB of arguments + 1.8 GiB of temporaries (AOT here, the `tp` table on the 2×4 mesh, splash); the VAE decode at 1360x768 split over a host's chips, under 19 GiB per chip (AOT here, 4 chips; about 22 GiB on one) | about 107 s for 50 steps at 720p once compiled (reported upstream, TPU v6e-8), plus section 8's live compile of the step, a few minutes on the host |
 #
 # The full preset downloads `zai-org/CogVideoX1.5-5B`, released under the **CogVideoX LICENSE**
 # (linked from its model card on the Hugging Face Hub; the CogVideoX code is Apache-2.0, the
 # weights are not): read it before you run the full preset.
 #
-# *Reading time: about 11 minutes.*
+# *Reading time: about 12 minutes.*
 
 # %%
 # %xmode Minimal
@@ -323,6 +323,46 @@ from tpupedia import video
 video.show_frames(frames, f"{label}: {request.frames} frames at {request.width}x{request.height}")
 
 # %% [markdown]
+# ### The host's chips share the decode
+#
+# The VAE's causal convolutions run in time order (each frame batch takes the previous one's
+# cache, notebook 05), so time cannot be split between chips. Space can: the decode stage keeps a
+# copy of the VAE's weights on every chip of the host and splits each activation of a frame batch
+# by width (by height when the latent width does not divide among the chips, not at all when
+# neither does), each chip computing its strip (`tpupedia.pipelines.decoding.activation_sharding`;
+# upstream splits its VAE by width too, yangwhale/gpu-tpu-pedia, commit 3fa9ce1,
+# `tpu/CogVideoX/README.md`). The run hands every
+# chip the whole latent, and the compiler would then keep every activation whole, so the Flax VAE
+# pins every convolution's input and output and every norm's output to the split
+# (`with_sharding_constraint`); a 3x3 convolution then trades one-pixel edges with its neighbours
+# and a GroupNorm one all-reduce of its sums. With tiling on (a size where even that does not
+# fit), the tiles of one shape are decoded side by side instead, one per chip (notebook 07; the
+# knowledge base's [Decoding video on several chips](../kb/vae-decode.md) has both, measured).
+#
+# The decode's first frame batch compiled for one chip and for this host's chips, per chip
+# (on the tiny preset at 128x192, where the split divides the temporaries by about the chip
+# count; at the release's 1360x768, compiled ahead of time for a v6e host's 4 chips, the work
+# is split four ways but the memory falls far less, section 8's budget):
+
+# %%
+from tpupedia.pipelines import decoding
+
+host_chips = decoding.decode_mesh(pipe.mesh)
+one_chip = devices.make_mesh((1,), (decoding.AXIS,), devices=list(host_chips.devices.flat)[:1])
+if preset.compile_full_size:  # full: the run's own VAE and size, compiled for these chips (minutes)
+    vae_config, (vae_height, vae_width) = pipe.configs["vae"], (request.height, request.width)
+else:  # tiny: the tiny VAE at 128x192, large enough for the split to show (seconds)
+    vae_config, (vae_height, vae_width) = pipe.configs["vae"], (128, 192)
+decode_memory = {}
+for chips in (one_chip, host_chips):
+    first_batch = decoding.cogvideox_programs(vae_config, 3, vae_height, vae_width, chips, dtype=preset.dtype)[0]
+    decode_memory[chips.size] = first_batch.compile().memory
+    print(f"{first_batch.name}: {decode_memory[chips.size].temporaries / 2**20:,.1f} MiB of temporaries per chip")
+
+# %%
+assert decode_memory[host_chips.size].temporaries < decode_memory[1].temporaries / 3
+
+# %% [markdown]
 # The mp4 is written from the same array (8-bit, H.264) by `tpupedia.video.write_mp4`, to a
 # temporary file that is renamed into place. Reading it back gives the frame count and size:
 
@@ -490,13 +530,14 @@ print(f"reference: does not fit, needs {reference['oom_required_bytes'] / g:.2f}
 # %%
 from tpupedia import plan, results
 
-plan_record = next(r for r in results.load(Path("..") / plan.DEFAULT_RECORDS)
-                   if r["family"] == "cogvideox" and r["topology"] == "v6e:2x4" and r["layers"] == 1)
+plans_recorded = [r for r in results.load(Path("..") / plan.DEFAULT_RECORDS)
+                  if r["family"] == "cogvideox" and r["topology"] == "v6e:2x4"]
+plan_record = next(r for r in plans_recorded if r["layers"] == 1)
+decode_record = next(r for r in plans_recorded if [s["stage"] for s in r["stages"]] == ["decode"])
 text_peak = next(s["peak"] for s in plan_record["stages"] if s["stage"] == "text")
-vae_record = next(r for r in records if r["model"] == "cogvideox-vae")
 budget = [("text (T5-XXL, split over tp=4)", text_peak, "AOT, tpupedia plan"),
           ("denoise (transformer, tp=4)", splash["arguments_bytes"] + splash["temporaries_bytes"], "AOT, all 42 layers"),
-          ("decode (VAE, one frame batch, 1360x768)", vae_record["arguments_bytes"] + vae_record["temporaries_bytes"], "AOT, notebook 05")]
+          ("decode (VAE split over a host's 4 chips)", decode_record["stages"][0]["peak"], "AOT, tpupedia plan")]
 for name, size, how in budget:
     print(f"{name:42} {size / g:6.2f} GiB  ({how})")
 

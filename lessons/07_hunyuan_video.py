@@ -36,8 +36,8 @@
 #
 # | preset | loads | memory | compute time |
 # |---|---|---|---|
-# | `tiny` (CPU, CI) | a random 2-block HunyuanVideo-1.5 checkpoint written with `save_pretrained`, 8 simulated devices | about 2 GB of host RAM | about 3 minutes, measured here on a 2-core CPU |
-# | `full` (TPU v6e-8) | `hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_t2v`: bf16 transformer 16.7 GB, Qwen2.5-VL-7B text model 15.2 GB, ByT5 and the VAE under 1 GB each (from their parameter counts) | per chip: the Qwen text model 15.2 GB (replicated) while encoding; the transformer step at 720p, 121 frames, 7.8 GiB of arguments + 2.3 GiB of temporaries (AOT here, the `tp` table on the 2×4 mesh) | 7.29 s per step at 720p, 121 frames (reported upstream, TPU v6e-8): about 6 minutes for 50 steps, plus compiles |
+# | `tiny` (CPU, CI) | a random 2-block HunyuanVideo-1.5 checkpoint written with `save_pretrained`, 8 simulated devices | about 2 GB of host RAM | about 75 s, measured here on a 2-core CPU |
+# | `full` (TPU v6e-8) | `hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_t2v`: bf16 transformer 16.7 GB, Qwen2.5-VL-7B text model 15.2 GB, ByT5 and the VAE under 1 GB each (from their parameter counts) | per chip: the text stage about 3 GiB (Qwen split over `tp`, AOT here); the transformer step at 720p, 121 frames, 7.8 GiB of arguments + 2.3 GiB of temporaries (AOT here, the `tp` table on the 2×4 mesh); the tiled VAE decode under 29 GiB (AOT here, one 256-pixel tile per chip) | 7.29 s per step at 720p, 121 frames (reported upstream, TPU v6e-8): about 6 minutes for 50 steps, plus compiles |
 #
 # Section 9 reads recorded AOT compiles on the tiny preset and compiles live on the full one
 # (tens of minutes on a CPU host). On the full preset the checks against stock diffusers run what
@@ -47,7 +47,7 @@
 # The full preset downloads HunyuanVideo-1.5, released under the **Tencent Hunyuan Community
 # License Agreement**. Its territory excludes the European Union, the United Kingdom and South
 # Korea: the agreement grants no licence to use the model there. Read it before you run the full
-# preset. *Reading time: about 15 minutes.*
+# preset. *Reading time: about 17 minutes.*
 
 # %%
 # %xmode Minimal
@@ -549,8 +549,9 @@ print(f"denoise first {denoise_timings['first_s']:.2f} s, steady {denoise_timing
 # ## 7. Stage 3: decode, and parity with stock diffusers
 #
 # The VAE runs under torchax with its decoder jitted (with `vae_tiling`, each 256-pixel tile is
-# one call of that program, which is how 720p fits one chip). Frames come out as diffusers'
-# `output_type="np"`: float32 `(frames, height, width, 3)` in [0, 1].
+# one call of that program, which is how 720p fits a chip; the end of this section shares the
+# tiles between chips). Frames come out as diffusers' `output_type="np"`: float32
+# `(frames, height, width, 3)` in [0, 1].
 
 # %%
 from tpupedia import video
@@ -602,6 +603,49 @@ else:
     assert ours.shape == theirs.shape
     assert step_error <= llm.BF16_RELATIVE_BOUND
 assert frames.std() > 0.01  # not a constant image that would match anything
+
+# %% [markdown]
+# ### Eight chips share the decode
+#
+# This decoder takes all latent frames in one call, and its causal convolutions run in time
+# order, so time cannot be split between chips. Space can. At 720p and 121 frames the untiled
+# decoder's last stage alone is a 121 x 720 x 1280 x 128 bfloat16 tensor, 28.5 GB, on one
+# 31.25 GiB chip: 720p decodes in 256-pixel tiles, and the plan (notebook 09) turns tiling on
+# when the untiled decode does not fit. diffusers decodes the tiles one after another, so one
+# chip works while seven wait. The tiles are independent until they are blended, so the
+# pipeline decodes the tiles of one shape side by side, one per chip
+# (`tpupedia.pipelines.decoding.hunyuan_decode`): it runs diffusers' own `decode` with a
+# decoder that only records the tiles it is handed, decodes them in waves, then runs
+# diffusers' `decode` again with a decoder that hands the results back in order, so the
+# cutting, blending and cropping stay stock code and the frames stay diffusers' tiled frames.
+#
+# The tiles of the release's 720p decode, read from diffusers' tiling on PyTorch's `meta`
+# device (nothing is computed): decoder calls on one chip, and waves on this host's chips.
+
+# %%
+from tpupedia.pipelines import decoding
+
+latent_frames = family.latent_shape(121, 720, 1280)[2]
+host_chips = decoding.decode_mesh(pipe.mesh)
+one_chip = devices.make_mesh((1,), (decoding.AXIS,), devices=list(host_chips.devices.flat)[:1])
+release_vae = family.full_configs()["vae"]
+alone = decoding.hunyuan_programs(release_vae, latent_frames, 720, 1280, one_chip, tiling=True)
+shared = decoding.hunyuan_programs(release_vae, latent_frames, 720, 1280, host_chips, tiling=True)
+for program in shared:
+    print(program.name)
+print(f"720p, 121 frames: {sum(p.calls for p in alone)} tile decodes one after another on one chip, "
+      f"{sum(p.calls for p in shared)} waves on {host_chips.size} chips")
+
+# %% [markdown]
+# Decoding a batch of tiles met a bug in diffusers 0.42.1: the mid-block attention's mask is
+# `(batch, S, S)`, the scores `(batch, 1, S, S)`, and broadcasting gives
+# `(batch, batch, S, S)`, so a batch of two fails to reshape (diffusers' VAE only ever decodes
+# one sample at a time). The loop-free mask of section 3 (`family.vae_attention_mask`) keeps the
+# head axis, and `tests/test_hunyuan.py` checks that a batch decodes each sample as alone.
+
+# %%
+assert sum(p.calls for p in alone) == 28 and sum(p.calls for p in shared) < sum(p.calls for p in alone)
+assert all(p.args[-1].shape[0] == host_chips.size for p in shared)  # one tile per chip in every call
 
 # %% [markdown]
 # The stock pipeline is not needed again; on the full preset it holds about 33 GB of host memory

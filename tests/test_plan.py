@@ -50,6 +50,23 @@ def test_a_plan_that_does_not_fit_names_the_stage_and_the_fix(cogvideox_plan):
     assert "one video at a time" in batch.advice()
 
 
+def test_the_decode_runs_on_the_hosts_chips_and_its_programs_share_the_vaes_weights(cogvideox_plan):
+    """Each decode program runs on the host's chips (all 4 of v6e:2x2's) and takes the VAE's
+    weights; programs of one component count their weights once (a decode with tiles and frame
+    batches compiles several), programs of different components each count theirs."""
+    import dataclasses
+
+    _, p = cogvideox_plan
+    decode = p.stage("decode")
+    assert {q.component for q in decode.programs} == {"vae"}
+    assert all("over 4 chips" in q.name or "one per chip" in q.name for q in decode.programs), [q.name for q in decode.programs]
+    first = decode.programs[0]
+    later = dataclasses.replace(first, name="VAE decode, later frame batches")
+    assert plan.StageCost("decode", [first, later], 0.0).weights == first.weights > 0
+    other = dataclasses.replace(first, name="a second text encoder", component="text_encoder_2")
+    assert plan.StageCost("text", [first, other], 0.0).weights == 2 * first.weights
+
+
 def test_a_batch_plan_counts_the_other_stages_models_as_resident(cogvideox_plan):
     """`resident=True`: each stage also holds the others' weights (what `tpupedia batch` keeps)."""
     _, p = cogvideox_plan

@@ -67,6 +67,8 @@ class ProgramCost:
     aliased: float | None
     oom_required: float | None = None
     compile_seconds: float = 0.0
+    component: str = ""
+    """The checkpoint component whose weights these are: programs of one component share them."""
 
     @property
     def peak(self) -> float | None:
@@ -87,7 +89,8 @@ class StageCost:
 
     @property
     def weights(self) -> float:
-        return sum({p.name: p.weights for p in self.programs}.values())
+        """The stage's weights per chip: each component's once (a VAE's decode programs share its weights)."""
+        return sum({p.component or p.name: p.weights for p in self.programs}.values())
 
     @property
     def peak(self) -> float | None:
@@ -262,7 +265,7 @@ def make(family: str, request: Any, options: Any, *, configs: dict[str, dict] | 
         costs["decode"] = decode
     else:
         notes.append(f"stages planned: {', '.join(s for s in STAGES if s in stages)} (the others are not in this plan)")
-    weights = {s: sum({p.name: p.weights for p in c}.values()) for s, c in costs.items()}
+    weights = {s: StageCost(s, c, 0.0).weights for s, c in costs.items()}
     planned = [StageCost(s, costs[s], sum(w for o, w in weights.items() if o != s) if resident else 0.0)
                for s in STAGES if s in costs]
     r = request
@@ -315,7 +318,7 @@ def _cost(program: aot.Program, extra: dict[str, float]) -> ProgramCost:
         weights=program.weights_bytes + add, arguments=mem.arguments + add if mem else None,
         temporaries=mem.temporaries if mem else None, outputs=mem.outputs if mem else None,
         aliased=mem.aliased if mem else None, oom_required=result.oom_required_bytes,
-        compile_seconds=round(seconds, 2))
+        compile_seconds=round(seconds, 2), component=program.component or "")
 
 
 def _preflight_key(family: str, request: Any, options: Any, configs: dict, run_devices: Sequence[Any],
@@ -393,6 +396,7 @@ def record(plan: Plan, path: str = DEFAULT_RECORDS, command: str = "") -> Any:
 
     def key(r):
         return (r["family"], r["topology"], tuple(sorted(r["mesh"].items())), tuple(sorted(r["request"].items())),
-                r["layers"], r["resident"], tuple(s["stage"] for s in r["stages"]), r.get("attention", ""))
+                r["layers"], r["resident"], tuple(s["stage"] for s in r["stages"]), r.get("attention", ""),
+                bool(r.get("vae_tiling")))
 
     return results.merge(data, path, key=key)

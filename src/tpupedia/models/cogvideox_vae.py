@@ -22,9 +22,11 @@ Weight conversion from a diffusers state dict or a safetensors checkpoint lives 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -157,6 +159,32 @@ def _record(module: nnx.Module, out: jax.Array) -> None:
         _records.append((_capture[id(module)], out))
 
 
+_split: contextvars.ContextVar = contextvars.ContextVar("activation_split", default=None)
+
+
+@contextlib.contextmanager
+def _splitting(sharding: Any):
+    """While the decoder is traced, keep its video activations split as `sharding` says."""
+    token = _split.set(sharding)
+    try:
+        yield
+    finally:
+        _split.reset(token)
+
+
+def _spatial(x: jax.Array) -> jax.Array:
+    """Pin a (B, T, H, W, C) activation to the split `decode(..., spatial=...)` asked for.
+
+    Without these pins the compiler keeps most activations whole on every chip (it sees a
+    replicated input and replicated weights); with them, each chip holds and computes its rows
+    or columns, and a 3x3 convolution only trades one-pixel edges with its neighbours
+    (collective-permutes), GroupNorm one all-reduce of its sums."""
+    sharding = _split.get()
+    if sharding is None or x.ndim != len(sharding.spec):
+        return x
+    return jax.lax.with_sharding_constraint(x, sharding)
+
+
 def to_channels_last(x: jax.Array) -> jax.Array:
     """(B, C, T, H, W) -> (B, T, H, W, C)."""
     return jnp.transpose(x, (0, 2, 3, 4, 1))
@@ -178,6 +206,15 @@ def _resize_nearest(x: jax.Array, sizes: dict[int, int]) -> jax.Array:
         else:
             x = jnp.take(x, (np.arange(n_out) * n_in) // n_out, axis=axis)
     return x
+
+
+TileRunner = Callable[[list, Callable[[jax.Array], jax.Array]], list]
+"""`tiles(pieces, decode_one) -> decoded pieces, in order`: how `decode` runs its pieces."""
+
+
+def one_by_one(pieces: list, decode_one: Callable[[jax.Array], jax.Array]) -> list:
+    """The default `TileRunner`: each piece decoded on its own, in order (as diffusers does)."""
+    return [decode_one(p) for p in pieces]
 
 
 def frame_batches(num_frames: int, batch: int) -> list[tuple[int, int]]:
@@ -234,7 +271,7 @@ class GroupNorm(nnx.Module):
         var = jnp.mean(jnp.square(xg - mean), axis=axes, keepdims=True)
         y = ((xg - mean) * jax.lax.rsqrt(var + self.eps)).reshape(x.shape)
         y = y * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)
-        y = y.astype(x.dtype)
+        y = _spatial(y.astype(x.dtype))
         _record(self, y)
         return y
 
@@ -261,9 +298,9 @@ class CausalConv3d(nnx.Module):
         new_cache = None
         if k > 1:
             pad = cache if cache is not None else jnp.repeat(x[:, :1], k - 1, axis=1)
-            x = jnp.concatenate([pad.astype(x.dtype), x], axis=1)
+            x = _spatial(jnp.concatenate([pad.astype(x.dtype), x], axis=1))
             new_cache = x[:, -(k - 1):]
-        y = self.conv(x)
+        y = _spatial(self.conv(x))
         _record(self, y)
         return y, new_cache
 
@@ -289,6 +326,7 @@ class SpatialNorm3D(nnx.Module):
             zq = jnp.concatenate([z_first, z_rest], axis=1)
         else:
             zq = _resize_nearest(zq, {1: t, 2: h, 3: w})
+        zq = _spatial(zq)
         cache = cache or {}
         new: dict[str, Any] = {}
         conv_y, new["conv_y"] = self.conv_y(zq, cache.get("conv_y"))
@@ -393,9 +431,10 @@ class Upsample3D(nnx.Module):
             x = jnp.repeat(space(x), 2, axis=1)
         else:
             x = space(x)
+        x = _spatial(x)
         b, t = x.shape[:2]
         y = self.conv(x.reshape(b * t, *x.shape[2:]))
-        y = y.reshape(b, t, *y.shape[1:])
+        y = _spatial(y.reshape(b, t, *y.shape[1:]))
         _record(self, y)
         return y
 
@@ -553,9 +592,10 @@ class DiagonalGaussian:
         return self.mean + self.std * jax.random.normal(key, self.mean.shape, self.mean.dtype)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _jit_apply(graphdef: Any, method: str, state: Any, *args: Any) -> Any:
-    return getattr(nnx.merge(graphdef, state), method)(*args)
+@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=("spatial",))
+def _jit_apply(graphdef: Any, method: str, state: Any, *args: Any, spatial: Any = None) -> Any:
+    with _splitting(spatial):
+        return getattr(nnx.merge(graphdef, state), method)(*args)
 
 
 class AutoencoderKLCogVideoX(nnx.Module):
@@ -667,11 +707,15 @@ class AutoencoderKLCogVideoX(nnx.Module):
             z = self.post_quant_conv(z)
         return self.decoder(z, cache)
 
-    def _runner(self, method: str, jit: bool):
+    def _runner(self, method: str, jit: bool, spatial: Any = None):
         if not jit:
-            return getattr(self, method)
+            def run(*args):
+                with _splitting(spatial):
+                    return getattr(self, method)(*args)
+
+            return run
         graphdef, state = nnx.split(self)
-        return functools.partial(_jit_apply, graphdef, method, state)
+        return functools.partial(_jit_apply, graphdef, method, state, spatial=spatial)
 
     def _frames(self, x: jax.Array, run, batch: int) -> jax.Array:
         cache = None
@@ -687,10 +731,20 @@ class AutoencoderKLCogVideoX(nnx.Module):
         self.check_video(x)
         return DiagonalGaussian(to_channels_first(self.encode_channels_last(to_channels_last(jnp.asarray(x)), jit=jit)))
 
-    def decode(self, z: jax.Array, *, jit: bool = True) -> jax.Array:
-        """Latents (B, C, t, h, w) -> video (B, 3, T, 8h, 8w); no scaling, no clipping."""
+    def decode(self, z: jax.Array, *, jit: bool = True, tiles: TileRunner | None = None,
+               spatial: Any = None) -> jax.Array:
+        """Latents (B, C, t, h, w) -> video (B, 3, T, 8h, 8w); no scaling, no clipping.
+
+        Two ways to share the work between chips, for a pipeline (`tpupedia.pipelines.decoding`):
+        with tiling, `tiles(pieces, decode_one)` decodes the tiles and returns their videos in
+        order (default: one after another, as diffusers does); without, `spatial` (a
+        `NamedSharding` of the (B, T, H, W, C) activations) splits every activation of the whole
+        latent's decode over the chips along height or width. Time is never split: each frame
+        batch needs the previous one's causal cache."""
         self.check_latents(z)
-        return to_channels_first(self.decode_channels_last(to_channels_last(jnp.asarray(z)), jit=jit))
+        z = z if isinstance(z, jax.Array) else jnp.asarray(z)
+        return to_channels_first(self.decode_channels_last(to_channels_last(z), jit=jit, tiles=tiles,
+                                                           spatial=spatial))
 
     def encode_channels_last(self, x: jax.Array, *, jit: bool = True) -> jax.Array:
         x = x.astype(self.dtype)
@@ -700,16 +754,17 @@ class AutoencoderKLCogVideoX(nnx.Module):
             return self._tiled(x, run, encode=True)
         return self._frames(x, run, self.num_sample_frames_batch_size)
 
-    def decode_channels_last(self, z: jax.Array, *, jit: bool = True) -> jax.Array:
+    def decode_channels_last(self, z: jax.Array, *, jit: bool = True, tiles: TileRunner | None = None,
+                             spatial: Any = None) -> jax.Array:
         z = z.astype(self.dtype)
-        run = self._runner("decode_chunk", jit)
         h, w = z.shape[2:4]
         if self.use_tiling and (w > self.tile_latent_min_width or h > self.tile_latent_min_height):
-            return self._tiled(z, run, encode=False)
-        return self._frames(z, run, self.num_latent_frames_batch_size)
+            return self._tiled(z, self._runner("decode_chunk", jit), encode=False, tiles=tiles)
+        return self._frames(z, self._runner("decode_chunk", jit, spatial), self.num_latent_frames_batch_size)
 
-    def _tiled(self, x: jax.Array, run, *, encode: bool) -> jax.Array:
-        """diffusers' `tiled_encode` / `tiled_decode`, channels-last."""
+    def _tiled(self, x: jax.Array, run, *, encode: bool, tiles: TileRunner = None) -> jax.Array:
+        """diffusers' `tiled_encode` / `tiled_decode`, channels-last: cut the tiles, run each
+        through its frame batches (`tiles`, default one after another), blend, crop, join."""
         fh, fw = self.tile_overlap_factor_height, self.tile_overlap_factor_width
         sh, sw = self.tile_sample_min_height, self.tile_sample_min_width
         lh, lw = self.tile_latent_min_height, self.tile_latent_min_width
@@ -719,10 +774,10 @@ class AutoencoderKLCogVideoX(nnx.Module):
         blend_h_ext, blend_w_ext = int(out_h * fh), int(out_w * fw)
         keep_h, keep_w = out_h - blend_h_ext, out_w - blend_w_ext
         height, width = x.shape[2:4]
-        rows = [
-            [self._frames(x[:, :, i : i + in_h, j : j + in_w], run, batch) for j in range(0, width, step_w)]
-            for i in range(0, height, step_h)
-        ]
+        starts = [(i, j) for i in range(0, height, step_h) for j in range(0, width, step_w)]
+        pieces = [x[:, :, i : i + in_h, j : j + in_w] for i, j in starts]
+        done = iter((tiles or one_by_one)(pieces, lambda piece: self._frames(piece, run, batch)))
+        rows = [[next(done) for _ in range(0, width, step_w)] for _ in range(0, height, step_h)]
         # Blend in place, like diffusers: a tile is blended with its already-blended neighbours.
         for i, row in enumerate(rows):
             for j in range(len(row)):

@@ -445,20 +445,24 @@ def make_jit_friendly(transformer, attend=None):
 def vae_attention_mask(n_frame: int, n_hw: int, dtype: Any, device: Any, batch_size: int | None = None):
     """The frame-causal mask of the VAE's mid-block attention: token i (of frame i // n_hw) sees
     every token of its own and earlier frames (0) and none of later frames (-inf); `(S, S)` or
-    `(batch_size, S, S)` with S = n_frame * n_hw.
+    `(batch_size, 1, S, S)` with S = n_frame * n_hw.
 
-    The same mask as diffusers' `HunyuanVideo15AttnBlock.prepare_causal_attention_mask` (0.42.1),
-    which fills it row by row in a Python loop. Traced for a TPU, that loop becomes one scatter
-    per latent token (7,936 for a 16x16 tile of 31 latent frames; 111,600 for 720p untiled) and
-    the compile runs for many minutes or overflows the compiler's stack; here it is one
-    comparison of two frame indices.
+    The same values as diffusers' `HunyuanVideo15AttnBlock.prepare_causal_attention_mask`
+    (0.42.1), which fills the mask row by row in a Python loop. Traced for a TPU, that loop
+    becomes one scatter per latent token (7,936 for a 16x16 tile of 31 latent frames; 111,600 for
+    720p untiled) and the compile runs for many minutes or overflows the compiler's stack; here it
+    is one comparison of two frame indices. diffusers returns `(batch_size, S, S)`, which the
+    attention's `(batch_size, 1, S, S)` scores broadcast to `(batch_size, batch_size, S, S)`: a
+    batch of more than one latent fails to reshape (diffusers' VAE decodes one sample at a time).
+    The head axis here makes a batch decode each sample as alone, which decoding tiles side by
+    side (`tpupedia.pipelines.decoding.in_waves`) relies on.
     """
     import torch
 
     frame = torch.arange(n_frame * n_hw, device=device) // n_hw
     mask = torch.full((frame.shape[0], frame.shape[0]), float("-inf"), dtype=dtype, device=device)
     mask = mask.masked_fill(frame[None, :] <= frame[:, None], 0)
-    return mask if batch_size is None else mask.unsqueeze(0).expand(batch_size, -1, -1)
+    return mask if batch_size is None else mask[None, None].expand(batch_size, 1, -1, -1)
 
 
 def make_vae_jit_friendly(vae):

@@ -281,7 +281,7 @@ class CogVideoX(common.StagedPipeline):
     # -- stage 3 ---------------------------------------------------------------------------
     def _decode_programs(self, request: Request) -> list:
         """The decode stage's programs, the Flax NNX VAE's frame batches (`tpupedia.pipelines.decoding`),
-        on the mesh's first chip (the VAE runs whole on one chip). Only the Flax VAE is planned:
+        on the host's chips, one tile (or a copy of the whole latent) per chip. Only the Flax VAE is planned:
         diffusers' decoder under torchax carries its causal cache in another form."""
         from tpupedia.pipelines import decoding
 
@@ -290,7 +290,7 @@ class CogVideoX(common.StagedPipeline):
                                 "plan with --vae flax (the default)")
 
         return decoding.cogvideox_programs(self.configs["vae"], family.latent_frames(request.frames, self.shapes),
-                                           request.height, request.width, list(self.mesh.devices.flat)[0],
+                                           request.height, request.width, decoding.decode_mesh(self.mesh),
                                            dtype=str(self.dtype).removeprefix("torch."), tiling=request.vae_tiling)
 
 
@@ -301,21 +301,28 @@ class CogVideoX(common.StagedPipeline):
         from diffusers import AutoencoderKLCogVideoX
         from diffusers.video_processor import VideoProcessor
 
+        from tpupedia.pipelines import decoding
+
         _, padding = family.padded_latent_frames(request.frames, self.shapes)
+        chips = decoding.decode_mesh(self.mesh)
 
         def load():  # (the decoder this run uses, the VAE's scaling factor)
             vae = AutoencoderKLCogVideoX.from_pretrained(self.source, subfolder="vae", dtype=self.dtype,
                                                          use_safetensors=True).eval()
             if self.vae == "flax":
                 import jax.numpy as jnp
+                from flax import nnx
+                from jax.sharding import NamedSharding, PartitionSpec as P
 
                 from tpupedia.models import cogvideox_vae_convert as convert
 
                 dtype = jnp.dtype(str(self.dtype).removeprefix("torch."))
-                return convert.from_diffusers(vae, dtype=dtype), vae.config.scaling_factor
+                flax_vae = convert.from_diffusers(vae, dtype=dtype)
+                nnx.update(flax_vae, jax.device_put(nnx.state(flax_vae), NamedSharding(chips, P())))  # every chip a copy
+                return flax_vae, vae.config.scaling_factor
             from tpupedia import torchax_utils
 
-            self._to_jax("vae", vae, on_mesh=False)
+            self._to_jax("vae", vae, mesh=chips)
             vae.decoder = torchax_utils.JitModule(vae.decoder)
             return vae, vae.config.scaling_factor
 
@@ -324,8 +331,11 @@ class CogVideoX(common.StagedPipeline):
         z = latents[:, padding:].permute(0, 2, 1, 3, 4) / scaling
         start = time.perf_counter()
         with self._precision(), torch.no_grad():
-            if self.vae == "flax":
-                video = common.to_torch(jax.block_until_ready(vae.decode(common.to_jax_array(z))))
+            if self.vae == "flax":  # the host's chips share the decode: tiles side by side, or each a strip
+                spread = functools.partial(decoding.in_waves, mesh=chips)
+                split = decoding.activation_sharding(chips, tuple(z.shape[-2:]))
+                video = common.to_torch(jax.block_until_ready(vae.decode(common.to_jax_array(z), tiles=spread,
+                                                                         spatial=split)))
             else:
                 with self.env:
                     video = vae.decode(z.to("jax")).sample

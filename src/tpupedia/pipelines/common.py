@@ -304,21 +304,19 @@ class StagedPipeline:
         `jax.ShapeDtypeStruct`s sharded as planned."""
         return fm.abstract_state(self.plans[name]) if self.abstract else fm.state()
 
-    def _to_jax(self, name: str, module, rules=None, *, on_mesh: bool = True):
+    def _to_jax(self, name: str, module, rules=None, *, mesh=None):
         """Place a CPU torch module in the torchax environment, each device built straight from
         host memory with only its shards (`tpupedia.sharding.place`), sharded over the mesh by
-        `rules` (or replicated), the plan kept in `self.plans[name]`; `on_mesh=False` puts it on
-        this process's first device (the VAE: every process decodes its own copy)."""
-        import jax
-
-        from tpupedia import devices, sharding
+        `rules` (or replicated), the plan kept in `self.plans[name]`. `mesh` places it on other
+        chips than the pipeline's mesh (the VAE: a copy on each of the host's chips,
+        `decoding.decode_mesh`)."""
+        from tpupedia import sharding
 
         self.components[name] = (type(module), list(rules or []))
+        mesh = self.mesh if mesh is None else mesh
         if self.abstract:
-            mesh = self.mesh if on_mesh else devices.make_mesh((1, 1), ("dp", "tp"), devices=list(self.mesh.devices.flat)[:1])
             self.plans[name] = sharding.plan(module, rules or [], mesh)
             return module
-        mesh = self.mesh if on_mesh else devices.make_mesh((1, 1), ("dp", "tp"), devices=jax.local_devices()[:1])
         self.plans[name] = sharding.place(module, rules or [], mesh, self.env)
         return module
 

@@ -436,12 +436,12 @@ class Hunyuan(common.StagedPipeline):
     # -- stage 3 ---------------------------------------------------------------------------
     def _decode_programs(self, request: Request) -> list:
         """The decode stage's programs, the VAE's decoder calls whole or per tile
-        (`tpupedia.pipelines.decoding`), on the mesh's first chip (the VAE runs whole on one chip)."""
+        (`tpupedia.pipelines.decoding`), on the host's chips, one tile (or a copy of the whole latent) per chip."""
         from tpupedia.pipelines import decoding
 
         frames = family.latent_shape(request.frames, request.height, request.width, self.shapes)[2]
         return decoding.hunyuan_programs(self.configs["vae"], frames, request.height, request.width,
-                                         list(self.mesh.devices.flat)[0], dtype=str(self.dtype).removeprefix("torch."),
+                                         decoding.decode_mesh(self.mesh), dtype=str(self.dtype).removeprefix("torch."),
                                          tiling=request.vae_tiling)
 
 
@@ -453,20 +453,22 @@ class Hunyuan(common.StagedPipeline):
 
         from tpupedia import torchax_utils
 
-        def load():
+        from tpupedia.pipelines import decoding
+
+        def load():  # (the VAE, its decoder jitted and replicated on the host's chips; the decoder on `meta`)
             vae = AutoencoderKLHunyuanVideo15.from_pretrained(self.source, subfolder="vae", dtype=self.dtype,
                                                               use_safetensors=True).eval()
             family.make_vae_jit_friendly(vae)
-            self._to_jax("vae", vae, on_mesh=False)
+            self._to_jax("vae", vae, mesh=decoding.decode_mesh(self.mesh))
             vae.decoder = torchax_utils.JitModule(vae.decoder)
-            return vae
+            return vae, decoding.meta_decoder(self.configs["vae"])
 
-        vae = self.held("decode", "vae", load)
+        vae, shapes_of = self.held("decode", "vae", load)
         vae.enable_tiling() if request.vae_tiling else vae.disable_tiling()
         z = latents.to(vae.dtype) / vae.config.scaling_factor
         start = time.perf_counter()
-        with self._precision(), torch.no_grad(), self.env:
-            video = vae.decode(z.to("jax")).sample.to("cpu")
+        with self._precision():  # the tiles (or the whole latent) side by side on the host's chips
+            video = decoding.hunyuan_decode(vae, z, decoding.decode_mesh(self.mesh), self.env, shapes_of)
         seconds = time.perf_counter() - start
         frames = HunyuanVideo15ImageProcessor(vae_scale_factor=vae.spatial_compression_ratio).postprocess_video(
             video, output_type="np")[0]
