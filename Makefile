@@ -42,14 +42,34 @@ test: env chromium
 	$(BIN)/python -m pytest tests
 	$(BIN)/python -m tpupedia.notebooks nbval notebooks
 
-# The browser test (tests/test_browser.py) drives the system Chromium. Install it with apt when we
-# can (root, apt present); never fail here: without Chromium the test skips and says why.
+# The browser test (tests/test_browser.py) drives the system Chromium and checks that the Chinese
+# pages render real glyphs, which needs a CJK font. Install what is missing (chromium,
+# fonts-noto-cjk) with apt when we can (root, apt present); never fail here: without Chromium the
+# test skips and says why, without a CJK font it fails and says to install fonts-noto-cjk.
 chromium:
-	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
-	  { if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	      (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null 2>&1 \
+	@have_chromium=1; have_font=1; \
+	command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || have_chromium=; \
+	{ fc-list :lang=zh 2>/dev/null | grep -q . || \
+	  dpkg-query -W -f='$${Status}' fonts-noto-cjk 2>/dev/null | grep -q 'install ok installed'; } || have_font=; \
+	if [ -z "$$have_chromium" ] || [ -z "$$have_font" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq >/dev/null 2>&1 && updated=1 || updated=; \
+	    if [ -z "$$have_chromium" ]; then \
+	      { [ -n "$$updated" ] && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null 2>&1; } \
 	        || echo "chromium: apt install failed; tests/test_browser.py will be skipped"; \
-	    else echo "chromium: not installed and apt not usable here; tests/test_browser.py will be skipped"; fi; }
+	    fi; \
+	    if [ -z "$$have_font" ] && ! { [ -n "$$updated" ] && \
+	        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fonts-noto-cjk >/dev/null 2>&1; }; then \
+	      if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then \
+	        echo "fonts-noto-cjk: apt install failed; tests/test_browser.py will fail on the Chinese pages"; \
+	      fi; \
+	    fi; \
+	  elif [ -z "$$have_chromium" ]; then \
+	    echo "chromium: not installed and apt not usable here; tests/test_browser.py will be skipped"; \
+	  else \
+	    echo "fonts-noto-cjk: no CJK font and apt not usable here; tests/test_browser.py will fail on the Chinese pages"; \
+	  fi; \
+	fi
 
 unit: env
 	$(BIN)/python -m pytest tests

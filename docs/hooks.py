@@ -1,13 +1,14 @@
 """mkdocs hook: render tables that live in code, so the site never keeps a second copy.
 
-`{{ hardware_table }}` in a page becomes the chip table from `tpupedia.hardware`.
+`{{ hardware_table }}` in a page becomes the chip table from `tpupedia.hardware`;
+`{{ figure:NAME }}` becomes one named number from its source (`tpupedia.figures`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from tpupedia import hardware, results
+from tpupedia import figures, hardware, results
 
 _RESULTS = Path(__file__).parent / "results" / "benchmarks.json"
 _DRYRUNS = Path(__file__).parent / "results" / "dryruns.json"
@@ -23,6 +24,7 @@ _COLUMNS = [
     "HBM bandwidth (GB/s)",
     "ridge (FLOP/byte)",
     "link (GB/s)",
+    "ICI ring, one axis (GB/s)",
     "link type",
 ]
 
@@ -160,7 +162,8 @@ def _results_table() -> str:
         depth = "all" if r["layers_compiled"] == r["layers_full"] else f"{r['layers_compiled']} of {r['layers_full']}"
         lines.append(
             f"| {r['model']}, {r['attention']} attention, {r['sharding']} | {size} | {r['frames'] or '—'} | 1 | "
-            f"{r['topology']} ({r['num_chips']} x {r['chip']}), mesh {r['mesh']} | — | ≥ {r['roofline_seconds']:.2f} s/step (roofline) | "
+            f"{r['topology']} ({r['num_chips']} x {r['chip']}), mesh {r['mesh']} | — | ≥ {r['roofline_seconds']:.2f} s/step "
+            f"(roofline{', ' + r['bound'] + '-bound' if r.get('bound') else ''}) | "
             f"{memory} | — | AOT here (libtpu {r['libtpu']}, {depth} layers): `{r['command']}` |"
         )
     for r in results.load(_RESULTS):
@@ -223,4 +226,4 @@ def on_page_markdown(markdown, page, config, files):  # noqa: ARG001 - mkdocs ho
         markdown = markdown.replace("{{ plans_table }}", _plans_table())
     if "{{ results_chart }}" in markdown:
         markdown = markdown.replace("{{ results_chart }}", _results_chart())
-    return markdown
+    return figures.render(markdown, Path(__file__).resolve().parents[1])

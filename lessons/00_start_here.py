@@ -120,7 +120,9 @@ Markdown("\n".join(table))
 # %% [markdown]
 # The *ridge point* is peak FLOP/s divided by HBM bandwidth: the arithmetic intensity (FLOPs per
 # byte moved) a kernel needs before the chip's math units, rather than its memory, become the
-# limit. For a bf16 matmul of a `(B, D)` activation with a `(D, F)` weight, intensity is roughly
+# limit. For the v6e that is 918 TFLOP/s ÷ 1,638 GB/s, about 560 FLOP/byte (Google's
+# [v6e page](https://cloud.google.com/tpu/docs/v6e); earlier revisions gave 1,600 GB/s, hence
+# the 574 you may see elsewhere). For a bf16 matmul of a `(B, D)` activation with a `(D, F)` weight, intensity is roughly
 # `B` FLOPs per byte when `D` and `F` are large. So on a v6e a layer needs on the order of
 # several hundred tokens *per chip* in flight before it is compute-bound. Video diffusion
 # transformers, with tens of thousands of tokens per frame batch, are far past that; a one-token
@@ -135,7 +137,7 @@ print(f"{slice_.name} is a {slice_.accelerator_type}: {slice_.num_chips} chips, 
       f"{slice_.num_chips * v6e.bf16_flops / 1e15:.2f} PFLOP/s bf16 peak")
 
 # %%
-assert round(v6e.ridge_flops_per_byte) == 574  # 918e12 / 1.6e12
+assert round(v6e.ridge_flops_per_byte) == 560  # 918e12 / 1638e9 = 560.4
 assert slice_.accelerator_type == "v6e-8" and slice_.num_chips == 8
 
 # %% [markdown]

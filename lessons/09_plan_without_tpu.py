@@ -248,11 +248,17 @@ print(f"compute floor of the step: {strategies['tp'].floors['compute'] * 1e3:.1f
 # the heads, so its temporaries are the smallest. The "sent/chip" column counts bytes, not
 # operations: each collective's result shape in the compiled program, times the ring
 # algorithm's traffic for its group size (`tpupedia.aot.collective_traffic`, scaled from the
-# compiled layer to all 42); at the v6e's ICI bandwidth that gives a communication floor to set
-# beside the compute floor (How to Scale Your Model's method: the step's roofline is the
-# largest of the compute, HBM and communication floors). `tp_transposed` holds the same weight bytes,
+# compiled layer to all 42). Divided by what one chip can send, that gives a communication
+# floor to set beside the compute floor (How to Scale Your Model's method: the step's roofline
+# is the largest of the compute, HBM and communication floors). What one chip can send is not
+# the v6e's headline 800 GB/s: that counts four ports and both directions. A ring along one
+# axis of the torus uses two ports, one direction each, 100 GB/s apiece: 200 GB/s
+# (`hardware.Chip.ring_bytes_per_s`, from Google's v6e page; notebook 10 and the hardware page
+# show the arithmetic). `tp_transposed` holds the same weight bytes,
 # but every matmul now splits the wrong dimension for the next one: the compiler re-shards
-# activations with many more collectives, and attention runs on all heads on every chip.
+# activations with many more collectives, and attention runs on all heads on every chip. That
+# traffic makes it **communication-bound** even at 480p: its ICI floor is about three times the
+# compute floor. `tp` and `fsdp` stay compute-bound, with ICI floors close below it.
 # `fsdp` holds the fewest weight bytes and pays with all-gathers of each weight before use,
 # and, like `tp_transposed`, with whole-head attention per chip.
 
@@ -267,7 +273,12 @@ assert strategies["tp"].collectives.get("all-reduce", 0) >= 1
 assert strategies["fsdp"].collectives.get("all-gather", 0) >= 1
 sent = {name: sum(r.collective_bytes.values()) for name, r in strategies.items()}
 assert sent["tp_transposed"] > 2 * sent["tp"]  # more bytes, not just more operations
-assert all(r.bound == "compute" for r in strategies.values())  # at 480p every strategy stays compute-bound
+# at 480p, with ICI at 200 GB/s per chip (a one-axis ring): tp and fsdp compute-bound, tp_transposed not
+assert strategies["tp"].bound == strategies["fsdp"].bound == "compute"
+assert strategies["tp_transposed"].bound == "communication"
+assert strategies["tp_transposed"].floors["communication"] > 2 * strategies["tp_transposed"].floors["compute"]
+for r in strategies.values():  # the floor is the bytes sent over 2 ports x 100 GB/s, not over the 800 GB/s total
+    assert abs(r.floors["communication"] - sum(r.collective_bytes.values()) / 200e9) < 1e-12
 
 # %% [markdown]
 # ## 5. From reported step times to MFU

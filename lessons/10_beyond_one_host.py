@@ -43,7 +43,7 @@
 # CPU processes would run the real CogVideoX1.5-5B checkpoint on the CPU. Sections 4 and 5 run
 # as on the tiny preset.
 #
-# *Reading time: about 7 minutes.*
+# *Reading time: about 8 minutes.*
 
 # %%
 # %xmode Minimal
@@ -212,7 +212,17 @@ if preset.host_runs_whole_models:
 # The other way to use 16 chips is to spread **one** video's step over them. `tpupedia dryrun`
 # compiles the CogVideoX1.5-5B step for a multi-host topology as easily as for one host: libtpu
 # describes a `v6e:4x4` slice (16 chips, 4 hosts) and a `v6e:8x8` (64 chips, 16 hosts) on this CPU. One layer compiled, weights
-# scaled to all 42, splash attention, the guidance pair on `dp` and the heads on `tp`:
+# scaled to all 42, splash attention, the guidance pair on `dp` and the heads on `tp`.
+#
+# Each plan gets three floors on its step time (notebook 09): FLOPs at the bf16 peak, weights
+# read once from HBM, and the bytes each chip sends in collectives over ICI. For that last one,
+# what matters is how fast *one chip* can send in *one collective*. Google's v6e page gives
+# 800 GB/s of ICI per chip, but that counts both directions of all 4 ports: one port carries
+# 100 GB/s each way. The chips form a 2D torus, one port per neighbour (left, right, up, down),
+# and a ring along one mesh axis runs over that axis's two ports, one direction each. So a chip
+# sends at most 200 GB/s into such a ring, a quarter of the headline figure. Along an axis
+# shorter than 16 chips a v6e slice has no wraparound link, so the ring is really a line and
+# slower still: the floor stays a floor.
 
 # %%
 from tpupedia import dryrun
@@ -226,8 +236,12 @@ for name in ("v6e:2x4", "v6e:4x4", "v6e:8x8"):
         plans[name] = dryrun.run("cogvideox", topology=name, resolution="720p", frames=81, attention="splash", layers=1)
     layout_warnings += [f"{name}: {w.message}" for w in caught if "heads do not divide" in str(w.message)]
 print("\n".join(layout_warnings))
-from tpupedia import devices
+from tpupedia import devices, hardware
 
+v6e = hardware.chip("v6e")
+print(f"v6e ICI: {v6e.link_bytes_per_s / 1e9:.0f} GB/s both ways over {v6e.ici_ports} ports -> "
+      f"{v6e.ici_port_bytes_per_s / 1e9:.0f} GB/s per port and direction -> {v6e.ring_bytes_per_s / 1e9:.0f} GB/s "
+      "out of a chip in a ring along one axis (2 ports, one direction each)")
 g = 2**30
 for name, r in plans.items():
     mesh = devices.topology_mesh(name, (r.mesh["dp"], r.mesh["tp"]), ("dp", "tp"))
@@ -244,29 +258,37 @@ for name, r in plans.items():
 # group, which libtpu lays over two 4-chip hosts, and each chip sends a little more (ring
 # traffic grows as 2(n-1)/n). Within one slice every chip is on the inter-chip interconnect
 # (ICI), so those all-reduces cross hosts over ICI, not the data-centre network; only several
-# slices (multislice) talk over DCN. Both plans stay compute-bound: the communication floor
-# (bytes sent at the chip's ICI bandwidth) is a fraction of the compute floor.
+# slices (multislice) talk over DCN. The v6e-8 plan is compute-bound: its ICI floor is under
+# half its compute floor. The v6e-16 plan is not: its compute floor halved, its bytes did not,
+# and its ICI floor is now a little above its compute floor. So it is **communication-bound**,
+# and 16 chips make the floor 1.8x lower, not 2x. (At the 800 GB/s headline figure both plans
+# looked compute-bound, and earlier versions of this notebook said so.)
 
 # %%
 one, two, eight = plans["v6e:2x4"], plans["v6e:4x4"], plans["v6e:8x8"]
 assert two.mesh == {"dp": 2, "tp": 8} and two.fits and one.fits
-assert two.arguments_bytes < one.arguments_bytes and abs(two.roofline_seconds / one.roofline_seconds - 0.5) < 1e-6
+assert two.arguments_bytes < one.arguments_bytes and abs(two.floors["compute"] / one.floors["compute"] - 0.5) < 1e-6
 assert one.collectives == two.collectives == {"all-reduce": 2}
-assert one.bound == two.bound == "compute" and sum(two.collective_bytes.values()) > sum(one.collective_bytes.values())
+assert sum(two.collective_bytes.values()) > sum(one.collective_bytes.values())
+assert one.bound == "compute" and one.floors["communication"] < 0.5 * one.floors["compute"]
+assert two.bound == "communication" and two.floors["compute"] < two.floors["communication"] < 1.2 * two.floors["compute"]
+for r in plans.values():  # bytes sent over a one-axis ring: 2 ports x 100 GB/s, not the 800 GB/s total
+    assert abs(r.floors["communication"] - sum(r.collective_bytes.values()) / 200e9) < 1e-12
 
 # %% [markdown]
 # The v6e-64 (8x8, 16 hosts) is the counter-example. With `dp=2` the `tp` axis has 32 chips, and
 # 48 heads do not split 32 ways, so the attention override falls back to splitting queries along
 # the sequence (notebook 04). The compiler then re-shards activations around every attention:
 # all-gathers, all-to-alls and dozens of collective-permutes per layer. Each chip holds less and
-# computes less, but it now sends more than it can compute: the step is **communication-bound**,
-# and its floor is set by ICI, not by the FLOPs. Spreading one video over more chips stops paying
-# once the mesh no longer matches the model's shape; for many videos, the data parallelism of
-# section 3 scales instead.
+# computes less, but it now sends far more than it can compute: the step is
+# **communication-bound**, its ICI floor several times its compute floor, and it is set by ICI,
+# not by the FLOPs. Spreading one video over more chips stops paying once the mesh no longer
+# matches the model's shape, and on this model it starts to cost at 16 chips; for many videos,
+# the data parallelism of section 3 scales instead.
 
 # %%
 assert eight.mesh == {"dp": 2, "tp": 32} and eight.fits and layout_warnings
-assert eight.bound == "communication" and eight.floors["communication"] > eight.floors["compute"]
+assert eight.bound == "communication" and eight.floors["communication"] > 4 * eight.floors["compute"]
 assert sum(eight.collectives.values()) > 10 * sum(two.collectives.values())
 
 # %% [markdown]

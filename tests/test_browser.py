@@ -7,7 +7,8 @@ so nothing is downloaded. Screenshots go to docs/images/screenshots/, where the 
 guide shows them.
 
 Skipped, with the reason, where Chromium or Playwright is missing. `make test` installs Chromium
-with apt where it can.
+with apt where it can, and a CJK font (Debian's `fonts-noto-cjk`): without one the Chinese pages
+draw every character as the same missing-glyph box, and the Chinese-page test fails and says so.
 """
 
 from __future__ import annotations
@@ -113,6 +114,68 @@ def _shot(pg, name: str) -> Path:
     return path
 
 
+# Draws characters on a canvas in the given CSS font and compares the pixels with the missing-glyph
+# (.notdef, "tofu") box of U+E000, a private-use code point no text font maps. Canvas text goes
+# through the same font fallback as the page, so with no CJK font every Chinese character draws as
+# that same box; with one, each draws its own glyph.
+_GLYPH_PROBE_JS = """
+([chars, font]) => {
+  const W = 64, H = 64;
+  const canvas = document.createElement("canvas");
+  canvas.width = W; canvas.height = H;
+  const ctx = canvas.getContext("2d", {willReadFrequently: true});
+  const raster = (ch) => {
+    ctx.clearRect(0, 0, W, H);
+    ctx.font = font; ctx.textBaseline = "top"; ctx.fillStyle = "#000";
+    ctx.fillText(ch, 8, 8);
+    const data = ctx.getImageData(0, 0, W, H).data;
+    let key = "", ink = 0;
+    for (let i = 3; i < data.length; i += 4) { key += String.fromCharCode(data[i]); if (data[i]) ink++; }
+    return {key, ink};
+  };
+  const tofu = raster("\\uE000");
+  const drawn = chars.map((ch) => ({ch, ...raster(ch)}));
+  return {
+    tofu_ink: tofu.ink,
+    as_tofu: drawn.filter((d) => d.key === tofu.key).map((d) => d.ch),
+    blank: drawn.filter((d) => d.ink === 0).map((d) => d.ch),
+    distinct: new Set(drawn.map((d) => d.key)).size,
+  };
+}
+"""
+
+
+def _assert_cjk_glyphs(pg, url: str, selector: str = "article") -> None:
+    """Fail where the Chinese text of `selector` on this page falls back to missing-glyph boxes."""
+    text = pg.locator(selector).first.text_content() or ""  # the DOM text, even where none draws
+    chars = list(dict.fromkeys(ch for ch in text if "\u4e00" <= ch <= "\u9fff"))[:12]
+    assert chars, f"{url}: no Chinese characters in <{selector}>"
+    font = pg.eval_on_selector(
+        selector,
+        "el => { const s = getComputedStyle(el);"
+        " return `${s.fontStyle} ${s.fontWeight} 40px ${s.fontFamily}`; }",
+    )
+    probe = pg.evaluate(_GLYPH_PROBE_JS, [chars, font])
+    bad = sorted(set(probe["as_tofu"]) | set(probe["blank"]), key=chars.index)
+    if len(chars) > 1 and probe["distinct"] == 1:  # all drawn alike: some other box or blank
+        bad = chars
+    if bad:
+        fc = shutil.which("fc-list")
+        cjk_fonts = (
+            subprocess.run([fc, ":lang=zh", "family"], capture_output=True, text=True).stdout.split("\n")
+            if fc else []
+        )
+        pytest.fail(
+            f"zh page {url}: the Chinese text renders as missing-glyph boxes (tofu): {''.join(bad)!r} "
+            f"draw the same box as U+E000 ({len(probe['as_tofu'])} of {len(chars)}), nothing "
+            f"({len(probe['blank'])}) or one shape for all ({probe['distinct']} distinct) in font "
+            f"{font!r}; fc-list :lang=zh lists "
+            f"{len([f for f in cjk_fonts if f.strip()])} CJK font(s). Install a CJK font for Chromium: "
+            "apt-get install -y fonts-noto-cjk (`make test` does it where it can).",
+            pytrace=False,
+        )
+
+
 def test_home_page(site, page):
     base, _ = site
     page.goto(f"{base}/", wait_until="load")
@@ -138,13 +201,16 @@ def test_chinese_home_page(site, page):
     candidates = [p for p in ("zh/index.html", "zh/index/index.html") if (site_dir / p).exists()]
     if not candidates:
         pytest.skip("no Chinese edition in this build (docs/zh/ or an i18n plugin's zh/ output is absent)")
-    page.goto(f"{base}/{candidates[0].removesuffix('index.html')}", wait_until="load")
+    url = f"{base}/{candidates[0].removesuffix('index.html')}"
+    page.goto(url, wait_until="load")
     page.locator("article h1").first.wait_for(state="visible")
     lang = page.evaluate("document.documentElement.lang")
-    text = page.locator("article").first.inner_text()
+    text = page.locator("article").first.text_content() or ""
     assert lang.startswith("zh") or any("\u4e00" <= ch <= "\u9fff" for ch in text), (
         "the zh page has neither lang=zh nor Chinese text"
     )
+    # Chinese that renders: with no CJK font Chromium draws every character as the same box.
+    _assert_cjk_glyphs(page, url.removeprefix(base) or "/")
     _shot(page, "home-zh")
 
 

@@ -19,7 +19,7 @@ def test_strict_docs_build_renders_stored_notebook_outputs(tmp_path):
     assert "WARNING" not in result.stderr, result.stderr[-3000:]
 
     page = (site / "notebooks" / "00_start_here" / "index.html").read_text()
-    assert "v6e ridge point: 574 FLOP/byte" in page  # a stored output, not re-executed
+    assert "v6e ridge point: 560 FLOP/byte" in page  # a stored output, not re-executed
     assert "RESOURCE_EXHAUSTED" in page
 
     api = (site / "reference" / "api" / "index.html").read_text()

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import pytest
 import torch
 
-from tpupedia import cli, devices, dryrun, torchax_utils
+from tpupedia import cli, devices, dryrun, hardware, torchax_utils
 from tpupedia.models import cogvideox, hunyuan, llama
 from tpupedia.compat import import_torchax
 from test_devices import requires_libtpu
@@ -58,6 +58,51 @@ def test_flop_counter_agrees_with_xla_cost_analysis():
     cost = cost[0] if isinstance(cost, list) else cost
     analytic = cogvideox.step_flops(size, size, frames, layers=layers, heads=heads, head_dim=hd, text_tokens=text)
     assert 1.0 <= cost["flops"] / analytic["total"] <= 1.10
+
+
+def test_step_floors_by_hand():
+    """v6e: 918 TFLOP/s, 1638 GB/s HBM, 200 GB/s ICI for a one-axis ring (2 ports x 100 GB/s)."""
+    v6e = hardware.chip("v6e")
+    f = dryrun.step_floors(flops=8 * 918e12, num_chips=8, chip=v6e, weight_bytes=3 * 1638e9, sent_bytes=8e11)
+    assert f["compute"] == pytest.approx(1.0)
+    assert f["memory"] == pytest.approx(3.0)
+    assert f["communication"] == pytest.approx(4.0)  # 800 GB / 200 GB/s; the bidirectional 800 GB/s would say 1.0
+    assert f["communication"] == pytest.approx(8e11 / (2 * 100e9))
+
+
+def test_recorded_floors_agree_with_the_formula_and_their_stored_bytes():
+    """Every recorded dry-run with floors: its ICI floor is its stored bytes sent at the one-axis
+    ring's bandwidth, its HBM floor its stored weights at 1638 GB/s, its roofline the largest."""
+    from pathlib import Path
+
+    from tpupedia import results
+
+    records = [r for r in results.load(Path(__file__).resolve().parents[1] / dryrun.DEFAULT_RECORDS) if r.get("floors")]
+    assert len(records) >= 5
+    for r in records:
+        chip = hardware.chip(r["chip"])
+        assert r["floor_basis"] == {"hbm": chip.hbm_bytes_per_s, "ici": chip.ring_bytes_per_s}
+        f = r["floors"]
+        assert f["communication"] == pytest.approx(sum(r["collective_bytes"].values()) / 200e9, rel=1e-12)
+        assert f["compute"] == pytest.approx(r["flops"]["total"] / (r["num_chips"] * 918e12), rel=1e-12)
+        if r["arguments_bytes"] is not None:
+            assert f["memory"] == pytest.approx(r["arguments_bytes"] / 1638e9, rel=1e-12)
+        assert r["roofline_seconds"] == max(f.values()) and r["bound"] == max(f, key=f.get)
+
+
+def test_summary_states_the_ici_bandwidth_it_assumed():
+    v6e = hardware.chip("v6e")
+    floors = dryrun.step_floors(2.4e15, 8, v6e, 4e9, 3e10)
+    report = dryrun.DryRunReport(
+        model="cogvideox", topology="v6e:2x4", chip="v6e", num_chips=8, mesh={"dp": 2, "tp": 4}, sharding="tp",
+        attention="splash", width=1280, height=720, frames=81, tokens=39826, layers_full=42, layers_compiled=1,
+        hbm_bytes=31.25 * 2**30, fits=True, arguments_bytes=4e9, temporaries_bytes=1e9, outputs_bytes=1e8,
+        oom_required_bytes=None, oom_available_bytes=None, collectives={"all-reduce": 2},
+        flops={"tokens": 39826, "linear": 1e15, "attention": 1.4e15, "total": 2.4e15},
+        roofline_seconds=max(floors.values()), collective_bytes={"all-reduce": 3e10}, floors=floors,
+        bound=max(floors, key=floors.get), floor_basis={"hbm": v6e.hbm_bytes_per_s, "ici": v6e.ring_bytes_per_s})
+    line = next(x for x in report.summary().splitlines() if "floors:" in x)
+    assert "ICI 0.150 s" in line and "at 200 GB/s, a one-axis ring" in line and line.endswith("compute-bound")
 
 
 @pytest.mark.parametrize("kwargs, message", [

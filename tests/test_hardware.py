@@ -4,9 +4,35 @@ from tpupedia import hardware
 
 
 def test_v6e_facts():
+    """https://cloud.google.com/tpu/docs/v6e: 918 TFLOP/s bf16, 32 GB, 1638 GBps HBM, 800 GBps ICI."""
     v6e = hardware.chip("V6E")
-    assert v6e.hbm_bytes == 32e9 and v6e.bf16_flops == 918e12 and v6e.hbm_bytes_per_s == 1.6e12
-    assert round(v6e.ridge_flops_per_byte) == 574
+    assert v6e.hbm_bytes == 32e9 and v6e.bf16_flops == 918e12 and v6e.hbm_bytes_per_s == 1638e9
+    assert v6e.ridge_flops_per_byte == pytest.approx(560.44, abs=0.01)  # 918e12 / 1638e9
+    assert round(v6e.ridge_flops_per_byte) == 560
+
+
+def test_v6e_ici_per_port_and_per_ring_by_hand():
+    """800 GB/s bidirectional over 4 ports: 100 GB/s per port per direction; a ring along one
+    torus axis sends through that axis's 2 ports, one direction each: 200 GB/s out of a chip."""
+    v6e = hardware.chip("v6e")
+    assert v6e.link_bytes_per_s == 800e9 and v6e.ici_ports == 4
+    assert v6e.ici_port_bytes_per_s == 800e9 / 4 / 2 == 100e9
+    assert v6e.ring_bytes_per_s == 2 * 100e9 == 200e9
+    assert v6e.ring_bytes_per_s == v6e.link_bytes_per_s / 4  # a quarter of the headline figure
+
+
+@pytest.mark.parametrize("name, ports, per_port", [("v5e", 4, 50e9), ("v5p", 6, 100e9), ("v6e", 4, 100e9)])
+def test_every_tpu_has_ports_and_a_one_axis_ring_figure(name, ports, per_port):
+    c = hardware.chip(name)
+    assert (c.ici_ports, c.ici_port_bytes_per_s, c.ring_bytes_per_s) == (ports, per_port, 2 * per_port)
+    if name != "v5e":  # v5e's table row keeps the older, unlabelled 1,600 Gbps; the ports use 400 GB/s bidirectional
+        assert c.ici_port_bytes_per_s * 2 * c.ici_ports == c.link_bytes_per_s
+
+
+def test_gpus_have_no_ici_ring():
+    for name in ("H100", "H200", "B200"):
+        c = hardware.chip(name)
+        assert c.ici_ports is None and c.ici_port_bytes_per_s is None and c.ring_bytes_per_s is None
 
 
 def test_every_chip_has_a_source_and_positive_figures():
@@ -47,4 +73,6 @@ def test_bad_topology_names(bad):
 
 def test_table_rows_are_in_human_units():
     row = next(r for r in hardware.table_rows() if r["chip"] == "v6e")
-    assert row["HBM (GB)"] == 32 and row["bf16 peak (TFLOP/s)"] == 918 and row["ridge (FLOP/byte)"] == 574
+    assert row["HBM (GB)"] == 32 and row["bf16 peak (TFLOP/s)"] == 918 and row["ridge (FLOP/byte)"] == 560
+    assert row["HBM bandwidth (GB/s)"] == 1638 and row["link (GB/s)"] == 800 and row["ICI ring, one axis (GB/s)"] == 200
+    assert next(r for r in hardware.table_rows() if r["chip"] == "H100")["ICI ring, one axis (GB/s)"] == "—"

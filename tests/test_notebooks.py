@@ -116,17 +116,17 @@ def test_nbval_strict_fails_when_a_stored_output_is_changed(tmp_path):
     tampered = copy.deepcopy(nb)
     target = next(
         c for c in tampered.cells
-        if c.cell_type == "code" and any("ridge point: 574" in o.get("text", "") for o in c.outputs)
+        if c.cell_type == "code" and any("ridge point: 560" in o.get("text", "") for o in c.outputs)
     )
     for out in target.outputs:
         if out.output_type == "stream":
-            out.text = out.text.replace("ridge point: 574", "ridge point: 575")
+            out.text = out.text.replace("ridge point: 560", "ridge point: 561")
     path = tmp_path / "00_tampered.ipynb"
     nbformat.write(tampered, path)
     shutil.copy(ROOT / "tests" / "nbval_sanitize.cfg", tmp_path / "nbval_sanitize.cfg")
     result = _run_nbval(path)
     assert result.returncode != 0, result.stdout[-2000:]
-    assert "ridge point: 574" in result.stdout and "ridge point: 575" in result.stdout
+    assert "ridge point: 560" in result.stdout and "ridge point: 561" in result.stdout
     assert "1 failed" in result.stdout
 
 
@@ -141,10 +141,20 @@ def test_reading_time_is_computed_from_the_prose_and_a_wrong_one_is_caught(tmp_p
 
 
 @pytest.mark.parametrize("page", ["learning-path.md", "zh/learning-path.md"])
-def test_learning_path_reading_times_match_the_lessons(page):
-    """The learning path's reading column is the same number each notebook's header states."""
+def test_learning_path_times_are_rendered_from_the_lessons(page):
+    """The learning path's reading and run columns are not copies: each row renders the
+    lesson's reading time and the notebook's stored run time (`tpupedia.figures`), which are the
+    numbers each notebook's header is checked against (above, and `tests/test_figures.py`)."""
     import re
 
-    rows = re.findall(r"^\| (\d\d) \| (\d+) (?:min|分钟) \|", (ROOT / "docs" / page).read_text(), flags=re.M)
-    computed = {lesson.stem[:2]: notebooks.reading_minutes(lesson) for lesson, _ in notebooks.pairs()}
-    assert rows and {n: int(m) for n, m in rows} == computed
+    from tpupedia import figures
+
+    text = (ROOT / "docs" / page).read_text()
+    rows = re.findall(r"^\| (\d\d) \| \{\{ figure:reading\.(\d\d) \}\} \| \{\{ figure:run\.(\d\d) \}\} \|", text,
+                      flags=re.M)
+    lessons = sorted(lesson.stem[:2] for lesson, _ in notebooks.pairs())
+    assert [r[0] for r in rows] == lessons and all(a == b == c for a, b, c in rows), rows
+    rendered = figures.render(text, ROOT)
+    for n in lessons:
+        lesson = next((ROOT / "lessons").glob(f"{n}_*.py"))
+        assert f"| {n} | {notebooks.reading_minutes(lesson)} min |" in rendered

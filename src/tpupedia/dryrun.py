@@ -8,6 +8,12 @@ gives per-chip memory against the chip's HBM (or the compiler's out-of-memory fi
 collectives in the compiled program, the step's analytic FLOPs, the roofline lower bound on its
 time, and, given a measured step time, the implied MFU.
 
+The roofline is the largest of three floors (`step_floors`): the FLOPs at the chips' bf16 peak,
+each chip's weight shards read once at its HBM bandwidth, and the bytes each chip sends in
+collectives at the bandwidth a ring along **one torus axis** gets: that axis's two ICI ports,
+one direction each (`hardware.Chip.ring_bytes_per_s`; on a v6e 2 x 100 GB/s = 200 GB/s, a
+quarter of its 800 GB/s bidirectional total over four ports).
+
 `layers=N` compiles a shallower copy. Weights are arguments, so their per-chip bytes are known
 per layer: the report adds the missing layers' shards from their shapes. Temporaries are
 taken as compiled: layers run one after another and reuse most of their working set, so one
@@ -33,6 +39,7 @@ from tpupedia.models import cogvideox, hunyuan, llama
 
 __all__ = [
     "DryRunError",
+    "step_floors",
     "MODELS",
     "RESOLUTIONS",
     "parse_resolution",
@@ -102,18 +109,23 @@ class DryRunReport:
     mfu: float | None = None
     notes: list[str] = field(default_factory=list)
     collective_bytes: dict[str, float] = field(default_factory=dict)
+    """Bytes one chip sends per step, per collective kind (`aot.collective_traffic`), full depth."""
     block_sizes: list[int] | None = None
     """The splash kernel's `[block_q, block_kv, block_kv_compute]` (upper bounds, capped per call);
     `None` with the reference attention."""
     mask: str | None = None
     """HunyuanVideo-1.5: `vector` (the pipeline's (B, S) padding, `hunyuan.PaddingAttnProcessor`)
     or `matrix` (diffusers' processor, which builds a (B, 1, S, S) mask in every block)."""
-    """Bytes one chip sends per step, per collective kind (`aot.collective_traffic`), full depth."""
     floors: dict[str, float] = field(default_factory=dict)
-    """Lower bounds on the step time, seconds: `compute` (FLOPs at the chips' bf16 peak),
-    `memory` (the chip's weight shards read once from HBM), `communication` (the collective
-    bytes at the chip's ICI bandwidth). `roofline_seconds` is the largest; `bound` names it."""
+    """Lower bounds on the step time, seconds (`step_floors`): `compute` (FLOPs at the chips' bf16
+    peak), `memory` (the chip's weight shards read once from HBM), `communication` (the bytes
+    the chip sends, at what a ring along one torus axis gets). `roofline_seconds` is the
+    largest; `bound` names it."""
     bound: str = ""
+    floor_basis: dict[str, float] = field(default_factory=dict)
+    """The bandwidths the floors divided by, bytes/s: `hbm` (`Chip.hbm_bytes_per_s`) and `ici`
+    (`Chip.ring_bytes_per_s`). Kept in the record, so that a corrected figure can be applied to
+    its stored bytes without compiling again."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -137,13 +149,33 @@ class DryRunReport:
                      f"roofline lower bound {self.roofline_seconds:.3f} s")
         if self.floors:
             sent = sum(self.collective_bytes.values())
+            ici = f" at {self.floor_basis['ici'] / 1e9:.0f} GB/s, a one-axis ring" if self.floor_basis else ""
             lines.append(f"  floors: compute {self.floors['compute']:.3f} s, HBM {self.floors['memory']:.3f} s, "
-                         f"ICI {self.floors['communication']:.3f} s ({sent / 2**30:.2f} GiB sent per chip): "
+                         f"ICI {self.floors['communication']:.3f} s ({sent / 2**30:.2f} GiB sent per chip{ici}): "
                          f"{self.bound}-bound")
         if self.mfu is not None:
             lines.append(f"  measured {self.measured_step_seconds:.2f} s/step -> MFU {self.mfu:.1%}")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+
+def step_floors(flops: float, num_chips: int, chip: hardware.Chip, weight_bytes: float,
+                sent_bytes: float) -> dict[str, float]:
+    """Three lower bounds on one step's time, in seconds, from per-chip figures.
+
+    - `compute`: the step's FLOPs spread evenly over `num_chips` chips at their bf16 peak.
+    - `memory`: one chip's `weight_bytes` read once from HBM at `chip.hbm_bytes_per_s`.
+    - `communication`: the bytes one chip sends in collectives (`aot.collective_traffic`, the
+      ring algorithm's traffic) at `chip.ring_bytes_per_s`: a bidirectional ring along one
+      torus axis, two of the chip's ports at one direction each (v6e: 2 x 100 GB/s = 200 GB/s,
+      not the 800 GB/s bidirectional total of four ports). Along a v6e axis shorter than 16
+      chips there is no wraparound link and the ring is a line: slower, so still a floor. A
+      collective spread over both axes of a full 16x16 pod could use all four ports: up to
+      twice as fast as this floor.
+    """
+    return {"compute": flops / (num_chips * chip.bf16_flops),
+            "memory": weight_bytes / chip.hbm_bytes_per_s,
+            "communication": sent_bytes / chip.ring_bytes_per_s}
 
 
 def _validate(model: str, frames: int | None, sharding: str, attention: str, layers: int | None) -> None:
@@ -267,8 +299,7 @@ def run(model: str = "cogvideox", topology: str = "v6e:2x4", resolution: str | N
     if result.compiled is not None:  # per-layer collectives, scaled to the full depth
         traffic = {k: v * full_layers / compiled_layers
                    for k, v in aot.collective_traffic(result.compiled.as_text(), n).items()}
-    floors = {"compute": flops["total"] / (n * chip.bf16_flops), "memory": weight_bytes_per_chip / chip.hbm_bytes_per_s,
-              "communication": sum(traffic.values()) / chip.link_bytes_per_s}
+    floors = step_floors(flops["total"], n, chip, weight_bytes_per_chip, sum(traffic.values()))
     bound = max(floors, key=floors.get)
     roofline = floors[bound]
     mfu = None
@@ -285,6 +316,7 @@ def run(model: str = "cogvideox", topology: str = "v6e:2x4", resolution: str | N
         collectives=result.collectives, flops=flops, roofline_seconds=roofline,
         measured_step_seconds=measured_step_seconds, mfu=mfu, notes=notes,
         collective_bytes=traffic, floors=floors, bound=bound, mask=mask if model == "hunyuan" else None,
+        floor_basis={"hbm": chip.hbm_bytes_per_s, "ici": chip.ring_bytes_per_s},
         block_sizes=list(blocks) if blocks else None,
     )
 

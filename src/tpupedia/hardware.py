@@ -4,6 +4,11 @@ Every number here is a vendor *peak* per chip: dense bf16 matrix throughput, HBM
 HBM bandwidth, and chip-to-chip bandwidth. Nothing in this table was measured by this project;
 measured numbers live in the benchmark results, with the machine they were measured on.
 
+Chip-to-chip bandwidth is quoted per chip, both directions, all ports together. A collective
+gets only part of it: on a TPU, `Chip.ring_bytes_per_s` is what one chip can send in a ring
+along one axis of the torus (two of its ports, one direction each), and it is what the dry-run's
+communication floor divides by.
+
 Introduced in notebook 00 (start here); the dry-run planner of notebook 09 divides by these.
 """
 
@@ -44,7 +49,25 @@ class HardwareError(TpupediaError, ValueError):
 
 @dataclass(frozen=True)
 class Chip:
-    """Peak figures for one accelerator chip (one TPU chip, or one GPU)."""
+    """Peak figures for one accelerator chip (one TPU chip, or one GPU).
+
+    How much of the chip-to-chip bandwidth one collective gets, for the v6e (Google's page,
+    https://cloud.google.com/tpu/docs/v6e: "Bidirectional inter-chip interconnect (ICI)
+    bandwidth (per chip) 800 GBps", "ICI ports per chip 4", "Interconnect topology 2D torus"):
+
+    - one port, both directions: 800 / 4 = 200 GB/s; one port, one direction: 200 / 2 =
+      **100 GB/s** (`ici_port_bytes_per_s`), an eighth of the chip's 800.
+    - In a 2D torus each port leads to one neighbour: +x, -x, +y, -y. A ring along one mesh
+      axis (say x) uses the two x ports only. Per direction of the ring a chip sends through
+      one port: 100 GB/s clockwise, 100 GB/s counter-clockwise. A bidirectional ring (half
+      of the data each way, what How to Scale Your Model's collective costs assume) therefore
+      sends **200 GB/s** out of each chip (`ring_bytes_per_s`, and receives 200 GB/s): a quarter
+      of the 800, and half of the 400 GB/s a chip could send through all four ports at once.
+    - The dry-run counts the bytes each chip *sends* (`tpupedia.aot.collective_traffic`), so
+      its communication floor is bytes sent / 200 GB/s on a v6e. Dividing by the 800 GB/s
+      total would count the receiving half and the other axis's ports as sending bandwidth:
+      a floor 4x too low.
+    """
 
     name: str
     vendor: str
@@ -55,16 +78,35 @@ class Chip:
     hbm_bytes_per_s: float
     """Peak HBM bandwidth per chip, bytes/s."""
     link_bytes_per_s: float
-    """Chip-to-chip bandwidth per chip, bytes/s, bidirectional (ICI for TPUs, NVLink for GPUs)."""
+    """Chip-to-chip bandwidth per chip, bytes/s, all ports and both directions together (ICI for
+    TPUs, NVLink for GPUs). No single collective gets all of it: see `ring_bytes_per_s`."""
     link: str
     chips_per_host: int
     source: str
     note: str = ""
+    ici_ports: int | None = None
+    """ICI ports per chip (TPUs; `None` for GPUs): one per torus neighbour. 4 for the 2D-torus
+    v5e and v6e ("ICI ports per chip 4" on Google's pages); 6 for the 3D-torus v5p (its page
+    gives no port count: 6 is one per neighbour of a 3D torus)."""
+    ici_port_bytes_per_s: float | None = None
+    """One direction of one ICI port, bytes/s: the chip's bidirectional ICI figure divided by
+    2 x `ici_ports`. v6e: 800 GB/s / 8 = 100 GB/s; v5p: 1,200 GB/s / 12 = 100 GB/s; v5e: the
+    current v5e page's 400 GB/s bidirectional / 8 = 50 GB/s (the table's `link_bytes_per_s`
+    keeps the older, unlabelled 1,600 Gbps = 200 GB/s)."""
 
     @property
     def ridge_flops_per_byte(self) -> float:
         """Arithmetic intensity at which the chip turns from memory-bound to compute-bound."""
         return self.bf16_flops / self.hbm_bytes_per_s
+
+    @property
+    def ring_bytes_per_s(self) -> float | None:
+        """Bytes/s one chip sends in a bidirectional ring along one torus axis: that axis's two
+        ports, one direction each (2 x `ici_port_bytes_per_s`; 200 GB/s on a v6e). `None` for
+        GPUs, which have no torus. Bytes sent divided by it is a floor, not a prediction: v5e
+        and v6e slices have wraparound links only along an axis of 16 chips (How to Scale Your
+        Model, "TPUs"), so along a shorter axis the ring is a line and runs slower."""
+        return None if self.ici_port_bytes_per_s is None else 2 * self.ici_port_bytes_per_s
 
     def seconds_for(self, flops: float, hbm_bytes: float) -> float:
         """Roofline lower bound: the slower of doing the math and moving the bytes."""
@@ -75,11 +117,13 @@ CHIPS: dict[str, Chip] = {
     c.name: c
     for c in (
         Chip("v5e", "Google", 16 * GB, 197 * TFLOP, 819 * GB, 1600e9 / 8, "ICI", 8, _TPU_V5E,
-             "ICI listed as 1,600 Gbps per chip"),
+             "ICI listed as 1,600 Gbps per chip; the current page gives 400 GB/s bidirectional, which the "
+             "one-axis ring figure uses", ici_ports=4, ici_port_bytes_per_s=400 * GB / (2 * 4)),
         Chip("v5p", "Google", 95 * GB, 459 * TFLOP, 2765 * GB, 1200 * GB, "ICI", 4, _TPU_V5P,
-             "two TensorCores per chip; 3D torus"),
-        Chip("v6e", "Google", 32 * GB, 918 * TFLOP, 1600 * GB, 800 * GB, "ICI", 8, _TPU_V6E,
-             "Trillium; an earlier revision of the page listed 1,640 GB/s HBM and 3,584 Gbps ICI"),
+             "two TensorCores per chip; 3D torus", ici_ports=6, ici_port_bytes_per_s=1200 * GB / (2 * 6)),
+        Chip("v6e", "Google", 32 * GB, 918 * TFLOP, 1638 * GB, 800 * GB, "ICI", 8, _TPU_V6E,
+             "Trillium; earlier revisions of the page listed 1,640 and 1,600 GB/s HBM, and 3,584 or "
+             "3,200 Gbps ICI without a direction", ici_ports=4, ici_port_bytes_per_s=800 * GB / (2 * 4)),
         Chip("H100", "NVIDIA", 80 * GB, 989 * TFLOP, 3.35 * TB, 900 * GB, "NVLink 4", 8, _H100,
              "SXM5; the datasheet's 1,979 TFLOP/s bf16 figure assumes 2:4 sparsity"),
         Chip("H200", "NVIDIA", 141 * GB, 989 * TFLOP, 4.8 * TB, 900 * GB, "NVLink 4", 8, _H200,
@@ -159,6 +203,7 @@ def table_rows() -> list[dict[str, object]]:
                 "HBM bandwidth (GB/s)": round(d["hbm_bytes_per_s"] / GB),
                 "ridge (FLOP/byte)": round(c.ridge_flops_per_byte),
                 "link (GB/s)": round(d["link_bytes_per_s"] / GB),
+                "ICI ring, one axis (GB/s)": "—" if c.ring_bytes_per_s is None else round(c.ring_bytes_per_s / GB),
                 "link type": c.link,
                 "source": c.source,
                 "note": c.note,
