@@ -1,6 +1,6 @@
 # gpu-tpu-pedia: every target creates the environment it needs on a fresh machine.
 #   make serve      build the site and serve it at http://127.0.0.1:8000
-#   make test       unit + parity tests, notebook hygiene, nbval (strict) over every notebook, strict docs build
+#   make test       ruff, unit + parity tests, notebook hygiene, nbval (strict) over every notebook, strict docs build
 #   make lab        JupyterLab with jupytext pairing (edit lessons/*.py or notebooks/*.ipynb)
 #   make notebooks  re-execute every lesson with the tiny preset and write notebooks/*.ipynb
 SHELL := /bin/bash
@@ -39,6 +39,7 @@ $(STAMP): requirements/ci.txt requirements/lock.txt pyproject.toml
 # tests/ holds the unit and parity tests, the notebook hygiene checks and the strict docs build
 # (tests/test_docs.py runs `mkdocs build --strict`); nbval then re-runs every notebook.
 test: env chromium
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest tests
 	$(BIN)/python -m tpupedia.notebooks nbval notebooks
 

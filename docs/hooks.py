@@ -127,10 +127,9 @@ def _deepcache_table() -> str:
 
 
 def _step_flops(model: str, width: int, height: int, frames: int) -> float:
-    from tpupedia.models import cogvideox, hunyuan
+    from tpupedia import families
 
-    counter = {"cogvideox": cogvideox.step_flops, "hunyuan": hunyuan.step_flops}[model]
-    return counter(width, height, frames)["total"]
+    return families.get(model, "video").facts.step_flops(width, height, frames)["total"]
 
 
 def _upstream() -> list[dict]:
@@ -211,7 +210,21 @@ def _results_chart() -> str:
     return svg[svg.index("<svg"):]
 
 
+def _families_table() -> str:
+    """Every registered family (`tpupedia.families`): what it is, where it lives, how it shards."""
+    from tpupedia import families
+
+    lines = ["| name | kind | what it is | module | full preset | sharding strategies | attention mask |",
+             "|---|---|---|---|---|---|---|"]
+    for s in families.all_specs():
+        lines.append(f"| `{s.name}` | {s.kind} | {s.title} | `{s.module}` | {f'`{s.full_id}`' if s.full_id else '-'} | "
+                     f"{', '.join(f'`{x}`' for x in s.strategies) or '-'} | {s.mask} |")
+    return "\n".join(lines)
+
+
 def on_page_markdown(markdown, page, config, files):  # noqa: ARG001 - mkdocs hook signature
+    if "{{ families_table }}" in markdown:
+        markdown = markdown.replace("{{ families_table }}", _families_table())
     if "{{ hardware_table }}" in markdown:
         markdown = markdown.replace("{{ hardware_table }}", _hardware_table())
     if "{{ bench_table }}" in markdown:

@@ -27,7 +27,7 @@ _PATTERNS = [
 ]
 
 
-def on_page_content(html: str, page, config, files) -> str:
+def on_page_content(html: str, page, **_) -> str:
     if not page.file.src_uri.endswith(".ipynb"):
         return html
     for pattern, replacement in _PATTERNS:

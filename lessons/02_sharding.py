@@ -133,8 +133,9 @@ Markdown("\n".join(lines))
 
 # %% [markdown]
 # The same `llama` tables serve Qwen2 and Mistral, which share the naming (the tests check
-# them on those families). `sharding.RULES` also has tables for the CogVideoX and
-# HunyuanVideo-1.5 transformers used in lessons 06 and 07.
+# them on those families). A video family keeps its transformer's tables in its own module
+# (`tpupedia.models.cogvideox.SHARDING`, lesson 06; HunyuanVideo-1.5's, lesson 07), and
+# `sharding.rules(spec, strategy)` takes them from the family's registry entry.
 #
 # **A naming trap from upstream.** Upstream's CogVideoX scripts (yangwhale/gpu-tpu-pedia, commit
 # 3fa9ce1: `tpu/CogVideoX/generate_torchax.py` and the staged `stage2_transformer.py`) label a

@@ -251,7 +251,7 @@ splash_out = jax.jit(kernel)(qh * scale, kh, vh)
 
 
 def jax_reference(q, k, v, **kw):  # jax.nn wants (batch, seq, heads, head_dim)
-    t = lambda x: jnp.swapaxes(x, -2, -3)
+    t = lambda x: jnp.swapaxes(x, -2, -3)  # noqa: E731
     return t(jax.nn.dot_product_attention(t(q), t(k), t(v), **kw))
 
 
@@ -515,7 +515,7 @@ def compile_splash(bs, qkv=qkv_abstract, precision="default"):
     try:
         with jax.default_matmul_precision(precision):
             return aot.compile_aot(lambda q, k, v: fn(q, k, v), qkv, qkv, qkv)
-    except Exception as err:  # reported in the table, not raised
+    except Exception as err:  # noqa: BLE001 - reported in the table, not raised
         return f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200]}"
 
 

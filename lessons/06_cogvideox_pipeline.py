@@ -355,7 +355,7 @@ else:  # tiny: the tiny VAE at 128x192, large enough for the split to show (seco
     vae_config, (vae_height, vae_width) = pipe.configs["vae"], (128, 192)
 decode_memory = {}
 for chips in (one_chip, host_chips):
-    first_batch = decoding.cogvideox_programs(vae_config, 3, vae_height, vae_width, chips, dtype=preset.dtype)[0]
+    first_batch = pipeline.decode_programs(vae_config, 3, vae_height, vae_width, chips, dtype=preset.dtype)[0]
     decode_memory[chips.size] = first_batch.compile().memory
     print(f"{first_batch.name}: {decode_memory[chips.size].temporaries / 2**20:,.1f} MiB of temporaries per chip")
 

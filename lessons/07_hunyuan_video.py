@@ -223,7 +223,7 @@ extra = [jax.numpy.asarray(t.float().numpy()).astype(jax.numpy.dtype(preset.dtyp
 
 
 def forward(weights, buffers, x, t, text, mask, glyph, glyph_mask, image):
-    return static_fm(weights, buffers, x, t, text, mask, None, glyph, glyph_mask, image)[0]
+    return static_fm(weights, buffers, x, t, text, mask, None, glyph, glyph_mask, image)[0]  # noqa: F821 - defined above, deleted once this section is done
 
 
 with torchax_utils.restoring_ops(env):
@@ -614,7 +614,7 @@ assert frames.std() > 0.01  # not a constant image that would match anything
 # when the untiled decode does not fit. diffusers decodes the tiles one after another, so one
 # chip works while seven wait. The tiles are independent until they are blended, so the
 # pipeline decodes the tiles of one shape side by side, one per chip
-# (`tpupedia.pipelines.decoding.hunyuan_decode`): it runs diffusers' own `decode` with a
+# (`tpupedia.pipelines.hunyuan.decode_in_waves`): it runs diffusers' own `decode` with a
 # decoder that only records the tiles it is handed, decodes them in waves, then runs
 # diffusers' `decode` again with a decoder that hands the results back in order, so the
 # cutting, blending and cropping stay stock code and the frames stay diffusers' tiled frames.
@@ -629,8 +629,8 @@ latent_frames = family.latent_shape(121, 720, 1280)[2]
 host_chips = decoding.decode_mesh(pipe.mesh)
 one_chip = devices.make_mesh((1,), (decoding.AXIS,), devices=list(host_chips.devices.flat)[:1])
 release_vae = family.full_configs()["vae"]
-alone = decoding.hunyuan_programs(release_vae, latent_frames, 720, 1280, one_chip, tiling=True)
-shared = decoding.hunyuan_programs(release_vae, latent_frames, 720, 1280, host_chips, tiling=True)
+alone = pipeline.decode_programs(release_vae, latent_frames, 720, 1280, one_chip, tiling=True)
+shared = pipeline.decode_programs(release_vae, latent_frames, 720, 1280, host_chips, tiling=True)
 for program in shared:
     print(program.name)
 print(f"720p, 121 frames: {sum(p.calls for p in alone)} tile decodes one after another on one chip, "
@@ -729,7 +729,7 @@ assert torch.equal(latents_every["latents"], latents["latents"])
 from tpupedia import bench
 
 trade_request = dataclasses.replace(request, steps=10, deepcache=deepcache.Schedule(2, 9, 3))
-trade = bench.bench_deepcache(preset, trade_request, pipeline.Options(quiet=True))["result"]
+trade = bench.bench_deepcache(family.SPEC.name, preset, trade_request, pipeline.Options(quiet=True))["result"]
 print(f"{trade_request.deepcache} over {trade['steps']} steps: {trade['full_steps']} full, "
       f"{trade['steps'] - trade['full_steps']} cached")
 print(f"quality against the uncached video: PSNR {trade['psnr_db']:.1f} dB, SSIM {trade['ssim']:.3f}")
@@ -761,7 +761,7 @@ from tpupedia import sharding
 
 for strategy in ("tp", "tp_fc2_replicated", "fsdp"):
     print(f"{strategy}:")
-    for pattern, spec in sharding.rules("hunyuan", strategy, axis=("dp", "tp") if strategy == "fsdp" else "tp")[:3]:
+    for pattern, spec in sharding.rules(family.SPEC, strategy, axis=("dp", "tp") if strategy == "fsdp" else "tp")[:3]:
         print(f"    {pattern:60} -> {spec}")
 
 # %%
@@ -818,7 +818,7 @@ import collections
 mesh8 = devices.make_mesh((2, 4), ("dp", "tp"))
 print(f"{'table':>18} {'weights per chip':>17} {'left whole':>11}  largest weights left whole")
 for strategy in ("tp", "tp_fc2_replicated", "fsdp"):
-    table_rules = sharding.rules("hunyuan", strategy, axis=("dp", "tp") if strategy == "fsdp" else "tp")
+    table_rules = sharding.rules(family.SPEC, strategy, axis=("dp", "tp") if strategy == "fsdp" else "tp")
     weight_plan = sharding.plan(full, table_rules, mesh8)
     whole = collections.Counter()
     for p in weight_plan.placements:
@@ -830,7 +830,7 @@ modulation = sum(p.numel() for n, p in full.named_parameters() if re.search(r"no
 print(f"AdaLN modulation: {modulation / 1e9:.2f} B parameters, {modulation / params:.0%} of the model")
 
 # %%
-tp_plan = sharding.plan(full, sharding.rules("hunyuan", "tp", axis="tp"), mesh8)
+tp_plan = sharding.plan(full, sharding.rules(family.SPEC, "tp", axis="tp"), mesh8)
 assert abs(tp_plan.bytes_per_device - plans[("tp", (2, 4))]["arguments_bytes"]) < 0.02 * tp_plan.bytes_per_device
 assert modulation / params > 0.25  # a quarter of the weights, replicated by every table
 

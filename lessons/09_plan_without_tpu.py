@@ -124,9 +124,9 @@ with torch.device("meta"):
 tpu_mesh = devices.topology_mesh("v6e:2x4", (2, 4), ("dp", "tp"))
 n_params = sum(p.numel() for p in transformer.parameters())
 plans = {
-    "replicated": sharding.plan(transformer, sharding.rules("cogvideox", "replicated"), tpu_mesh),
-    "tp (over 4)": sharding.plan(transformer, sharding.rules("cogvideox", "tp"), tpu_mesh),
-    "fsdp (over 8)": sharding.plan(transformer, sharding.rules("cogvideox", "fsdp", axis=("dp", "tp")), tpu_mesh),
+    "replicated": sharding.plan(transformer, sharding.rules(cogvideox.SPEC, "replicated"), tpu_mesh),
+    "tp (over 4)": sharding.plan(transformer, sharding.rules(cogvideox.SPEC, "tp"), tpu_mesh),
+    "fsdp (over 8)": sharding.plan(transformer, sharding.rules(cogvideox.SPEC, "fsdp", axis=("dp", "tp")), tpu_mesh),
 }
 print(f"CogVideoX1.5-5B transformer: {n_params / 1e9:.2f} B parameters, bf16")
 for name, p in plans.items():

@@ -5,7 +5,7 @@ import warnings
 
 os.environ["TPUPEDIA_PRESET"] = "tiny"  # tests assert tiny-preset behaviour
 
-from tpupedia import devices  # noqa: E402
+from tpupedia import devices
 
 devices.simulate_cpu_devices(8)
 warnings.filterwarnings("ignore", message="Explicitly requested dtype")

@@ -3,9 +3,9 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from test_devices import requires_libtpu
 
 from tpupedia import aot, devices
-from test_devices import requires_libtpu
 
 
 def test_format_bytes():

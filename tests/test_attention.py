@@ -21,7 +21,9 @@ def _qkv(b, h, hkv, sq, skv, d, seed=0):
 
 def _jax_nn(q, k, v, mask=None, is_causal=False):
     """The oracle: jax.nn.dot_product_attention, with fully masked rows set to 0 (PyTorch CPU)."""
-    t = lambda x: x.transpose(0, 2, 1, 3)
+    def t(x):
+        return x.transpose(0, 2, 1, 3)
+
     out = t(jax.nn.dot_product_attention(t(q), t(k), t(v), mask=mask, is_causal=is_causal))
     if mask is not None:
         out = jnp.where(jnp.broadcast_to(mask, out.shape[:3] + (k.shape[2],)).any(-1)[..., None], out, 0)

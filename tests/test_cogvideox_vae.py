@@ -115,7 +115,8 @@ def test_a_decode_split_over_chips_is_the_same_decode(chips, axis):
     device, float32. The decode runs two frame batches, so the causal cache crosses calls split too."""
     import jax
     from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from tpupedia import devices
 

@@ -22,7 +22,9 @@ import torch
 
 from tpupedia import devices
 from tpupedia.models import cogvideox, hunyuan
+from tpupedia.pipelines import cogvideox as cog_pipeline
 from tpupedia.pipelines import decoding
+from tpupedia.pipelines import hunyuan as hy_pipeline
 from tpupedia.pipelines.common import PipelineError
 
 # CogVideoX tiles of 48x40 pixels (6x5 latents): overlaps of 1/6 and 1/5 are then whole latents.
@@ -116,7 +118,7 @@ def _cogvideox_decode_calls(monkeypatch, tiling: bool) -> tuple[Counter, dict, i
 
 @pytest.mark.parametrize("tiling", [False, True], ids=["untiled", "tiled"])
 def test_cogvideox_programs_are_the_decode_calls(monkeypatch, tiling):
-    programs = decoding.cogvideox_programs(COG_CONFIG, *COG_LATENTS, _decode_mesh(), tiling=tiling)
+    programs = cog_pipeline.decode_programs(COG_CONFIG, *COG_LATENTS, _decode_mesh(), tiling=tiling)
     calls, outputs, weights = _cogvideox_decode_calls(monkeypatch, tiling)
     got = Counter({_spec(p.args[1:]): p.calls for p in programs})
     assert got == calls
@@ -142,7 +144,7 @@ def test_a_whole_latent_split_over_chips_holds_a_part_of_the_activations_on_each
 
     def temporaries(chips):
         mesh = devices.make_mesh((chips,), (decoding.AXIS,), devices=jax.devices()[:chips])
-        (first, *_) = decoding.cogvideox_programs(cogvideox.tiny_vae_config(), 3, 128, 192, mesh, dtype="bfloat16")
+        (first, *_) = cog_pipeline.decode_programs(cogvideox.tiny_vae_config(), 3, 128, 192, mesh, dtype="bfloat16")
         result = first.compile()
         assert result.fits, result.summary()
         return result.memory.temporaries
@@ -182,7 +184,7 @@ def _hunyuan_decode_calls(tiling: bool):
 @pytest.mark.parametrize("tiling", [False, True], ids=["untiled", "tiled"])
 def test_hunyuan_programs_are_the_decoder_calls(tiling):
     calls, outputs, decoder = _hunyuan_decode_calls(tiling)
-    programs = decoding.hunyuan_programs(hunyuan.tiny_vae_config(), *HY_LATENTS, _decode_mesh(),
+    programs = hy_pipeline.decode_programs(hunyuan.tiny_vae_config(), *HY_LATENTS, _decode_mesh(),
                                          dtype="float32", tiling=tiling)
     got = Counter({tuple(p.args[2].shape): p.calls for p in programs})
     waves = Counter({(CHIPS, *shape[1:]): -(-n // CHIPS) for shape, n in calls.items()})  # tiles per chip per shape
@@ -204,7 +206,7 @@ def test_hunyuan_program_computes_the_decoder():
     torch.manual_seed(0)
     decoder = AutoencoderKLHunyuanVideo15(**hunyuan.tiny_vae_config()).eval().decoder
     one_chip = devices.make_mesh((1,), (decoding.AXIS,), devices=jax.devices()[:1])
-    (program,) = decoding.hunyuan_programs(hunyuan.tiny_vae_config(), 1, 32, 48, one_chip, dtype="float32")
+    (program,) = hy_pipeline.decode_programs(hunyuan.tiny_vae_config(), 1, 32, 48, one_chip, dtype="float32")
     params = {name: jnp.asarray(t.detach().numpy()) for name, t in decoder.named_parameters()}
     z = torch.randn(program.args[2].shape, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -216,14 +218,14 @@ def test_hunyuan_program_computes_the_decoder():
 @pytest.mark.skipif(not devices.has_libtpu(), reason="libtpu not installed (pip install 'jax[tpu]')")
 def test_a_tiny_program_compiles_for_a_v6e_chip():
     host = devices.make_mesh((4,), (decoding.AXIS,), devices=devices.tpu_topology("v6e:2x4")[:4])  # a host's chips
-    program = decoding.cogvideox_programs(cogvideox.tiny_vae_config(), 1, 8, 8, host)[0]
+    program = cog_pipeline.decode_programs(cogvideox.tiny_vae_config(), 1, 8, 8, host)[0]
     result = program.compile()
     assert result.fits, result.summary()
     assert result.memory.arguments >= program.weights_bytes > 0
 
 
-PROGRAMS = {"cogvideox": (decoding.cogvideox_programs, cogvideox.tiny_vae_config()),
-            "hunyuan": (decoding.hunyuan_programs, hunyuan.tiny_vae_config())}
+PROGRAMS = {"cogvideox": (cog_pipeline.decode_programs, cogvideox.tiny_vae_config()),
+            "hunyuan": (hy_pipeline.decode_programs, hunyuan.tiny_vae_config())}
 
 
 @pytest.mark.parametrize("family, size, words", [

@@ -1,7 +1,8 @@
 import json
 
-from tpupedia import cli, devices, doctor, results
 from test_devices import requires_libtpu
+
+from tpupedia import cli, devices, doctor, results
 
 
 def _checks(report):

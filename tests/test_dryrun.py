@@ -4,11 +4,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 import torch
+from test_devices import requires_libtpu
 
 from tpupedia import cli, devices, dryrun, hardware, torchax_utils
-from tpupedia.models import cogvideox, hunyuan, llama
 from tpupedia.compat import import_torchax
-from test_devices import requires_libtpu
+from tpupedia.models import cogvideox, hunyuan, llama
 
 
 def test_cogvideox_flops_by_hand():
@@ -114,10 +114,12 @@ def test_summary_states_the_ici_bandwidth_it_assumed():
     (dict(resolution="4k"), "not one of 720p, 480p or WIDTHxHEIGHT"),
     (dict(layers=0), "layers=0"),
     (dict(mesh_shape=(3, 3)), "mesh (3, 3) needs 9 chips"),
+    (dict(mask="matrix"), "mask='matrix' is not one of vector for cogvideox"),
+    (dict(model="cogvideox-vae", frames=80), "cogvideox-vae needs 4n+1 frames"),
 ])
 def test_bad_requests_fail_before_building(kwargs, message):
     with pytest.raises(dryrun.DryRunError, match=re.escape(message)):
-        dryrun.run(**kwargs)
+        dryrun.run(**({"model": "cogvideox"} | kwargs))
 
 
 @requires_libtpu

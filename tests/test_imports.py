@@ -1,5 +1,7 @@
-"""The package's layering: no import cycle anywhere in `src/tpupedia`, every error class derives
-from the one base the CLI catches, and each model fact has one home."""
+"""The package's layering: no module imports a layer above its own, no import cycle anywhere in
+`src/tpupedia`, every error class derives from the one base the CLI catches, and each model fact
+has one home. (import-linter would state the layers as contracts; it is not on this machine's
+package index, so the contract is this test.)"""
 
 from __future__ import annotations
 
@@ -54,9 +56,45 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+LAYERS = (
+    ("tpupedia.cli",),
+    ("tpupedia.plan", "tpupedia.bench", "tpupedia.doctor", "tpupedia.figures"),
+    ("tpupedia.pipelines", "tpupedia.dryrun", "tpupedia.llm"),
+    ("tpupedia.families",),
+    ("tpupedia.models",),
+    ("tpupedia.sharding", "tpupedia.attention", "tpupedia.torchax_utils", "tpupedia.compat", "tpupedia.aot",
+     "tpupedia.devices", "tpupedia.hardware", "tpupedia.presets", "tpupedia.session", "tpupedia.results",
+     "tpupedia.batch", "tpupedia.video", "tpupedia.image", "tpupedia.notebooks", "tpupedia.distributed",
+     "tpupedia.files", "tpupedia.metrics", "tpupedia.errors"),
+)
+"""The package's layers, top first (DESIGN.md's module map): the command line; the tools built on
+runs (plan, benchmarks, doctor, the docs' figures); the pipelines, the dry-run and the LLM loader;
+the family registry; the family modules; the core every layer uses. A module imports its own
+layer and those below, never one above, at the top of the file or inside a function."""
+
+
+def _layer(module: str) -> int:
+    found = [i for i, layer in enumerate(LAYERS) for prefix in layer
+             if module == prefix or module.startswith(prefix + ".")]
+    assert found, f"{module} is in no layer of LAYERS"
+    return found[0]
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    graph = _imports()
+    upward = sorted(f"{m} imports {d}" for m, deps in graph.items() if m != "tpupedia"
+                    for d in deps if d != "tpupedia" and _layer(d) < _layer(m))
+    assert upward == []
+
+
+def test_the_layer_check_sees_an_upward_import():
+    assert _layer("tpupedia.models.cogvideox") > _layer("tpupedia.families") > _layer("tpupedia.pipelines.common")
+    assert _layer("tpupedia.files") == len(LAYERS) - 1
+
+
 def test_no_import_cycle_in_the_package():
     graph = _imports()
-    assert "tpupedia.pipelines.cogvideox" in graph and "tpupedia.models.cogvideox" in graph["tpupedia.pipelines.cogvideox"]
+    assert "tpupedia.families" in graph and "tpupedia.models.spec" in graph["tpupedia.families"]
     assert _cycle(graph) is None, " -> ".join(_cycle(graph))
 
 

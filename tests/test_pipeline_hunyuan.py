@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from tpupedia import presets
+from tpupedia import metrics, presets
 from tpupedia.errors import TpupediaError
 from tpupedia.models import hunyuan as family
 from tpupedia.pipelines import deepcache, stages
@@ -171,12 +171,13 @@ def test_deepcache_text_is_parsed_or_refused():
 
 
 def test_quality_metrics():
+    """scikit-image's PSNR and SSIM, frame by frame: equal frames are inf dB and 1, noise lowers both."""
     rng = np.random.default_rng(0)
     a = rng.random((3, 16, 16, 3))
-    assert deepcache.psnr(a, a) == float("inf") and deepcache.ssim(a, a) == pytest.approx(1.0)
+    assert metrics.psnr(a, a) == float("inf") and metrics.ssim(a, a) == pytest.approx(1.0)
     noisy = np.clip(a + rng.normal(0, 0.1, a.shape), 0, 1)
-    assert 15 < deepcache.psnr(noisy, a) < 25  # noise of std 0.1 (clipped): about 20 dB
-    assert deepcache.ssim(noisy, a) < deepcache.ssim(np.clip(a + rng.normal(0, 0.01, a.shape), 0, 1), a) < 1
+    assert 15 < metrics.psnr(noisy, a) < 25  # noise of std 0.1 (clipped): about 20 dB
+    assert metrics.ssim(noisy, a) < metrics.ssim(np.clip(a + rng.normal(0, 0.01, a.shape), 0, 1), a) < 1
 
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -201,7 +202,7 @@ def test_bench_deepcache_records_steps_quality_and_time(checkpoint, tmp_path):
     from tpupedia import bench
 
     request = dataclasses.replace(REQUEST, prompt="a fox", steps=4, deepcache=deepcache.Schedule(1, 4, 2))
-    record = bench.bench_deepcache(TINY, request, pipeline.Options(quiet=True), model=str(checkpoint))
+    record = bench.bench_deepcache("hunyuan", TINY, request, pipeline.Options(quiet=True), model=str(checkpoint))
     result = record["result"]
     assert record["bench"] == "deepcache" and record["config"]["deepcache"] == "1:4:2"
     assert result["full_steps"] == 3 and result["steps"] == 4

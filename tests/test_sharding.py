@@ -142,20 +142,20 @@ def test_diffusers_tables_match_their_models(mesh):
             num_layers=1, num_refiner_layers=1, mlp_ratio=2.0, patch_size=1, patch_size_t=1,
             text_embed_dim=16, text_embed_2_dim=32, image_embed_dim=12, rope_axes_dim=(2, 2, 4),
             target_size=16, task_type="t2v")
-    for family, model in (("cogvideox", cog), ("hunyuan", hy)):
-        for (fam, strategy), table in sharding.RULES.items():
-            if fam != family:
-                continue
+    from tpupedia.models import cogvideox, hunyuan
+
+    for spec, model in ((cogvideox.SPEC, cog), (hunyuan.SPEC, hy)):
+        for strategy, table in spec.sharding.items():
             axis = "tp" if strategy == "fsdp" else None  # the mesh has no "fsdp" axis
-            plan = sharding.plan(model, sharding.rules(family, strategy, axis=axis), mesh)
+            plan = sharding.plan(model, sharding.rules(spec, strategy, axis=axis), mesh)
             used = {p.rule for p in plan.placements}
-            assert all(pattern in used for pattern, _ in table), (family, strategy)  # no dead rule
-    cog_tp = sharding.plan(cog, sharding.rules("cogvideox", "tp"), mesh)
+            assert all(pattern in used for pattern, _ in table), (spec.name, strategy)  # no dead rule
+    cog_tp = sharding.plan(cog, sharding.rules(cogvideox.SPEC, "tp"), mesh)
     assert cog_tp["transformer_blocks.0.attn1.to_q.weight"].spec == P("tp", None)
     assert cog_tp["transformer_blocks.0.ff.net.2.weight"].spec == P(None, "tp")
-    upstream = sharding.plan(cog, sharding.rules("cogvideox", "tp_transposed"), mesh)
+    upstream = sharding.plan(cog, sharding.rules(cogvideox.SPEC, "tp_transposed"), mesh)
     assert upstream["transformer_blocks.0.attn1.to_q.weight"].spec == P(None, "tp")
-    hy_tp = sharding.plan(hy, sharding.rules("hunyuan", "tp_fc2_replicated", axis=("dp", "tp")), mesh)
+    hy_tp = sharding.plan(hy, sharding.rules(hunyuan.SPEC, "tp_fc2_replicated", axis=("dp", "tp")), mesh)
     assert hy_tp["transformer_blocks.0.attn.add_q_proj.weight"].spec == P(("dp", "tp"), None)
     assert hy_tp["transformer_blocks.0.ff.net.2.weight"].spec == P()
 

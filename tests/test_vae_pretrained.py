@@ -14,7 +14,8 @@ from diffusers import AutoencoderKLCogVideoX as TorchVAE
 from flax import nnx
 
 from tpupedia import presets
-from tpupedia.models import checkpoints, cogvideox, cogvideox_vae_convert as convert
+from tpupedia.models import checkpoints, cogvideox
+from tpupedia.models import cogvideox_vae_convert as convert
 
 
 def _torch_vae(dtype: torch.dtype) -> TorchVAE:

@@ -12,7 +12,9 @@ softmax attention with one of three back ends:
     ``jax.nn.dot_product_attention`` (XLA; on a GPU XLA may pick cuDNN). It materialises the
     score matrix, so it is for short sequences, checks and GPUs.
 ``"auto"``
-    splash on TPU and CPU, the reference on GPU.
+    splash on a TPU, the reference elsewhere (``resolve_backend``; the pipelines' ``--attention
+    auto`` means the same). The functions here default to ``"splash"``: calling this module is
+    asking for the kernel, interpreted off a TPU, as notebook 04 runs it.
 
 Masks. Splash masks are static, host-side objects, while a caller such as Hugging Face passes a
 *traced* boolean mask of shape ``(B, 1, Sq, Skv)``. The splash path represents exactly the masks
@@ -51,6 +53,7 @@ __all__ = [
     "LANE",
     "BACKENDS",
     "resolve_backend",
+    "padded_attend",
     "round_up",
     "default_block_sizes",
     "check_block_sizes",
@@ -362,7 +365,9 @@ def splash_attention(
     kvv = jnp.pad(kvv, ((0, 0), (0, skvp - skv)))
     q_seg = jnp.where(qv, 0, 1).astype(jnp.int32)
     kv_seg = jnp.where(kvv, 0, 2).astype(jnp.int32)
-    pad = lambda x, s: jnp.pad(x, ((0, 0), (0, 0), (0, s - x.shape[2]), (0, 0)))
+    def pad(x, s):
+        return jnp.pad(x, ((0, 0), (0, 0), (0, s - x.shape[2]), (0, 0)))
+
     qp, kp, vp = pad(q * jnp.asarray(scale, q.dtype), sqp), pad(k, skvp), pad(v, skvp)
     block = (bs.block_q, bs.block_kv, bs.block_kv_compute)
 
@@ -389,17 +394,22 @@ def splash_attention(
 
 
 def resolve_backend(backend: str = "auto", platform: str | None = None) -> str:
-    """``"splash"`` or ``"reference"``: what ``backend`` means on ``platform`` (default: JAX's)."""
+    """``"splash"`` or ``"reference"``: what ``backend`` means on ``platform`` (default: JAX's).
+
+    The one meaning of ``"auto"`` everywhere (the pipelines, the plan, the dry-run): the splash
+    kernel on a TPU, the reference elsewhere: a GPU has no splash kernel, and on a CPU the
+    kernel runs in Pallas' interpret mode, which is for checking correctness, not for speed. Ask
+    for ``"splash"`` to interpret it off a TPU (notebook 04 does)."""
     if backend not in BACKENDS:
         raise AttentionError(f"backend={backend!r}: expected one of {BACKENDS}")
     platform = platform or jax.default_backend()
     if backend == "auto":
-        return "reference" if platform == "gpu" else "splash"
+        return "splash" if platform == "tpu" else "reference"
     return backend
 
 
 def attention(
-    q, k, v, mask=None, *, is_causal=False, scale=None, backend="auto", block_sizes=None,
+    q, k, v, mask=None, *, is_causal=False, scale=None, backend="splash", block_sizes=None,
     interpret=None, mesh=None, layout="heads", batch_axis=None, head_axis=None,
     mask_structure="check", cap_block_sizes=False,
 ) -> jax.Array:
@@ -468,7 +478,7 @@ class AttentionOverride:
 
 
 def install_attention(
-    env, mesh=None, backend="auto", block_sizes=None, *, mask_structure="check", interpret=None,
+    env, mesh=None, backend="splash", block_sizes=None, *, mask_structure="check", interpret=None,
     **layout_kwargs,
 ) -> AttentionOverride:
     """Make ``F.scaled_dot_product_attention`` inside the torchax ``env`` call :func:`attention`.
@@ -498,7 +508,7 @@ def install_attention(
     )
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-             enable_gqa=False):
+             enable_gqa=False):  # noqa: ARG001 - torch's signature; GQA is read from the shapes
         if dropout_p:
             raise AttentionError(f"dropout_p={dropout_p}: attention dropout is not supported "
                                  "(inference only); pass 0.0")
@@ -518,12 +528,29 @@ def install_attention(
 # padding declared as a vector (HunyuanVideo-1.5, notebook 07)
 
 
-def padded_attention(q, k, v, valid, *, backend="auto", scale=None, block_sizes=None, interpret=None, mesh=None,
+def padded_attend(backend: str, *, mesh=None, interpret=None, block_sizes=None, batch_axis="dp", head_axis="tp"):
+    """``attend(q, k, v, valid)`` on torchax tensors: :func:`padded_attention` jitted with these
+    settings and called through ``torchax.interop.call_jax``: what a family's padded forward
+    (a processor that keeps the text padding as a ``(B, S)`` vector) calls, in the pipelines and
+    in the dry-run. ``mesh`` is used by splash only (batch on ``batch_axis``, heads on ``head_axis``)."""
+    fn = jax.jit(functools.partial(padded_attention, backend=backend, interpret=interpret,
+                                   mesh=mesh if resolve_backend(backend) == "splash" else None,
+                                   batch_axis=batch_axis, head_axis=head_axis, block_sizes=block_sizes))
+
+    def attend(q, k, v, valid):
+        from torchax.interop import call_jax
+
+        return call_jax(fn, q, k, v, valid)
+
+    return attend
+
+
+def padded_attention(q, k, v, valid, *, backend="splash", scale=None, block_sizes=None, interpret=None, mesh=None,
                      batch_axis=None, head_axis=None) -> jax.Array:
     """Joint attention with padding: token ``j`` is visible to token ``i`` iff ``valid[:, i]``
     and ``valid[:, j]`` (``valid``: ``(B, S)`` booleans; ``q, k, v``: ``(B, H, S, D)``).
 
-    This is the mask HunyuanVideo-1.5's processor builds as a ``(B, 1, S, S)`` matrix, declared
+    This is the mask a joint text-video processor builds as a ``(B, 1, S, S)`` matrix (notebook 07), declared
     by its structure instead: the splash path turns ``valid`` into segment ids and never forms an
     ``S x S`` mask; the reference path broadcasts it inside the score computation. Query rows that
     see no key (the padded tokens) return 0 on both paths. ``block_sizes`` are upper bounds, capped

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from tpupedia import files
 from tpupedia.errors import TpupediaError
 
 __all__ = ["BatchError", "Item", "read_prompts", "slug", "share", "item_request", "is_done", "record", "relist",
@@ -125,9 +126,7 @@ def record(outdir: str | os.PathLike, item: Item, fingerprint: str, write_video:
     write_video(video)
     meta = {"index": item.index, "prompt": item.prompt, "overrides": dict(item.overrides),
             "fingerprint": fingerprint, "file": video.name, "sha256": _sha256(video), **extra}
-    tmp = twin.with_name(f".{twin.name}.tmp")
-    tmp.write_text(json.dumps(meta, indent=2, default=str) + "\n")
-    os.replace(tmp, twin)
+    files.write_text_atomic(twin, json.dumps(meta, indent=2, default=str) + "\n")
     _append(outdir, meta)
     return video
 

@@ -140,6 +140,10 @@ def bench_llama(layers: int = 8, hidden: int = 512, seq: int = 512, batch: int =
     })
 
 
+DIT_HELP = "one CogVideoX-shaped denoising step: torchax jit vs PyTorch eager and torch.compile"
+"""`tpupedia bench dit`'s help line."""
+
+
 def bench_dit(layers: int = 2, heads: int = 8, head_dim: int = 64, frames: int = 9, height: int = 64,
               width: int = 64, text_tokens: int = 32, repeat: int = 5, torch_compile: bool = True,
               seed: int = 0) -> dict[str, Any]:
@@ -238,7 +242,9 @@ def bench_generate(family: str, preset: Any, request: Any, options: Any, model: 
     import importlib
     import tempfile
 
-    pipeline = importlib.import_module(f"tpupedia.pipelines.{family}")
+    from tpupedia import families
+
+    pipeline = importlib.import_module(families.get(family, "video").pipeline)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="tpupedia-bench-") as workdir:
         reports = pipeline.run(request, options, preset=preset, model=model, workdir=workdir, force=True,
@@ -267,22 +273,26 @@ def _pipeline_config(pipeline: Any, preset: Any, request: Any, options: Any, mod
                      "dtype": str(common.torch_dtype(options, preset)).removeprefix("torch.")}
 
 
-def bench_deepcache(preset: Any, request: Any, options: Any, model: str | None = None) -> dict[str, Any]:
-    """HunyuanVideo-1.5 twice from the same seed, without and with `request.deepcache`: the steps
-    recomputed, the denoising time (steps that compiled left out, scaled to all steps) and
-    PSNR/SSIM of the cached video against the uncached one. Notebook 07; `tpupedia bench
-    deepcache` writes the record."""
+def bench_deepcache(family: str, preset: Any, request: Any, options: Any, model: str | None = None) -> dict[str, Any]:
+    """Video family `family` (one whose request takes a `deepcache` schedule: HunyuanVideo-1.5)
+    twice from the same seed, without and with `request.deepcache`: the steps recomputed, the
+    denoising time (steps that compiled left out, scaled to all steps) and PSNR/SSIM of the
+    cached video against the uncached one. Notebook 07; `tpupedia bench deepcache FAMILY` writes
+    the record."""
     import dataclasses
+    import importlib
     import tempfile
 
     from safetensors.numpy import load_file
 
-    from tpupedia.pipelines import deepcache, hunyuan
+    from tpupedia import families, metrics
+
+    pipeline = importlib.import_module(families.get(family, "video").pipeline)
 
     runs = {}
     for name, schedule in (("plain", None), ("cached", request.deepcache)):
         with tempfile.TemporaryDirectory(prefix="tpupedia-bench-") as workdir:
-            reports = hunyuan.run(dataclasses.replace(request, deepcache=schedule), options, preset=preset, model=model,
+            reports = pipeline.run(dataclasses.replace(request, deepcache=schedule), options, preset=preset, model=model,
                                   workdir=workdir, force=True, log=lambda _: None)
             frames = load_file(f"{workdir}/decode.safetensors")["frames"]
         step_s = {r.stage: r.timings for r in reports}["denoise"]["step_s"]
@@ -293,13 +303,13 @@ def bench_deepcache(preset: Any, request: Any, options: Any, model: str | None =
         runs[name] = {"frames": frames, "full_steps": len(full),
                       "seconds": sum(timed) / len(timed) * request.steps}  # per-step mean, scaled to the run
     plain, cached = runs["plain"], runs["cached"]
-    quality = deepcache.compare(cached["frames"], plain["frames"])
+    quality = metrics.compare(cached["frames"], plain["frames"])
     return {
         "bench": "deepcache",
-        "config": _pipeline_config(hunyuan, preset, request, options, model),
+        "config": _pipeline_config(pipeline, preset, request, options, model),
         "machine": machine(),
         "result": {"steps": request.steps, "full_steps": cached["full_steps"], "plain_s": plain["seconds"],
                    "cached_s": cached["seconds"], "speedup": plain["seconds"] / cached["seconds"], **quality},
         "measured_at": _dt.date.today().isoformat(),
-        "command": f"tpupedia bench deepcache --preset {preset.name} --deepcache {request.deepcache} --steps {request.steps}",
+        "command": f"tpupedia bench deepcache {family} --preset {preset.name} --deepcache {request.deepcache} --steps {request.steps}",
     }

@@ -64,12 +64,9 @@ def _bench_llama(args: argparse.Namespace) -> int:
 
 def _bench_dit(args: argparse.Namespace) -> int:
     from tpupedia import bench
-    from tpupedia.models import cogvideox
 
     _positive(layers=args.layers, heads=args.heads, head_dim=args.head_dim, frames=args.frames,
               height=args.height, width=args.width, text_tokens=args.text_tokens, repeat=args.repeat)
-    cogvideox.check_frames(args.frames)
-    cogvideox.check_size(args.width, args.height)
     record = bench.bench_dit(layers=args.layers, heads=args.heads, head_dim=args.head_dim, frames=args.frames,
                              height=args.height, width=args.width, text_tokens=args.text_tokens,
                              repeat=args.repeat, torch_compile=not args.no_torch_compile)
@@ -77,8 +74,7 @@ def _bench_dit(args: argparse.Namespace) -> int:
 
 
 def _dryrun(args: argparse.Namespace) -> int:
-    from tpupedia import dryrun, results
-
+    from tpupedia import dryrun, families, results
     from tpupedia.pipelines.common import parse_mesh
 
     report = dryrun.run(
@@ -89,18 +85,19 @@ def _dryrun(args: argparse.Namespace) -> int:
     )
     print(report.summary())
     if args.record:
+        spec = families.get(args.model)
         command = f"tpupedia dryrun {args.model} --topology {args.topology}"
-        if args.model == "llama":
+        if spec.kind == "llm":
             command += f" --seq {args.seq}"
         else:
             command += f" --resolution {report.width}x{report.height} --frames {report.frames}"
-        if args.model != "cogvideox-vae":  # the VAE runs whole on one chip, without attention
+        if spec.kind != "vae":  # a VAE runs whole on one chip, without attention
             command += f" --sharding {args.sharding} --attention {args.attention}"
         if args.layers:
             command += f" --layers {args.layers}"
         if args.attention == "splash":
             command += f" --block-sizes {','.join(map(str, report.block_sizes))}"
-        if args.model == "hunyuan":
+        if report.mask:
             command += f" --mask {args.mask}"
         if args.mesh:
             command += f" --mesh {args.mesh}"
@@ -145,14 +142,26 @@ def _block_sizes(text: str | None) -> tuple[int, int, int] | None:
     return attention.parse_block_sizes(text) if text else None
 
 
-GENERATORS = ("cogvideox", "hunyuan")
-"""Families `generate` and `bench generate` run: `tpupedia.pipelines.<name>`."""
-
-
 def _pipeline_module(name: str):
+    """The staged pipeline of video family `name` (`FamilySpec.pipeline`)."""
     import importlib
 
-    return importlib.import_module(f"tpupedia.pipelines.{name}")
+    from tpupedia import families
+
+    return importlib.import_module(families.get(name, "video").pipeline)
+
+
+def _family_fields(pipeline) -> list:
+    """The fields a family's `Request` adds to `common.Request` (HunyuanVideo-1.5's `shift`,
+    `deepcache`): each becomes a flag of `generate` and `bench generate`, its `metadata` giving
+    the help text, a metavar, the flag's `type` and `parse` (text -> value, raising the family's
+    error, so that a bad value is one line naming it)."""
+    import dataclasses
+
+    from tpupedia.pipelines import common
+
+    shared = {f.name for f in dataclasses.fields(common.Request)}
+    return [f for f in dataclasses.fields(pipeline.Request) if f.name not in shared]
 
 
 def _generate_setup(args: argparse.Namespace):
@@ -168,11 +177,10 @@ def _generate_setup(args: argparse.Namespace):
     fields = family.default_request(preset) | {k: v for k, v in (
         ("frames", args.frames), ("height", args.height), ("width", args.width), ("steps", args.steps),
         ("guidance", args.guidance), ("seed", args.seed), ("fps", args.fps)) if v is not None}
-    if args.model_family == "hunyuan":
-        from tpupedia.pipelines import deepcache
-
-        fields |= {"shift": args.shift,
-                   "deepcache": deepcache.parse(args.deepcache) if args.deepcache else None}
+    for f in _family_fields(pipeline):
+        value = getattr(args, f.name)
+        parse = f.metadata.get("parse")
+        fields[f.name] = parse(value) if parse and value is not None else value
     request = pipeline.Request(prompt=args.prompt or "(from --prompts)", negative_prompt=args.negative_prompt,
                                vae_tiling=args.vae_tiling == "on", **fields)
     options = common.Options(mesh=common.parse_mesh(args.mesh) if args.mesh else None, sharding=args.sharding,
@@ -272,13 +280,14 @@ def _bench_generate(args: argparse.Namespace) -> int:
 
 def _bench_deepcache(args: argparse.Namespace) -> int:
     from tpupedia import bench
+    from tpupedia.pipelines import deepcache
 
     if args.steps is None:
         args.steps = 50  # the upstream schedule needs 50 steps
     if args.deepcache is None:
-        args.deepcache = "11:45:4"
+        args.deepcache = str(deepcache.UPSTREAM_DEFAULT)
     preset, pipeline, request, options, _ = _generate_setup(args)
-    record = bench.bench_deepcache(preset, request, options, model=args.model)
+    record = bench.bench_deepcache(args.model_family, preset, request, options, model=args.model)
     path = bench.merge_record(record, args.output, key=bench._pipeline_key)
     r = record["result"]
     print(f"deepcache {request.deepcache} over {request.steps} steps: {r['full_steps']} full, "
@@ -295,17 +304,18 @@ def _launch(args: argparse.Namespace) -> int:
     return distributed.launch(command, args.local_processes, args.devices_per_process)
 
 
-def _distributed_check(args: argparse.Namespace) -> int:
+def _distributed_check(_args: argparse.Namespace) -> int:
     from tpupedia import distributed
 
     print("\n".join(distributed.check()))
     return 0
 
 
-def _add_generate_arguments(p: argparse.ArgumentParser, family: str, *, stages: bool) -> None:
+def _add_generate_arguments(p: argparse.ArgumentParser, spec, *, stages: bool) -> None:
+    family = spec.name
     source = p.add_mutually_exclusive_group()
     source.add_argument("--preset", choices=["tiny", "full"], default=None,
-                        help=f"tiny: random tiny checkpoint, CPU; full: {_pipeline_module(family).PIPELINE.family.FULL_ID} "
+                        help=f"tiny: random tiny checkpoint, CPU; full: {spec.full_id} "
                              "(default: $TPUPEDIA_PRESET)")
     source.add_argument("--model", default=None, help=f"a diffusers-format {family} checkpoint directory or hub id")
     p.add_argument("--prompt", default=None if stages else "A panda plays an acoustic guitar in a bamboo forest.")
@@ -317,11 +327,10 @@ def _add_generate_arguments(p: argparse.ArgumentParser, family: str, *, stages: 
         p.add_argument("--force", action="store_true", help="rerun stages whose files are up to date")
         p.add_argument("--prompts", default=None, help="a batch: one prompt a line, or JSONL with prompt/seed/frames/height/width")
         p.add_argument("--outdir", default=None, help="with --prompts: where NNNN-slug.mp4, its JSON and index.jsonl go")
-    guidance_help = "default: the checkpoint's guider" if family == "hunyuan" else f"default: the preset's (tpupedia.models.{family})"
     for flag, kind in (("--frames", int), ("--height", int), ("--width", int), ("--steps", int),
                        ("--guidance", float), ("--seed", int), ("--fps", int)):
         p.add_argument(flag, type=kind, default=None,
-                       help=guidance_help if flag == "--guidance" else f"default: the preset's (tpupedia.models.{family})")
+                       help=f"default: the checkpoint's where its configs say, else the preset's ({spec.module})")
     p.add_argument("--mesh", default=None, help="dp=N,tp=M (default: dp=2 and tp the rest of the devices)")
     p.add_argument("--sharding", choices=["tp", "fsdp", "replicated"], default="tp")
     p.add_argument("--attention", choices=["auto", "splash", "reference"], default="auto",
@@ -341,13 +350,14 @@ def _add_generate_arguments(p: argparse.ArgumentParser, family: str, *, stages: 
                         "on when a frame does not fit one chip, otherwise off")
     p.add_argument("--no-plan", action="store_true",
                    help="on a TPU with the full preset, skip the plan's checks before loading weights (cached per shape)")
-    if family == "hunyuan":
-        p.add_argument("--shift", type=float, default=None, help="flow-matching shift (default: the checkpoint's scheduler)")
-        p.add_argument("--deepcache", default=None, metavar="START:END:INTERVAL",
-                       help="reuse deep features between full steps, e.g. 11:45:4 (upstream's); off by default")
+    for f in _family_fields(_pipeline_module(family)):
+        p.add_argument(f"--{f.name.replace('_', '-')}", default=None, metavar=f.metadata.get("metavar"),
+                       type=f.metadata.get("type", str), help=f.metadata.get("help"))
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from tpupedia import bench, families
+
     parser = argparse.ArgumentParser(
         prog="tpupedia",
         description="gpu-tpu-pedia helpers: check a machine, plan and run TPU video generation.",
@@ -363,20 +373,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_doctor)
 
     d = sub.add_parser("dryrun", help="AOT-compile one full-size step for a TPU slice; per-chip memory, collectives, roofline")
-    d.add_argument("model", choices=["cogvideox", "cogvideox-vae", "hunyuan", "llama"])
+    d.add_argument("model", choices=list(families.names()),
+                   help="; ".join(f"{s.name}: {s.title}" for s in families.all_specs()))
     d.add_argument("--topology", default="v6e:2x4", help="TPU slice as libtpu names it (v6e:2x4, v6e:4x4, v5e:2x4, v5p:2x2x2)")
     d.add_argument("--resolution", default=None,
                    help="720p, 480p or WIDTHxHEIGHT (video models; default: the family's, as generate --preset full)")
     d.add_argument("--frames", type=int, default=None, help="4n+1 frames (video models; default: the family's)")
-    d.add_argument("--seq", type=int, default=2048, help="sequence length (llama)")
-    d.add_argument("--sharding", default="tp", help="a strategy of tpupedia.sharding: tp, tp_transposed, fsdp, replicated (hunyuan: also tp_fc2_replicated)")
+    d.add_argument("--seq", type=int, default=2048, help="sequence length (an llm: " + ", ".join(families.names("llm")) + ")")
+    d.add_argument("--sharding", default="tp", help="the model's sharding strategy: " + "; ".join(
+                       f"{s.name}: {', '.join(s.strategies)}" for s in families.all_specs() if s.strategies))
     d.add_argument("--attention", default="reference", choices=["reference", "splash"])
     d.add_argument("--block-sizes", default=None, metavar="Q,KV,KV_COMPUTE",
                    help="splash block sizes, multiples of 128 (default: the family's SPLASH_BLOCK_SIZES)")
     d.add_argument("--layers", type=int, default=None, help="compile N layers and scale the weights to full depth")
     d.add_argument("--mesh", default=None, help="dp=N,tp=M over the slice's chips (default dp=2, tp the rest)")
     d.add_argument("--mask", choices=["vector", "matrix"], default="vector",
-                   help="hunyuan: text padding as the pipeline's (B, S) vector or diffusers' (B, 1, S, S) matrix")
+                   help="text padding as the pipeline's (B, S) vector or the stock processor's (B, 1, S, S) matrix ("
+                        + ", ".join(s.name for s in families.all_specs() if "matrix" in s.dryrun_masks) + ")")
     d.add_argument("--measured-step-seconds", type=float, default=None, help="a measured step time, to report MFU")
     d.add_argument("--json", default=None, help="also write the report as JSON to this file")
     d.add_argument("--record", default=None, nargs="?", const="docs/results/dryruns.json",
@@ -386,7 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="AOT-compile every program a generate run executes for a TPU slice; "
                                      "per-stage per-chip peak, binding stage; exit 2 if it will not fit")
     plsub = pl.add_subparsers(dest="model_family", required=True)
-    for name in GENERATORS:
+    for spec in families.video():
+        name = spec.name
         q = plsub.add_parser(name, help=f"plan `tpupedia generate {name} --preset full`")
         q.add_argument("--model", default=None, help="a diffusers checkpoint folder whose configs to plan "
                                                       "(default: the release's configs, built in)")
@@ -422,7 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
     ll.add_argument("--repeat", type=int, default=5)
     ll.add_argument("--output", default="docs/results/benchmarks.json", help="results file to merge into")
     ll.set_defaults(func=_bench_llama)
-    dit = bsub.add_parser("dit", help="one CogVideoX-shaped denoising step: torchax jit vs PyTorch eager and torch.compile")
+    dit = bsub.add_parser("dit", help=bench.DIT_HELP)
     dit.add_argument("--layers", type=int, default=2)
     dit.add_argument("--heads", type=int, default=8)
     dit.add_argument("--head-dim", type=int, default=64)
@@ -436,31 +450,33 @@ def build_parser() -> argparse.ArgumentParser:
     dit.set_defaults(func=_bench_dit)
     g = sub.add_parser("generate", help="text-to-video in stages (text, denoise, decode), with resumable stage files")
     gsub = g.add_subparsers(dest="model_family", required=True)
-    helps = {"cogvideox": "CogVideoX (1.5-5B on the full preset): T5 -> transformer -> VAE",
-             "hunyuan": "HunyuanVideo-1.5 (720p t2v on the full preset): Qwen2.5-VL + ByT5 -> transformer -> VAE"}
-    for name in GENERATORS:
-        gen = gsub.add_parser(name, help=helps[name])
-        _add_generate_arguments(gen, name, stages=True)
+    for spec in families.video():
+        gen = gsub.add_parser(spec.name, help=spec.title)
+        _add_generate_arguments(gen, spec, stages=True)
         gen.set_defaults(func=_generate)
     bg = bsub.add_parser("generate", help="the whole text-to-video pipeline, per-stage first-call and steady timings")
     bgsub = bg.add_subparsers(dest="model_family", required=True)
-    for name in GENERATORS:
-        bgen = bgsub.add_parser(name, help=f"{name}: text, denoise and decode in a temporary work directory")
-        _add_generate_arguments(bgen, name, stages=False)
+    for spec in families.video():
+        bgen = bgsub.add_parser(spec.name, help=f"{spec.name}: text, denoise and decode in a temporary work directory")
+        _add_generate_arguments(bgen, spec, stages=False)
         bgen.add_argument("--output", default="docs/results/pipelines.json", help="results file to merge into")
         bgen.set_defaults(func=_bench_generate)
-    dc_ = bsub.add_parser("deepcache", help="HunyuanVideo-1.5 with and without DeepCache: steps, PSNR/SSIM, time")
-    _add_generate_arguments(dc_, "hunyuan", stages=False)
-    dc_.add_argument("--output", default="docs/results/pipelines.json", help="results file to merge into")
-    dc_.set_defaults(func=_bench_deepcache, model_family="hunyuan")
+    dc = bsub.add_parser("deepcache", help="a family with and without DeepCache: steps, PSNR/SSIM, time")
+    dcsub = dc.add_subparsers(dest="model_family", required=True)
+    for spec in families.video():  # the families whose requests take a DeepCache schedule
+        if any(f.name == "deepcache" for f in _family_fields(_pipeline_module(spec.name))):
+            q = dcsub.add_parser(spec.name, help=f"{spec.name} twice from one seed, without and with DeepCache")
+            _add_generate_arguments(q, spec, stages=False)
+            q.add_argument("--output", default="docs/results/pipelines.json", help="results file to merge into")
+            q.set_defaults(func=_bench_deepcache)
 
     la = sub.add_parser("launch", help="run a tpupedia command as N local processes of one multi-controller JAX job")
     la.add_argument("--local-processes", type=int, default=2)
     la.add_argument("--devices-per-process", type=int, default=4, help="simulated CPU devices in each process")
-    la.add_argument("tpupedia_command", nargs=argparse.REMAINDER, help="-- then the tpupedia command, e.g. -- generate cogvideox ...")
+    la.add_argument("tpupedia_command", nargs=argparse.REMAINDER, help=f"-- then the tpupedia command, e.g. -- generate {families.video()[0].name} ...")
     la.set_defaults(func=_launch)
-    dc = sub.add_parser("distributed-check", help="join the multi-process job and show what this process sees")
-    dc.set_defaults(func=_distributed_check)
+    dch = sub.add_parser("distributed-check", help="join the multi-process job and show what this process sees")
+    dch.set_defaults(func=_distributed_check)
     return parser
 
 

@@ -32,15 +32,13 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tpupedia import aot, devices, hardware, results
+from tpupedia import aot, devices, families, hardware, results
 from tpupedia import sharding as sharding_rules
 from tpupedia.errors import TpupediaError
-from tpupedia.models import cogvideox, hunyuan, llama
 
 __all__ = [
     "DryRunError",
     "step_floors",
-    "MODELS",
     "RESOLUTIONS",
     "parse_resolution",
     "DryRunReport",
@@ -51,9 +49,7 @@ __all__ = [
 
 DEFAULT_RECORDS = "docs/results/dryruns.json"
 
-MODELS = ("cogvideox", "cogvideox-vae", "hunyuan", "llama")
 RESOLUTIONS = {"720p": (1280, 720), "480p": (848, 480)}
-FAMILIES = {"cogvideox": cogvideox, "hunyuan": hunyuan, "llama": llama}
 
 
 class DryRunError(TpupediaError, ValueError):
@@ -114,8 +110,9 @@ class DryRunReport:
     """The splash kernel's `[block_q, block_kv, block_kv_compute]` (upper bounds, capped per call);
     `None` with the reference attention."""
     mask: str | None = None
-    """HunyuanVideo-1.5: `vector` (the pipeline's (B, S) padding, `hunyuan.PaddingAttnProcessor`)
-    or `matrix` (diffusers' processor, which builds a (B, 1, S, S) mask in every block)."""
+    """A family whose stock attention processor builds a mask matrix (`FamilySpec.dryrun_masks`):
+    `vector` (the pipeline's (B, S) padding, the family's `padded_forward`) or `matrix`
+    (diffusers' processor, which builds a (B, 1, S, S) mask in every block); otherwise `None`."""
     floors: dict[str, float] = field(default_factory=dict)
     """Lower bounds on the step time, seconds (`step_floors`): `compute` (FLOPs at the chips' bf16
     peak), `memory` (the chip's weight shards read once from HBM), `communication` (the bytes
@@ -178,26 +175,22 @@ def step_floors(flops: float, num_chips: int, chip: hardware.Chip, weight_bytes:
             "communication": sent_bytes / chip.ring_bytes_per_s}
 
 
-def _validate(model: str, frames: int | None, sharding: str, attention: str, layers: int | None) -> None:
-    if model not in MODELS:
-        raise DryRunError(f"model {model!r} is not one of {', '.join(MODELS)}")
-    strategies = sorted(st for fam, st in sharding_rules.RULES if fam == model)
-    if model != "cogvideox-vae" and sharding not in strategies:  # the VAE runs whole on one chip
-        raise DryRunError(f"sharding {sharding!r} is not one of {', '.join(strategies)} for {model}")
+def _validate(spec: families.FamilySpec, frames: int | None, sharding: str, attention: str,
+              layers: int | None) -> None:
+    if spec.kind != "vae" and sharding not in spec.strategies:  # a VAE runs whole on one chip
+        raise DryRunError(f"sharding {sharding!r} is not one of {', '.join(spec.strategies)} for {spec.name}")
     if attention not in ("reference", "splash"):
         raise DryRunError(f"attention {attention!r} is not one of reference, splash")
-    if model not in ("llama", "cogvideox-vae"):
-        rule = FAMILIES[model].TEMPORAL_COMPRESSION
+    if spec.kind != "llm":
+        rule = families.get(spec.defaults_from or spec.name).facts.TEMPORAL_COMPRESSION
         if frames is None or frames < 1 or (frames - 1) % rule:
-            raise DryRunError(f"frames={frames}: {model} needs {rule}n+1 frames (the VAE compresses time by {rule}), "
-                              "e.g. 49, 81, 121")
-    elif model == "cogvideox-vae" and (frames is None or frames < 1 or (frames - 1) % cogvideox.TEMPORAL_COMPRESSION):
-        raise DryRunError(f"frames={frames}: the CogVideoX VAE needs 4n+1 frames, e.g. 49, 81")
+            raise DryRunError(f"frames={frames}: {spec.name} needs {rule}n+1 frames (the VAE compresses time by "
+                              f"{rule}), e.g. {', '.join(str(rule * n + 1) for n in (12, 20, 30))}")
     if layers is not None and layers < 1:
         raise DryRunError(f"layers={layers} must be a positive integer")
 
 
-def run(model: str = "cogvideox", topology: str = "v6e:2x4", resolution: str | None = None,
+def run(model: str, topology: str = "v6e:2x4", resolution: str | None = None,
         frames: int | None = None, sharding: str = "tp", attention: str = "reference",
         layers: int | None = None, mesh_shape: tuple[int, int] | None = None, seq: int = 2048,
         measured_step_seconds: float | None = None, mask: str = "vector",
@@ -205,21 +198,26 @@ def run(model: str = "cogvideox", topology: str = "v6e:2x4", resolution: str | N
     """Compile one full-size step of `model` for `topology` and report what it costs per chip.
 
     The mesh is `("dp", "tp")`; by default `dp=2` (the guidance batch) and `tp` the rest of the
-    chips, for LLMs `dp=1`. HunyuanVideo-1.5 compiles the pipeline's forward (`mask="vector"`)
-    or diffusers' attention processor with its (B, 1, S, S) mask (`mask="matrix"`, notebook 07).
+    chips, for LLMs `dp=1`. A family whose stock attention builds a (B, 1, S, S) mask compiles the
+    pipeline's forward with the padding as a vector (`mask="vector"`, its `padded_forward`) or the
+    stock processor (`mask="matrix"`, notebook 07 compares them).
     Splash runs at `block_sizes`, by default the family's `SPLASH_BLOCK_SIZES` (what the pipeline
     runs). `resolution` and `frames` default to the family's full-preset request (`generate`'s).
     Bad arguments raise `DryRunError` before anything is built.
     """
-    if model in MODELS and model != "llama":  # an unknown model is refused by `_validate`, below
+    try:
+        spec = families.get(model)
+    except families.FamilyError as err:
+        raise DryRunError(str(err).replace("family", "model", 1)) from None
+    if spec.kind != "llm":
         from tpupedia import presets
 
-        default = FAMILIES[model.removesuffix("-vae")].default_request(presets.get("full"))
+        default = families.get(spec.defaults_from or spec.name).facts.default_request(presets.get("full"))
         resolution = resolution or f"{default['width']}x{default['height']}"
         frames = default["frames"] if frames is None else frames
-    _validate(model, frames, sharding, attention, layers)
-    if mask not in ("vector", "matrix"):
-        raise DryRunError(f"mask={mask!r} is not one of vector, matrix")
+    _validate(spec, frames, sharding, attention, layers)
+    if mask not in spec.dryrun_masks:
+        raise DryRunError(f"mask={mask!r} is not one of {', '.join(spec.dryrun_masks)} for {model}")
     if block_sizes is not None:  # splash's rules (AttentionError names the value)
         from tpupedia import attention as kernel
 
@@ -227,27 +225,27 @@ def run(model: str = "cogvideox", topology: str = "v6e:2x4", resolution: str | N
     topo = hardware.parse_topology(topology)  # parsed once; the parsed slice is passed on
     n = topo.num_chips
     if mesh_shape is None:
-        mesh_shape = (1, n) if model == "llama" or n == 1 else (2, n // 2)
+        mesh_shape = (1, n) if spec.kind == "llm" or n == 1 else (2, n // 2)
     if math.prod(mesh_shape) != n:
         raise DryRunError(f"mesh {mesh_shape} needs {math.prod(mesh_shape)} chips; {topology} has {n}")
     width = height = None
-    if model != "llama":
+    if spec.kind != "llm":
         width, height = parse_resolution(resolution, 16)
-    if model == "cogvideox-vae":
-        return _vae_report(topo, width, height, frames)
+    if spec.kind == "vae":
+        return _vae_report(spec, topo, width, height, frames)
 
     from tpupedia import torchax_utils
 
     env = torchax_utils.default_env()
     torchax_utils.register_common_outputs()
     mesh = devices.topology_mesh(topo, mesh_shape, ("dp", "tp"))
-    family = FAMILIES[model]
+    family = spec.facts
     full_layers = family.FULL_LAYERS
     blocks = None
     if attention == "splash":
         blocks = tuple(block_sizes or family.SPLASH_BLOCK_SIZES)
     module = family.build(layers)
-    if model == "llama":
+    if spec.kind == "llm":
         specs, call = family.step_inputs(seq)
         flops = family.forward_flops(seq)
     else:
@@ -256,14 +254,17 @@ def run(model: str = "cogvideox", topology: str = "v6e:2x4", resolution: str | N
     inputs = _abstract_inputs(mesh, specs)
 
     axis = "tp" if sharding.startswith("tp") else ("dp", "tp")  # FSDP shards over every chip
-    table = sharding_rules.rules(model, sharding, axis=axis)
+    table = sharding_rules.rules(spec, sharding, axis=axis)
     try:
         the_plan = sharding_rules.plan(module, table, mesh)
     except sharding_rules.ShardingError as err:
         raise DryRunError(str(err)) from None
-    if model == "hunyuan" and mask == "vector":
-        hunyuan.make_jit_friendly(module, _padded_attend(mesh, attention, blocks))
-    method = hunyuan.static_forward if model == "hunyuan" else "forward"
+    method = "forward"
+    if mask == "vector" and "matrix" in spec.dryrun_masks:  # the pipeline's forward, padding as a vector
+        from tpupedia import attention as kernel
+
+        method = family.padded_forward(module, kernel.padded_attend(attention, mesh=mesh, interpret=False,
+                                                                    block_sizes=blocks))
     functional = torchax_utils.FunctionalModule(module, method)
     weights, buffers = functional.abstract_state(the_plan)
     notes = []
@@ -273,14 +274,13 @@ def run(model: str = "cogvideox", topology: str = "v6e:2x4", resolution: str | N
 
     with torchax_utils.restoring_ops(env):  # the environment is shared: leave it as found
         if attention == "splash":
-            _install_splash(env, mesh, model, blocks)
+            _install_splash(env, mesh, spec.mask, blocks)
         else:
             torchax_utils.stock_ops(env)  # torchax's reference SDPA, whatever was installed before
         result = aot.compile_aot(step, weights, buffers, *inputs)
 
     compiled_layers = full_layers if layers is None else min(layers, full_layers)
-    prefix = {"cogvideox": "transformer_blocks.0.", "hunyuan": "transformer_blocks.0.", "llama": "model.layers.0."}[model]
-    per_layer = sum(p.bytes_per_device for p in the_plan.placements if p.name.startswith(prefix))
+    per_layer = sum(p.bytes_per_device for p in the_plan.placements if p.name.startswith(spec.layer_prefix))
     extra = (full_layers - compiled_layers) * per_layer
     if extra:
         notes.append(f"compiled {compiled_layers} of {full_layers} layers; arguments include "
@@ -308,52 +308,27 @@ def run(model: str = "cogvideox", topology: str = "v6e:2x4", resolution: str | N
     return DryRunReport(
         model=model, topology=topo.name, chip=chip.name, num_chips=n, mesh=dict(mesh.shape),
         sharding=sharding, attention=attention, width=width, height=height,
-        frames=frames if model != "llama" else None, tokens=int(flops["tokens"]),
+        frames=frames if spec.kind != "llm" else None, tokens=int(flops["tokens"]),
         layers_full=full_layers, layers_compiled=compiled_layers, hbm_bytes=hbm, fits=fits,
         arguments_bytes=args_bytes, temporaries_bytes=mem.temporaries if mem else None,
         outputs_bytes=mem.outputs if mem else None,
         oom_required_bytes=result.oom_required_bytes, oom_available_bytes=result.oom_available_bytes,
         collectives=result.collectives, flops=flops, roofline_seconds=roofline,
         measured_step_seconds=measured_step_seconds, mfu=mfu, notes=notes,
-        collective_bytes=traffic, floors=floors, bound=bound, mask=mask if model == "hunyuan" else None,
+        collective_bytes=traffic, floors=floors, bound=bound, mask=mask if "matrix" in spec.dryrun_masks else None,
         floor_basis={"hbm": chip.hbm_bytes_per_s, "ici": chip.ring_bytes_per_s},
         block_sizes=list(blocks) if blocks else None,
     )
 
 
-def _padded_attend(mesh, backend: str, block_sizes=None):
-    """`attend(q, k, v, valid)` for `hunyuan.PaddingAttnProcessor`: the compiled splash kernel
-    (padding as segment ids, heads over `tp`, batch over `dp`, `block_sizes`) or the reference."""
-    import functools
-
-    import jax
-
-    from tpupedia import attention
-
-    fn = jax.jit(functools.partial(attention.padded_attention, backend=backend, interpret=False,
-                                   mesh=mesh if backend == "splash" else None, batch_axis="dp", head_axis="tp",
-                                   block_sizes=block_sizes))
-
-    def attend(q, k, v, valid):
-        from torchax.interop import call_jax
-
-        return call_jax(fn, q, k, v, valid)
-
-    return attend
-
-
-# The mask each model hands to SDPA, declared so that the splash path does not also compile a
-# full-size reference branch for the run-time check (`tpupedia.attention`, mask_structure):
-# HunyuanVideo-1.5 builds valid(q) & valid(k) from its text mask; Llama a causal mask.
-_MASK_STRUCTURE = {"cogvideox": "padding", "hunyuan": "padding", "llama": "causal_padding"}
-
-
-def _install_splash(env, mesh, model: str, block_sizes) -> None:
-    """Route SDPA to the compiled (not interpreted) splash kernel, heads split over `tp`."""
+def _install_splash(env, mesh, mask: str, block_sizes) -> None:
+    """Route SDPA to the compiled (not interpreted) splash kernel, heads split over `tp`. `mask`
+    is the family's mask structure (`FamilySpec.mask`), declared so that the splash path does
+    not also compile a full-size reference branch for the run-time check (`tpupedia.attention`)."""
     from tpupedia import attention
 
     attention.install_attention(env, mesh=mesh, backend="splash", interpret=False, block_sizes=block_sizes,
-                                mask_structure=_MASK_STRUCTURE[model], batch_axis="dp", head_axis="tp")
+                                mask_structure=mask, batch_axis="dp", head_axis="tp")
 
 
 def _abstract_inputs(mesh, specs):
@@ -380,48 +355,30 @@ def record(report: DryRunReport, path: str = DEFAULT_RECORDS, command: str = "")
     return results.merge(data, path, key=_record_key)
 
 
-def _vae_report(topo, width: int, height: int, frames: int) -> DryRunReport:
-    """One frame batch of the CogVideoX VAE decoder (Flax NNX port, bf16) on one chip."""
+def _vae_report(spec: families.FamilySpec, topo, width: int, height: int, frames: int) -> DryRunReport:
+    """One frame batch of a VAE decoder target (`spec.facts.dryrun_decoder`) on one chip."""
     import jax
-    import jax.numpy as jnp
-    from flax import nnx
     from jax.sharding import SingleDeviceSharding
 
-    from tpupedia.models import cogvideox_vae_convert as convert
-    from tpupedia.models.cogvideox_vae import CogVideoXVAEConfig
-
-    config = CogVideoXVAEConfig()
-    ratio = config.spatial_compression_ratio
-    if width % ratio or height % ratio:
-        raise DryRunError(f"resolution {width}x{height}: the VAE needs multiples of {ratio}")
     device = devices.tpu_topology(topo)[0]
-    chip_sharding = SingleDeviceSharding(device)
-    model = convert.abstract_vae(config, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
-    graph, state = nnx.split(model)
-    state = jax.tree.map(lambda a: aot.abstract(a.shape, a.dtype, chip_sharding), state)
-    latents = aot.abstract((1, 2, height // ratio, width // ratio, config.latent_channels), jnp.bfloat16, chip_sharding)
-
-    def decode(st, z):
-        return nnx.merge(graph, st).decode_chunk(z, None)[0]
-
+    decode, args, tokens, note = spec.facts.dryrun_decoder(width, height, SingleDeviceSharding(device))
     # XLA's FLOP count of the same program lowered for the host (no compile, no data)
-    host = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (state, latents))
+    host = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
     cost = jax.jit(decode).lower(*host).cost_analysis()
     total = float((cost[0] if isinstance(cost, list) else cost)["flops"])
-    result = aot.compile_aot(decode, state, latents)
-    flops = {"tokens": 2 * (height // ratio) * (width // ratio), "linear": total, "attention": 0.0, "total": total}
+    result = aot.compile_aot(decode, *args)
+    flops = {"tokens": tokens, "linear": total, "attention": 0.0, "total": total}
     chip = topo.chip
     hbm = aot.hbm_budget([device])
     mem = result.memory
-    weights = sum(a.size * 2 for a in jax.tree.leaves(state))
+    weights = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(args[0]))
     return DryRunReport(
-        model="cogvideox-vae", topology=topo.name, chip=chip.name, num_chips=1, mesh={"chip": 1},
+        model=spec.name, topology=topo.name, chip=chip.name, num_chips=1, mesh={"chip": 1},
         sharding="replicated", attention="none", width=width, height=height, frames=frames,
         tokens=int(flops["tokens"]), layers_full=1, layers_compiled=1, hbm_bytes=hbm, fits=result.fits,
         arguments_bytes=mem.arguments if mem else None, temporaries_bytes=mem.temporaries if mem else None,
         outputs_bytes=mem.outputs if mem else None, oom_required_bytes=result.oom_required_bytes,
         oom_available_bytes=result.oom_available_bytes, collectives=result.collectives, flops=flops,
         roofline_seconds=max(flops["total"] / chip.bf16_flops, weights / chip.hbm_bytes_per_s),
-        notes=["one frame batch (2 latent frames -> 8 video frames) of the Flax NNX decoder (notebook 05), "
-               "bf16, untiled, on one chip; FLOPs are XLA's count of the program lowered for the host"],
+        notes=[note],
     )

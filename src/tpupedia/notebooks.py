@@ -23,6 +23,8 @@ import re
 import sys
 from pathlib import Path
 
+from tpupedia import files
+
 __all__ = [
     "SECRET_PATTERNS",
     "MACHINE_PATH_PATTERNS",
@@ -216,10 +218,7 @@ def execute(lesson: Path | str, timeout: int = 900) -> Path:
         resources={"metadata": {"path": str(notebook.parent)}},
     )
     client.execute()
-    notebook.parent.mkdir(exist_ok=True)
-    tmp = notebook.with_name(f".{notebook.stem}.tmp.ipynb")
-    jupytext.write(nb, tmp, fmt="ipynb")
-    tmp.replace(notebook)
+    files.write_atomic(notebook, lambda tmp: jupytext.write(nb, tmp, fmt="ipynb"), suffix=".ipynb")
     problems = check_executed(notebook) + check_outputs_clean(notebook)
     if problems:
         raise RuntimeError("\n".join(problems))

@@ -33,10 +33,9 @@ from typing import Any, Sequence
 from tpupedia import aot, devices, hardware
 from tpupedia.errors import TpupediaError
 
-__all__ = ["PlanError", "ProgramCost", "StageCost", "Plan", "FAMILIES", "make", "preflight", "TILING", "record",
+__all__ = ["PlanError", "ProgramCost", "StageCost", "Plan", "make", "preflight", "TILING", "record",
            "DEFAULT_RECORDS", "PREFLIGHT_LAYERS"]
 
-FAMILIES = ("cogvideox", "hunyuan")
 TILING = ("auto", "on", "off")
 STAGES = ("text", "denoise", "decode")
 DEFAULT_RECORDS = "docs/results/plans.json"
@@ -190,11 +189,14 @@ class Plan:
 
 
 def _pipeline_module(family: str):
-    if family not in FAMILIES:
-        raise PlanError(f"family {family!r} is not one of {', '.join(FAMILIES)}")
     import importlib
 
-    return importlib.import_module(f"tpupedia.pipelines.{family}")
+    from tpupedia import families
+
+    try:
+        return importlib.import_module(families.get(family, "video").pipeline)
+    except families.FamilyError as err:
+        raise PlanError(str(err)) from None
 
 
 def make(family: str, request: Any, options: Any, *, configs: dict[str, dict] | None = None,
@@ -225,7 +227,7 @@ def make(family: str, request: Any, options: Any, *, configs: dict[str, dict] | 
         try:
             topo = hardware.parse_topology(topology)
             devices.tpu_topology(topo)  # libtpu's own check of the slice's shape
-        except Exception as err:  # ValueError from parsing, JaxRuntimeError (INVALID_ARGUMENT) from libtpu
+        except Exception as err:  # noqa: BLE001 - ValueError from parsing, JaxRuntimeError (INVALID_ARGUMENT) from libtpu
             raise PlanError(f"topology {topology!r}: {str(err).splitlines()[0]}") from None
         name, chips = topo.name, topo.num_chips
     else:

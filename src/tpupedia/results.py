@@ -18,6 +18,7 @@ import platform as _platform
 from pathlib import Path
 from typing import Any, Callable
 
+from tpupedia import files
 from tpupedia.errors import TpupediaError
 
 __all__ = ["ResultsError", "LIBRARIES", "version", "machine", "write_json_atomic", "load", "merge", "error_text"]
@@ -55,12 +56,7 @@ def machine() -> dict[str, Any]:
 
 def write_json_atomic(path: str | os.PathLike, data: Any) -> Path:
     """Write `data` as indented JSON to `path` through a temporary file and a rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(path)
-    return path
+    return files.write_text_atomic(path, json.dumps(data, indent=2) + "\n")
 
 
 def load(path: str | os.PathLike) -> list[dict[str, Any]]:

@@ -2,9 +2,11 @@
 
 A *rule table* is a list of `(regex, spec)` pairs. The first regex that `re.fullmatch`-es a
 parameter's (or buffer's) qualified name decides its `PartitionSpec`; a name no rule matches
-is replicated and reported, never silently guessed. Tables live in `RULES`, keyed by
-`(family, strategy)`, and are written against a default axis name that `rules(...)` renames
-to the mesh axis (or axes) you pass.
+is replicated and reported, never silently guessed. A model family's tables are in its module
+(`tpupedia.models.<family>.SHARDING`, its `SPEC`); the text encoders' architectures (Llama's
+names, shared by Qwen2 and Mistral; T5) are in `RULES` here, keyed by `(architecture,
+strategy)`. Tables are written against a default axis name that `rules(...)` renames to the
+mesh axis (or axes) you pass.
 
 Strategies, for PyTorch's `Linear.weight` of shape `(out_features, in_features)`:
 
@@ -20,7 +22,7 @@ Strategies, for PyTorch's `Linear.weight` of shape `(out_features, in_features)`
 * `"fsdp"`: every weight matrix sharded on dim 0 over the data axis (or axes); the compiler
   all-gathers each weight where it is used.
 * `"replicated"`: every tensor on every device.
-* `"tp_fc2_replicated"` (hunyuan only): `"tp"` with the row-parallel layers replicated, the
+* `"tp_fc2_replicated"` (HunyuanVideo-1.5's table only): `"tp"` with the row-parallel layers replicated, the
   upstream default for HunyuanVideo-1.5, described upstream as having no row-parallel
   all-reduce. It does not remove the communication: the column-parallel layer leaves its
   activations split over `tp`, and a replicated fc2 needs the whole hidden vector. The
@@ -41,7 +43,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,9 +54,9 @@ from tpupedia.errors import TpupediaError
 __all__ = [
     "ShardingError",
     "RULES",
-    "FAMILIES",
-    "STRATEGIES",
+    "ARCHITECTURES",
     "rules",
+    "architecture_tables",
     "spec_for",
     "Placement",
     "ShardingPlan",
@@ -71,16 +73,6 @@ Rule = tuple[str, SpecTuple]
 _COL_LLAMA = r"(q_proj|k_proj|v_proj|gate_proj|up_proj)"
 _ROW_LLAMA = r"(o_proj|down_proj)"
 _LLAMA_MATRICES = r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
-
-# diffusers names; see the tiny models in tests/test_sharding.py
-_COL_COG = r"(attn1\.to_q|attn1\.to_k|attn1\.to_v|ff\.net\.0\.proj)"
-_ROW_COG = r"(attn1\.to_out\.0|ff\.net\.2)"
-_COL_HY = (
-    r"(attn\.to_q|attn\.to_k|attn\.to_v|attn\.add_q_proj|attn\.add_k_proj|attn\.add_v_proj"
-    r"|ff\.net\.0\.proj|ff_context\.net\.0\.proj)"
-)
-_ROW_HY_ATTN = r"(attn\.to_out\.0|attn\.to_add_out)"
-_ROW_HY_MLP = r"(ff\.net\.2|ff_context\.net\.2)"
 
 RULES: dict[tuple[str, str], list[Rule]] = {
     # Llama naming, shared by Qwen2 and Mistral (Qwen2 adds q/k/v biases).
@@ -105,42 +97,6 @@ RULES: dict[tuple[str, str], list[Rule]] = {
         (r"lm_head\.weight", ("fsdp", None)),
     ],
     ("llama", "replicated"): [],
-    # CogVideoX transformer (diffusers CogVideoXTransformer3DModel).
-    ("cogvideox", "tp"): [
-        (rf".*\.{_COL_COG}\.weight", ("tp", None)),
-        (rf".*\.{_COL_COG}\.bias", ("tp",)),
-        (rf".*\.{_ROW_COG}\.weight", (None, "tp")),
-    ],
-    ("cogvideox", "tp_transposed"): [  # what upstream labels "TP"; biases stay replicated
-        (rf".*\.{_COL_COG}\.weight", (None, "tp")),
-        (rf".*\.{_ROW_COG}\.weight", ("tp", None)),
-    ],
-    ("cogvideox", "fsdp"): [
-        (rf".*\.({_COL_COG[1:-1]}|{_ROW_COG[1:-1]})\.weight", ("fsdp", None)),
-    ],
-    ("cogvideox", "replicated"): [],
-    # HunyuanVideo-1.5 transformer (diffusers HunyuanVideo15Transformer3DModel).
-    ("hunyuan", "tp"): [
-        (rf".*\.{_COL_HY}\.weight", ("tp", None)),
-        (rf".*\.{_COL_HY}\.bias", ("tp",)),
-        (rf".*\.({_ROW_HY_ATTN[1:-1]}|{_ROW_HY_MLP[1:-1]})\.weight", (None, "tp")),
-        (r"context_embedder_2\.linear_1\.weight", ("tp", None)),
-        (r"context_embedder_2\.linear_1\.bias", ("tp",)),
-        (r"context_embedder_2\.linear_2\.weight", (None, "tp")),
-    ],
-    ("hunyuan", "tp_fc2_replicated"): [
-        (rf".*\.{_COL_HY}\.weight", ("tp", None)),
-        (rf".*\.{_COL_HY}\.bias", ("tp",)),
-        (rf".*\.({_ROW_HY_ATTN[1:-1]}|{_ROW_HY_MLP[1:-1]})\.weight", ()),
-        (r"context_embedder_2\.linear_1\.weight", ("tp", None)),
-        (r"context_embedder_2\.linear_1\.bias", ("tp",)),
-        (r"context_embedder_2\.linear_2\.weight", ()),
-    ],
-    ("hunyuan", "fsdp"): [
-        (rf".*\.({_COL_HY[1:-1]}|{_ROW_HY_ATTN[1:-1]}|{_ROW_HY_MLP[1:-1]})\.weight", ("fsdp", None)),
-        (r"context_embedder_2\.linear_[12]\.weight", ("fsdp", None)),
-    ],
-    ("hunyuan", "replicated"): [],
     # T5 encoders (transformers T5EncoderModel: CogVideoX's T5-XXL, HunyuanVideo-1.5's ByT5).
     # q, k, v and the gated FFN's wi_0/wi_1 are the column-parallel half of their pairs, o and wo
     # the row-parallel half; the (vocab, d_model) embedding is vocabulary-parallel as Llama's.
@@ -155,8 +111,7 @@ RULES: dict[tuple[str, str], list[Rule]] = {
     ("t5", "replicated"): [],
 }
 
-FAMILIES: tuple[str, ...] = tuple(dict.fromkeys(f for f, _ in RULES))
-STRATEGIES: tuple[str, ...] = tuple(dict.fromkeys(s for _, s in RULES))
+ARCHITECTURES: tuple[str, ...] = tuple(dict.fromkeys(a for a, _ in RULES))
 _DEFAULT_AXIS = {"tp": "tp", "tp_transposed": "tp", "tp_fc2_replicated": "tp", "fsdp": "fsdp"}
 _FAMILY_ALIASES = {"qwen2": "llama", "mistral": "llama"}
 
@@ -166,29 +121,41 @@ class ShardingError(TpupediaError, ValueError):
     axis, or has more entries than the tensor has dimensions."""
 
 
-def rules(family: str, strategy: str, axis: str | Sequence[str] | None = None) -> list[tuple[str, Any]]:
-    """The rule table for `family` and `strategy`, as `(regex, PartitionSpec)` pairs.
+def rules(table: str | Mapping[str, Sequence[Rule]] | Any, strategy: str,
+          axis: str | Sequence[str] | None = None) -> list[tuple[str, Any]]:
+    """The rule table for `strategy`, as `(regex, PartitionSpec)` pairs.
 
-    `family` is `"llama"` (also `"qwen2"`, `"mistral"`), `"cogvideox"` or `"hunyuan"`.
+    `table` is a family's tables by strategy (a mapping, or anything with a `sharding` mapping:
+    a family's `SPEC`, `tpupedia.families`) or the name of an architecture table here:
+    `"llama"` (also `"qwen2"`, `"mistral"`, which use Llama's names) or `"t5"`.
     `axis` renames the table's default axis (`"tp"` or `"fsdp"`) to a mesh axis name, or to a
     tuple of names to shard one dimension over several axes (`("dp", "tp")`).
     """
     from jax.sharding import PartitionSpec as P
 
-    fam = _FAMILY_ALIASES.get(family, family)
-    if (fam, strategy) not in RULES:
-        have = sorted(s for f, s in RULES if f == fam)
-        raise KeyError(
-            f"no rule table for family {family!r} and strategy {strategy!r}; "
-            f"families: {', '.join(FAMILIES)}; strategies for {fam!r}: {', '.join(have) or 'none'}"
-        )
+    if isinstance(table, str):
+        name = _FAMILY_ALIASES.get(table, table)
+        tables = architecture_tables(name)
+        if not tables:
+            raise KeyError(f"no rule tables for architecture {table!r}; architectures: {', '.join(ARCHITECTURES)} "
+                           "(a model family's tables are its SPEC.sharding: tpupedia.families)")
+    else:
+        name, tables = getattr(table, "name", "this family"), getattr(table, "sharding", table)
+    if strategy not in tables:
+        raise KeyError(f"no rule table for {name!r} and strategy {strategy!r}; "
+                       f"strategies for {name!r}: {', '.join(tables) or 'none'}")
     default = _DEFAULT_AXIS.get(strategy)
     new = tuple(axis) if isinstance(axis, (list, tuple)) else axis
 
     def rename(entry):
         return new if (axis is not None and entry == default) else entry
 
-    return [(pattern, P(*(rename(e) for e in spec))) for pattern, spec in RULES[(fam, strategy)]]
+    return [(pattern, P(*(rename(e) for e in spec))) for pattern, spec in tables[strategy]]
+
+
+def architecture_tables(name: str) -> dict[str, list[Rule]]:
+    """The tables of architecture `name` (`"llama"`, `"t5"`) in `RULES`, by strategy."""
+    return {s: table for (a, s), table in RULES.items() if a == _FAMILY_ALIASES.get(name, name)}
 
 
 def spec_for(name: str, rule_table: Iterable[tuple[str, Any]]) -> tuple[Any, str | None]:
@@ -468,7 +435,8 @@ def describe(module: torch.nn.Module) -> ShardingPlan:
     Tensors that are not torchax tensors (still on CPU or `meta`) are reported with spec
     `None` and their full size.
     """
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     placements, mesh = [], None
     for name, kind, t in _named_tensors(module):

@@ -159,7 +159,7 @@ class JitModule(torch.nn.Module):
         return getattr(self.__dict__["_jm"]._model, name)
 
     @property
-    def __class__(self):  # noqa: D105 - let pipelines' isinstance checks see the wrapped class
+    def __class__(self):
         return self.__dict__["_jm"]._model.__class__
 
 
@@ -206,7 +206,8 @@ class FunctionalModule:
         plan does not know (all of them without a plan) are replicated over `mesh` (default: the
         plan's mesh)."""
         import jax
-        from jax.sharding import NamedSharding, PartitionSpec as P
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
         from torchax.ops.mappings import t2j_dtype
 
         mesh = mesh if mesh is not None else (the_plan.mesh if the_plan else None)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tpupedia import files
 from tpupedia.errors import TpupediaError
 
 __all__ = ["VideoError", "to_uint8", "write_mp4", "show_frames"]
@@ -42,17 +43,17 @@ def write_mp4(frames: np.ndarray, path: str | os.PathLike, fps: int = 16) -> Pat
     if height % 2 or width % 2:
         raise VideoError(f"{width}x{height}: yuv420p needs an even width and height")
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
-    writer = imageio_ffmpeg.write_frames(str(tmp), (width, height), fps=fps, codec="libx264",
-                                         pix_fmt_out="yuv420p", macro_block_size=1, quality=8,
-                                         ffmpeg_log_level="error")
-    writer.send(None)
-    for frame in pixels:
-        writer.send(np.ascontiguousarray(frame))
-    writer.close()
-    os.replace(tmp, path)
-    return path
+
+    def encode(tmp: Path) -> None:
+        writer = imageio_ffmpeg.write_frames(str(tmp), (width, height), fps=fps, codec="libx264",
+                                             pix_fmt_out="yuv420p", macro_block_size=1, quality=8,
+                                             ffmpeg_log_level="error")
+        writer.send(None)
+        for frame in pixels:
+            writer.send(np.ascontiguousarray(frame))
+        writer.close()
+
+    return files.write_atomic(path, encode, suffix=path.suffix)
 
 
 def show_frames(frames: np.ndarray, title: str, count: int = 5) -> None:

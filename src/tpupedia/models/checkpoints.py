@@ -13,11 +13,10 @@ import hashlib
 import json
 import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+from tpupedia import files
 from tpupedia.errors import TpupediaError
 
 __all__ = ["CheckpointError", "cache_dir", "cached_pipeline", "clean_config", "choose_source", "named_source", "check_source",
@@ -57,18 +56,13 @@ def cached_pipeline(prefix: str, spec: Any, build: Callable[[], Any], directory:
     if (path / "model_index.json").is_file():
         return path
     pipe = build()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
-    try:
+
+    def fill(tmp: Path) -> None:
         pipe.save_pretrained(tmp, safe_serialization=True)
         if finish is not None:
             finish(tmp)
-        os.replace(tmp, path)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (path / "model_index.json").is_file():  # not a concurrent writer that won the race
-            raise
-    return path
+
+    return files.directory_atomic(path, fill)
 
 
 def clean_config(config: Any) -> dict:

@@ -18,11 +18,12 @@ from typing import Any
 
 from tpupedia.models import ModelInputError, checkpoints, tokenizer_files
 from tpupedia.models.shapes import ShapeFacts
+from tpupedia.models.spec import FamilySpec
 
 __all__ = [
     "FAMILY", "FULL_ID", "FULL_LAYERS", "TEMPORAL_COMPRESSION", "SPATIAL_COMPRESSION", "PATCH_SIZE",
     "PATCH_SIZE_T", "LATENT_CHANNELS", "DEFAULT_SHAPES", "shape_facts", "TEXT_TOKENS", "CFG_BATCH", "SPLASH_BLOCK_SIZES",
-    "SCHEDULER_CONFIG", "ModelInputError",
+    "SCHEDULER_CONFIG", "SHARDING", "SPEC", "ModelInputError",
     "full_transformer_config", "tiny_transformer_config", "tiny_vae_config", "tiny_text_encoder_config",
     "full_text_encoder_config", "default_request", "check_frames", "check_size", "latent_frames",
     "padded_latent_frames", "video_tokens", "step_flops", "build", "step_inputs", "FunctionalRoPEAttnProcessor",
@@ -51,6 +52,34 @@ tuned sizes (yangwhale/gpu-tpu-pedia at 3fa9ce1, `tpu/CogVideoX/generate_diffuse
 reported upstream +16.2% on a TPU v6e-8). Our kernel at these sizes compiles for v6e within its
 VMEM at the release shape (AOT: `tests/test_plan.py` plans the release's denoise step with
 them); `--block-sizes` overrides."""
+
+# Sharding tables for the transformer (diffusers `CogVideoXTransformer3DModel` names; notebook 02
+# teaches the strategies, `tpupedia.sharding.rules` reads a table). The FFN's first projection is
+# `ff.net.0.proj` in diffusers (upstream's tables name `ff.net.0`, which matches nothing:
+# docs/kb/corrections.md, entry 3).
+_COL = r"(attn1\.to_q|attn1\.to_k|attn1\.to_v|ff\.net\.0\.proj)"
+_ROW = r"(attn1\.to_out\.0|ff\.net\.2)"
+SHARDING: dict[str, list] = {
+    "tp": [
+        (rf".*\.{_COL}\.weight", ("tp", None)),
+        (rf".*\.{_COL}\.bias", ("tp",)),
+        (rf".*\.{_ROW}\.weight", (None, "tp")),
+    ],
+    "tp_transposed": [  # what upstream labels "TP"; biases stay replicated
+        (rf".*\.{_COL}\.weight", (None, "tp")),
+        (rf".*\.{_ROW}\.weight", ("tp", None)),
+    ],
+    "fsdp": [
+        (rf".*\.({_COL[1:-1]}|{_ROW[1:-1]})\.weight", ("fsdp", None)),
+    ],
+    "replicated": [],
+}
+
+SPEC = FamilySpec(
+    name=FAMILY, module=__name__, full_id=FULL_ID, sharding=SHARDING, mask="padding",
+    title="CogVideoX (1.5-5B on the full preset): T5 -> transformer -> VAE",
+)
+"""This family in the registry (`tpupedia.families`)."""
 
 # The scheduler of the CogVideoX1.5-5B checkpoint (scheduler/scheduler_config.json on the Hub:
 # CogVideoXDPMScheduler, v-prediction, zero-SNR rescaled betas, trailing timesteps).
@@ -315,8 +344,7 @@ def tiny_checkpoint(directory: "str | os.PathLike | None" = None, seed: int = 0,
         import tempfile
 
         import torch
-        from diffusers import (AutoencoderKLCogVideoX, CogVideoXDDIMScheduler, CogVideoXDPMScheduler,
-                               CogVideoXPipeline, CogVideoXTransformer3DModel)
+        from diffusers import AutoencoderKLCogVideoX, CogVideoXDDIMScheduler, CogVideoXDPMScheduler, CogVideoXPipeline, CogVideoXTransformer3DModel
         from transformers import AutoTokenizer, T5Config, T5EncoderModel
 
         with tempfile.TemporaryDirectory() as tmp:

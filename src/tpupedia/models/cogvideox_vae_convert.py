@@ -33,6 +33,7 @@ from flax import nnx
 from tpupedia.errors import TpupediaError
 from tpupedia.models import cogvideox_vae as vae_mod
 from tpupedia.models.cogvideox_vae import AutoencoderKLCogVideoX, CogVideoXVAEConfig
+from tpupedia.models.spec import FamilySpec
 
 __all__ = [
     "WeightRule",
@@ -41,6 +42,8 @@ __all__ = [
     "nnx_path",
     "convert_state_dict",
     "abstract_vae",
+    "dryrun_decoder",
+    "SPEC",
     "from_state_dict",
     "from_diffusers",
     "from_pretrained",
@@ -121,6 +124,36 @@ def _to_jax(t: Any) -> jax.Array:
 def abstract_vae(config: CogVideoXVAEConfig, **kwargs: Any) -> AutoencoderKLCogVideoX:
     """The model with `jax.ShapeDtypeStruct` leaves: shapes only, no weights allocated."""
     return nnx.eval_shape(lambda: AutoencoderKLCogVideoX(config, rngs=nnx.Rngs(0), **kwargs))
+
+
+def dryrun_decoder(width: int, height: int, placement: Any) -> tuple[Any, tuple, int, str]:
+    """One frame batch of the released VAE's decoder (this Flax NNX port, bf16, untiled) for the
+    dry-run (`tpupedia dryrun cogvideox-vae`): `(decode, (state, latents), tokens, note)`, the
+    arguments abstract and placed by `placement` (one chip's sharding). Sizes that are not
+    multiples of the VAE's compression raise `ModelInputError`."""
+    from tpupedia import aot
+    from tpupedia.models import ModelInputError
+
+    config = CogVideoXVAEConfig()
+    ratio = config.spatial_compression_ratio
+    if width % ratio or height % ratio:
+        raise ModelInputError(f"resolution {width}x{height}: the VAE needs multiples of {ratio}")
+    graph, state = nnx.split(abstract_vae(config, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16))
+    state = jax.tree.map(lambda a: aot.abstract(a.shape, a.dtype, placement), state)
+    latents = aot.abstract((1, 2, height // ratio, width // ratio, config.latent_channels), jnp.bfloat16, placement)
+
+    def decode(st, z):
+        return nnx.merge(graph, st).decode_chunk(z, None)[0]
+
+    note = ("one frame batch (2 latent frames -> 8 video frames) of the Flax NNX decoder (notebook 05), "
+            "bf16, untiled, on one chip; FLOPs are XLA's count of the program lowered for the host")
+    return decode, (state, latents), 2 * (height // ratio) * (width // ratio), note
+
+
+SPEC = FamilySpec(name="cogvideox-vae", module=__name__, kind="vae", defaults_from="cogvideox", layer_prefix="",
+                  title="CogVideoX's VAE decoder in Flax NNX (notebook 05): one frame batch on one chip")
+"""This dry-run target in the registry (`tpupedia.families`): the frame and size rules and the
+default request are CogVideoX's."""
 
 
 def from_state_dict(

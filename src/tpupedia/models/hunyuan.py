@@ -45,13 +45,14 @@ from typing import Any
 
 from tpupedia.models import ModelInputError, checkpoints, tokenizer_files
 from tpupedia.models.shapes import ShapeFacts
+from tpupedia.models.spec import FamilySpec
 
 __all__ = ["FAMILY", "FULL_ID", "FULL_LAYERS", "TEMPORAL_COMPRESSION", "SPATIAL_COMPRESSION", "PATCH_SIZE",
-           "LATENT_CHANNELS", "DEFAULT_SHAPES", "shape_facts", "TEXT_SLOTS", "SPLASH_BLOCK_SIZES", "ENV_MODEL", "ModelInputError",
+           "LATENT_CHANNELS", "DEFAULT_SHAPES", "SHARDING", "SPEC", "shape_facts", "TEXT_SLOTS", "SPLASH_BLOCK_SIZES", "ENV_MODEL", "ModelInputError",
            "full_transformer_config", "tiny_transformer_config", "tiny_vae_config", "tiny_text_encoder_configs",
            "tiny_qwen_tokenizer", "default_request", "check_frames", "check_size", "latent_frames", "latent_shape",
            "video_tokens", "step_flops", "build", "step_inputs", "static_forward", "make_static",
-           "PaddingAttnProcessor", "make_jit_friendly", "conditioning", "blocks", "final", "deepcache_full",
+           "PaddingAttnProcessor", "make_jit_friendly", "padded_forward", "conditioning", "blocks", "final", "deepcache_full",
            "deepcache_cached", "mask_elements", "tiny_checkpoint", "model_source", "named_source", "component_configs"]
 
 FAMILY = "hunyuan"
@@ -330,7 +331,7 @@ def final(self, hidden_states, temb, shape):
 
 def static_forward(self, hidden_states, timestep, encoder_hidden_states, encoder_attention_mask,
                    timestep_r=None, encoder_hidden_states_2=None, encoder_attention_mask_2=None,
-                   image_embeds=None, attention_kwargs=None, return_dict=True):
+                   image_embeds=None, attention_kwargs=None, return_dict=True):  # noqa: ARG001 - the stock signature
     """`HunyuanVideo15Transformer3DModel.forward` without its two untraceable constructs (see the
     module docstring); the same signature and outputs."""
     from diffusers.models.modeling_outputs import Transformer2DModelOutput
@@ -442,6 +443,14 @@ def make_jit_friendly(transformer, attend=None):
 
 # --- the VAE's mid-block attention mask, without a loop per token ----------------------------------
 
+def padded_forward(transformer, attend):
+    """Make `transformer` jit-friendly with the padding handed to `attend` as a vector
+    (`make_jit_friendly`) and return the forward to compile (`static_forward`): what the pipeline
+    runs and `tpupedia dryrun` compiles with `--mask vector`."""
+    make_jit_friendly(transformer, attend)
+    return static_forward
+
+
 def vae_attention_mask(n_frame: int, n_hw: int, dtype: Any, device: Any, batch_size: int | None = None):
     """The frame-causal mask of the VAE's mid-block attention: token i (of frame i // n_hw) sees
     every token of its own and earlier frames (0) and none of later frames (-inf); `(S, S)` or
@@ -476,6 +485,46 @@ def make_vae_jit_friendly(vae):
     return vae
 
 
+# Sharding tables for the transformer (diffusers `HunyuanVideo15Transformer3DModel` names; notebook
+# 07 compares them). `tp_fc2_replicated` is upstream's default: the row-parallel layers replicated.
+_COL = (
+    r"(attn\.to_q|attn\.to_k|attn\.to_v|attn\.add_q_proj|attn\.add_k_proj|attn\.add_v_proj"
+    r"|ff\.net\.0\.proj|ff_context\.net\.0\.proj)"
+)
+_ROW_ATTN = r"(attn\.to_out\.0|attn\.to_add_out)"
+_ROW_MLP = r"(ff\.net\.2|ff_context\.net\.2)"
+SHARDING: dict[str, list] = {
+    "tp": [
+        (rf".*\.{_COL}\.weight", ("tp", None)),
+        (rf".*\.{_COL}\.bias", ("tp",)),
+        (rf".*\.({_ROW_ATTN[1:-1]}|{_ROW_MLP[1:-1]})\.weight", (None, "tp")),
+        (r"context_embedder_2\.linear_1\.weight", ("tp", None)),
+        (r"context_embedder_2\.linear_1\.bias", ("tp",)),
+        (r"context_embedder_2\.linear_2\.weight", (None, "tp")),
+    ],
+    "tp_fc2_replicated": [
+        (rf".*\.{_COL}\.weight", ("tp", None)),
+        (rf".*\.{_COL}\.bias", ("tp",)),
+        (rf".*\.({_ROW_ATTN[1:-1]}|{_ROW_MLP[1:-1]})\.weight", ()),
+        (r"context_embedder_2\.linear_1\.weight", ("tp", None)),
+        (r"context_embedder_2\.linear_1\.bias", ("tp",)),
+        (r"context_embedder_2\.linear_2\.weight", ()),
+    ],
+    "fsdp": [
+        (rf".*\.({_COL[1:-1]}|{_ROW_ATTN[1:-1]}|{_ROW_MLP[1:-1]})\.weight", ("fsdp", None)),
+        (r"context_embedder_2\.linear_[12]\.weight", ("fsdp", None)),
+    ],
+    "replicated": [],
+}
+
+SPEC = FamilySpec(
+    name=FAMILY, module=__name__, full_id=FULL_ID, sharding=SHARDING, mask="padding",
+    dryrun_masks=("vector", "matrix"),
+    title="HunyuanVideo-1.5 (720p t2v on the full preset): Qwen2.5-VL + ByT5 -> transformer -> VAE",
+)
+"""This family in the registry (`tpupedia.families`)."""
+
+
 # --- weights: tiny checkpoints and loading -------------------------------------------------------
 
 SCHEDULER_CONFIG: dict[str, Any] = dict(shift=7.0)
@@ -498,8 +547,7 @@ def tiny_checkpoint(directory: "str | os.PathLike | None" = None, seed: int = 0,
 
     def build():
         import torch
-        from diffusers import (AutoencoderKLHunyuanVideo15, FlowMatchEulerDiscreteScheduler, HunyuanVideo15Pipeline,
-                               HunyuanVideo15Transformer3DModel)
+        from diffusers import AutoencoderKLHunyuanVideo15, FlowMatchEulerDiscreteScheduler, HunyuanVideo15Pipeline, HunyuanVideo15Transformer3DModel
         from diffusers.guiders import ClassifierFreeGuidance
         from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
 

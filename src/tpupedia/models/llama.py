@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["FAMILY", "FULL_ID", "FULL_LAYERS", "SPLASH_BLOCK_SIZES", "full_config", "forward_flops", "build", "step_inputs"]
+from tpupedia.models.spec import FamilySpec
+
+__all__ = ["FAMILY", "FULL_ID", "FULL_LAYERS", "SPLASH_BLOCK_SIZES", "full_config", "forward_flops", "build", "step_inputs", "SPEC"]
 
 FAMILY = "llama"
 FULL_ID = "meta-llama/Llama-2-7b-hf"
@@ -53,3 +55,16 @@ def step_inputs(seq: int) -> tuple[list, Any]:
         return fm(w, b, ids, return_dict=False)[0]
 
     return [((1, seq), jnp.int32, P())], call
+
+
+def _tables() -> dict:
+    from tpupedia import sharding
+
+    return sharding.architecture_tables("llama")
+
+
+SPEC = FamilySpec(name=FAMILY, module=__name__, kind="llm", full_id=FULL_ID, sharding=_tables(),
+                  mask="causal_padding", layer_prefix="model.layers.0.",
+                  title="Llama-2-7B (notebook 01): one forward of the decoder")
+"""This dry-run target in the registry (`tpupedia.families`); its tables are Llama's names in
+`tpupedia.sharding.RULES`, shared by the Qwen2 and Mistral text encoders."""

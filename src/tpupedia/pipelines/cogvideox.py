@@ -27,9 +27,17 @@ import time
 from typing import Any, Callable
 
 from tpupedia.models import cogvideox as family
-from tpupedia.pipelines import common
+from tpupedia.pipelines import common, decoding
 from tpupedia.pipelines.common import (  # this family's public names, shared by every family
-    Options, PipelineError, Request, StageReport, attention_backend, default_mesh_shape, parse_mesh, torch_dtype)
+    Options,
+    PipelineError,
+    Request,
+    StageReport,
+    attention_backend,
+    default_mesh_shape,
+    parse_mesh,
+    torch_dtype,
+)
 
 __all__ = ["PipelineError", "Request", "Options", "validate", "parse_mesh", "default_mesh_shape", "settings",
            "CogVideoX", "run", "run_batch", "StageReport", "attention_backend", "torch_dtype"]
@@ -105,12 +113,13 @@ class CogVideoX(common.StagedPipeline):
                 times.append(seconds)
         return results, {"first_s": times[0], "steady_s": times[1]}
 
-    def _text_programs(self, request: Request) -> list:
+    def _text_programs(self, request: Request) -> list:  # noqa: ARG002 - every family's signature
         """The T5 encoder as the text stage compiles it: `(weights, buffers, ids)` with ids of the
         checkpoint's text length (226 for the releases), called for the negative and the positive
         prompt. Real weights, or abstract ones on an `abstract` pipeline (`tpupedia.plan`)."""
         import jax.numpy as jnp
-        from jax.sharding import NamedSharding, PartitionSpec as P
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
         from transformers import T5EncoderModel
 
         from tpupedia import aot, torchax_utils
@@ -162,21 +171,17 @@ class CogVideoX(common.StagedPipeline):
                     for a, spec in ((setup.cos, cos_spec), (setup.sin, sin_spec)))
         x = jax.device_put(common.to_jax_array(setup.latents), x_spec.sharding)
         old = jax.device_put(jnp.zeros(old_spec.shape, old_spec.dtype), old_spec.sharding)
-        step_times = []
+
+        def step(i, state):  # the state is (latents, the DPM solver's previous prediction)
+            noise = (schedulers.dpm_noise(setup.generator, x_spec.shape, self.dtype, setup.host_tables, i)
+                     if setup.dpm else np.zeros((), np.float32))  # DDIM draws no noise
+            # host scalars and noise: replicated inputs on every process
+            return compiled(weights, buffers, *state, text, cos, sin, np.int32(i), np.float32(request.guidance), noise)
+
         with program.context(), self._precision():
-            for i in range(len(setup.timesteps)):
-                noise = (schedulers.dpm_noise(setup.generator, x_spec.shape, self.dtype, setup.host_tables, i)
-                         if setup.dpm else np.zeros((), np.float32))  # DDIM draws no noise
-                (x, old), seconds = common.timed(  # host scalars and noise: replicated inputs on every process
-                    lambda: compiled(weights, buffers, x, old, text, cos, sin, np.int32(i),
-                                     np.float32(request.guidance), noise),
-                    jax.block_until_ready)
-                step_times.append(seconds)
-                if on_step:
-                    on_step(i, x)
-        steady = float(np.median(step_times[1:])) if len(step_times) > 1 else step_times[0]
-        return {"latents": common.to_torch(x).to(self.dtype)}, {"first_s": step_times[0], "steady_s": steady,
-                                                          "steps": len(step_times), "padding_frames": setup.padding}
+            (x, _), timings = common.denoise_loop(step, (x, old), len(setup.timesteps), on_step,
+                                                  latents=lambda state: state[0])
+        return {"latents": common.to_torch(x).to(self.dtype)}, timings | {"padding_frames": setup.padding}
 
     def _denoise_setup(self, request: Request):
         """What the step needs from the host: the schedule as tables, the initial latents drawn
@@ -216,7 +221,7 @@ class CogVideoX(common.StagedPipeline):
         config = self.configs["scheduler"]
         return getattr(diffusers, config["_class_name"]).from_config(config)
 
-    def _denoise_programs(self, request: Request, setup) -> list:
+    def _denoise_programs(self, request: Request, setup) -> list:  # noqa: ARG002 - every family's signature
         """The one denoising step every step runs, as this stage compiles it: the guidance pair as a
         batch on `dp`, the transformer over `tp`, the scheduler step, latents and solver state donated.
         Arguments `(weights, buffers, latents, old_pred, text, cos, sin, i, guidance, noise)`."""
@@ -224,7 +229,8 @@ class CogVideoX(common.StagedPipeline):
         import jax.numpy as jnp
         import numpy as np
         from diffusers import CogVideoXTransformer3DModel
-        from jax.sharding import NamedSharding, PartitionSpec as P
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
 
         from tpupedia import aot, torchax_utils
         from tpupedia.pipelines import schedulers
@@ -289,7 +295,7 @@ class CogVideoX(common.StagedPipeline):
             raise PipelineError(f"vae={self.vae!r}: the decode programs are planned for the Flax VAE only; "
                                 "plan with --vae flax (the default)")
 
-        return decoding.cogvideox_programs(self.configs["vae"], family.latent_frames(request.frames, self.shapes),
+        return decode_programs(self.configs["vae"], family.latent_frames(request.frames, self.shapes),
                                            request.height, request.width, decoding.decode_mesh(self.mesh),
                                            dtype=str(self.dtype).removeprefix("torch."), tiling=request.vae_tiling)
 
@@ -312,7 +318,8 @@ class CogVideoX(common.StagedPipeline):
             if self.vae == "flax":
                 import jax.numpy as jnp
                 from flax import nnx
-                from jax.sharding import NamedSharding, PartitionSpec as P
+                from jax.sharding import NamedSharding
+                from jax.sharding import PartitionSpec as P
 
                 from tpupedia.models import cogvideox_vae_convert as convert
 
@@ -344,6 +351,95 @@ class CogVideoX(common.StagedPipeline):
         frames = VideoProcessor(vae_scale_factor=self.shapes.spatial).postprocess_video(
             video.float(), output_type="np")[0]
         return {"frames": torch.from_numpy(frames.astype("float32"))}, {"first_s": seconds}
+
+
+# --- the decode programs, for `tpupedia.plan` (the Flax NNX VAE, frame batch by frame batch) --------
+
+def _chunk_calls(graphdef: Any, state: Any, latents: Any, chips: int, spatial: Any) -> dict[tuple, list]:
+    """Every `decode_chunk` call of the model's own `decode` on `latents` (channels-first, abstract)
+    with its pieces in waves of `chips` (`in_waves`, as the pipeline runs it), grouped by abstract
+    arguments: `{key: [calls, chunk latents, cache]}` in order of first call.
+
+    `decode` runs under `jax.eval_shape` with its runner swapped for one that records each
+    call's arguments and then calls the model's jitted `_jit_apply`, so repeated shapes trace once.
+    """
+    import jax
+    from flax import nnx
+
+    from tpupedia.models import cogvideox_vae
+
+    calls: dict[tuple, list] = {}
+
+    def decode(st, z):
+        def runner(method, jit, split=None):  # noqa: ARG001 - `_runner`'s signature
+            def run(chunk, cache):
+                args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (chunk, cache))
+                key = (jax.tree.structure(args), tuple(jax.tree.leaves(args)))
+                calls.setdefault(key, [0, *args, split])[0] += 1
+                return cogvideox_vae._jit_apply(graphdef, "decode_chunk", st, chunk, cache, spatial=split)
+
+            return run
+
+        model = nnx.merge(graphdef, st)
+        model._runner = runner
+        return model.decode(z, tiles=functools.partial(decoding.in_waves, chips=chips), spatial=spatial)
+
+    jax.eval_shape(decode, state, latents)
+    return calls
+
+
+def _chunk_name(chunk: Any, cached: bool, calls: int, latent_hw: tuple[int, int], split: Any, chips: int) -> str:
+    _, frames, h, w, _ = chunk.shape  # channels-last inside the NNX VAE
+    batch = "later frame batches, with the causal cache" if cached else "first frame batch"
+    return f"VAE decode, {batch} ({frames} latent frames, {decoding.where(chips, h, w, latent_hw, split)}, x {calls})"
+
+
+def decode_programs(vae_config: dict, latent_frames: int, height: int, width: int, mesh: Any, *,
+                   dtype: Any = "bfloat16", tiling: bool = False) -> list:
+    """The decoder programs of CogVideoX's `decode` stage (`vae="flax"`) for a `height` x `width`
+    video decoded from `latent_frames` latent frames (the padding frames already dropped), on the
+    chips of `mesh` (a `decoding.decode_mesh`).
+
+    `vae_config` is the checkpoint's VAE config dict (diffusers' `AutoencoderKLCogVideoX` fields);
+    the weights are abstract, in `dtype`, a copy on every chip. One program per distinct
+    `decode_chunk` call: the first frame batch, the later ones with the cache, per tile shape with
+    `tiling` (diffusers' `enable_tiling` defaults), each taking one piece per chip; `calls` counts
+    each (waves of tiles times frame batches). Raises `PipelineError` for frames < 1 or sizes that
+    are not multiples of the VAE's spatial compression.
+    """
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from tpupedia import aot
+    from tpupedia.models import cogvideox_vae
+    from tpupedia.models import cogvideox_vae_convert as convert
+
+    config = cogvideox_vae.CogVideoXVAEConfig.from_dict(vae_config)
+    ratio = config.spatial_compression_ratio
+    decoding.check_decode("CogVideoX", latent_frames, height, width, ratio)
+    dtype = jnp.dtype(dtype)
+    model = convert.abstract_vae(config, dtype=dtype, param_dtype=dtype)
+    model.enable_tiling() if tiling else model.disable_tiling()
+    graphdef, state = nnx.split(model)
+    latent_hw = (height // ratio, width // ratio)
+    latents = jax.ShapeDtypeStruct((1, config.latent_channels, latent_frames, *latent_hw), dtype)
+    calls = _chunk_calls(graphdef, state, latents, mesh.size, decoding.activation_sharding(mesh, latent_hw))
+    state = decoding.replicated(mesh, state)
+    weights = decoding.nbytes(state)
+
+    def arguments(chunk, cache, split):  # a wave of tiles: one per chip; a whole latent: on every chip
+        if split is None and chunk.shape[0] == mesh.size:
+            return decoding.spread(mesh, chunk), decoding.spread(mesh, cache)
+        cached = split if split is not None else NamedSharding(mesh, P())  # the cache as the last call left it
+        return decoding.replicated(mesh, chunk), jax.tree.map(lambda a: aot.abstract(a.shape, a.dtype, cached), cache)
+
+    return [aot.Program(decoding.STAGE, _chunk_name(chunk, cache is not None, n, latent_hw, split, mesh.size),
+                        functools.partial(cogvideox_vae._jit_apply, graphdef, "decode_chunk", spatial=split),  # `_runner`'s
+                        (state, *arguments(chunk, cache, split)), weights_bytes=weights, calls=n, component="vae")
+            for n, chunk, cache, split in calls.values()]
 
 
 PIPELINE = CogVideoX

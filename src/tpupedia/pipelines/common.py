@@ -31,7 +31,7 @@ from tpupedia.pipelines import stages
 
 __all__ = ["PipelineError", "Request", "Options", "validate", "mesh_shape", "check_workdir", "SEED_LIMIT", "parse_mesh", "default_mesh_shape", "StageReport",
            "StagedPipeline", "run", "run_batch", "attention_backend", "torch_dtype", "to_jax_array", "to_torch",
-           "timed", "config_fingerprint", "ATTENTION", "DTYPES", "SHARDINGS"]
+           "timed", "denoise_loop", "config_fingerprint", "ATTENTION", "DTYPES", "SHARDINGS"]
 
 ATTENTION = ("auto", "splash", "reference")
 DTYPES = ("auto", "bfloat16", "float32")
@@ -182,6 +182,29 @@ def timed(fn: Callable[[], Any], sync: Callable[[Any], Any]) -> tuple[Any, float
     out = fn()
     sync(out)
     return out, time.perf_counter() - start
+
+
+def denoise_loop(step: Callable[[int, Any], Any], state: Any, steps: int,
+                 on_step: Callable[[int, Any], None] | None = None, *,
+                 latents: Callable[[Any], Any] = lambda state: state) -> tuple[Any, dict]:
+    """Every family's denoising loop: `state = step(i, state)` for `i` in `range(steps)`, each
+    call timed to the end of its device work, `on_step(i, latents(state))` after each. `state` is
+    whatever the family's compiled step carries from one step to the next (the latents; with a
+    multistep solver its previous prediction; with DeepCache the cached features), `latents`
+    picks the latents out of it. Returns `(state, timings)`: the first call (it compiles), the
+    median of the others, and every step's seconds. Introduced in notebook 06."""
+    import jax
+    import numpy as np
+
+    seconds = []
+    for i in range(steps):
+        state, t = timed(lambda: step(i, state), jax.block_until_ready)
+        seconds.append(t)
+        if on_step:
+            on_step(i, latents(state))
+    steady = float(np.median(seconds[1:])) if len(seconds) > 1 else seconds[0]
+    return state, {"first_s": seconds[0], "steady_s": steady, "steps": len(seconds),
+                   "step_s": [round(t, 6) for t in seconds]}
 
 
 class StagedPipeline:
@@ -335,7 +358,7 @@ class StagedPipeline:
 
         if strategy == "replicated":
             return []
-        return sharding.rules(self.family.FAMILY, strategy, axis=("dp", "tp") if strategy == "fsdp" else "tp")
+        return sharding.rules(self.family.SPEC, strategy, axis=("dp", "tp") if strategy == "fsdp" else "tp")
 
     @classmethod
     def settings_for(cls, source_label: str, configs: dict, request: Request, options: Options, dtype: Any,
@@ -416,11 +439,11 @@ def on_tpu(mesh=None) -> bool:
 
 
 def attention_backend(choice: str, mesh=None) -> str:
-    """`auto`: the splash kernel on a TPU, the reference elsewhere (interpret mode is for
-    correctness, not speed); `splash`/`reference` as asked."""
-    if choice != "auto":
-        return choice
-    return "splash" if on_tpu(mesh) else "reference"
+    """`splash` or `reference` for `choice` on the chips of `mesh` (default: this process's):
+    `tpupedia.attention.resolve_backend`, the one meaning of `auto` (splash on a TPU only)."""
+    from tpupedia import attention
+
+    return attention.resolve_backend(choice, "tpu" if on_tpu(mesh) else "other")
 
 
 def install_attention(env, mesh, backend: str, block_sizes=None) -> None:

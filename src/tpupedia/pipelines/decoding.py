@@ -30,16 +30,14 @@ Introduced in notebooks 06 and 07 (the decode stages); `tpupedia plan` compiles 
 
 from __future__ import annotations
 
-import functools
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 from tpupedia import aot
 from tpupedia.pipelines.common import PipelineError
 
-__all__ = ["decode_mesh", "activation_sharding", "waves", "in_waves", "hunyuan_decode", "meta_decoder",
-           "cogvideox_programs", "hunyuan_programs"]
+__all__ = ["decode_mesh", "activation_sharding", "waves", "in_waves", "check_decode", "where", "replicated",
+           "spread", "nbytes", "STAGE", "AXIS"]
 
 STAGE = "decode"
 AXIS = "tiles"
@@ -68,7 +66,8 @@ def activation_sharding(mesh: Any, latent_hw: tuple[int, int]) -> Any:
     that divides; every upsampled size then divides too. `None` (each chip decodes the whole
     latent) for one chip, or when neither divides: an uneven split breaks GroupNorm's reshape
     when a strip would be narrower than a latent pixel."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     h, w = latent_hw
     if mesh.size == 1 or (w % mesh.size and h % mesh.size):
@@ -102,12 +101,13 @@ def in_waves(pieces: list, decode_one: Callable[[Any], Any], mesh: Any = None, *
 
     Without `mesh` nothing is placed (`chips` pieces a wave): how `tpupedia.plan` traces the same
     waves on shapes only (`jax.eval_shape`). The `TileRunner` of the Flax VAE
-    (`tpupedia.models.cogvideox_vae`); the HunyuanVideo-1.5 decode uses it through `hunyuan_decode`.
+    (`tpupedia.models.cogvideox_vae`); the HunyuanVideo-1.5 decode uses it through `tpupedia.pipelines.hunyuan.decode_in_waves`.
     Introduced in notebook 06 (the decode stage)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     chips = mesh.size if mesh is not None else chips
     out: list = [None] * len(pieces)
@@ -124,71 +124,7 @@ def in_waves(pieces: list, decode_one: Callable[[Any], Any], mesh: Any = None, *
     return out
 
 
-def hunyuan_decode(vae: Any, z: Any, mesh: Any, env: Any, shapes_of: Any) -> Any:
-    """HunyuanVideo-1.5's `vae.decode(z).sample` (z: CPU torch latents, `vae` a diffusers
-    `AutoencoderKLHunyuanVideo15` whose `decoder` is jitted under torchax and replicated over
-    `mesh`), with its decoder calls run side by side on `mesh` (`in_waves`). Returns CPU torch.
-    `shapes_of` is the decoder on PyTorch's `meta` device (`meta_decoder`): what a tile decodes to.
-
-    diffusers' own `decode` runs twice around the real work, so the tiling, blending and cropping
-    are stock code: first with a decoder that only records each tile it is given (answering with
-    an empty `meta` tensor of the decoded shape), then, once the recorded tiles are decoded in
-    waves, with a decoder that hands back those results in order. The blending runs on the host,
-    in the VAE's dtype, as diffusers runs it. Introduced in notebook 07 (the decode stage)."""
-    import torch
-    from torchax.interop import jax_view, torch_view
-
-    from tpupedia.pipelines import common
-
-    jitted, tiles = vae.decoder, []
-
-    def record(tile):
-        tiles.append(tile)
-        dtype = next(shapes_of.parameters()).dtype
-        with torch.no_grad():
-            return shapes_of(torch.empty(tile.shape, dtype=dtype, device="meta"))
-
-    def decode_one(batch):
-        with env:
-            return jax_view(jitted(torch_view(batch)))
-
-    try:
-        vae.decoder = _calls(record)
-        with torch.no_grad():
-            vae.decode(z)
-        decoded = iter(in_waves([common.to_jax_array(t) for t in tiles], decode_one, mesh))
-        vae.decoder = _calls(lambda tile: common.to_torch(next(decoded)))
-        with torch.no_grad():
-            return vae.decode(z).sample
-    finally:
-        vae.decoder = jitted
-
-
-def _calls(fn: Callable[[Any], Any]) -> Any:
-    """A module whose forward is `fn`: what stands in for a VAE's `decoder` (`hunyuan_decode`)."""
-    import torch
-
-    class Calls(torch.nn.Module):
-        def forward(self, x):
-            return fn(x)
-
-    return Calls()
-
-
-def meta_decoder(vae_config: dict) -> Any:
-    """HunyuanVideo-1.5's VAE decoder built on PyTorch's `meta` device from the checkpoint's VAE
-    config (shapes only, the mid-block's loop-free mask), in eval mode."""
-    import torch
-    from diffusers import AutoencoderKLHunyuanVideo15
-
-    from tpupedia.models import hunyuan
-
-    with torch.device("meta"):
-        vae = AutoencoderKLHunyuanVideo15.from_config({k: v for k, v in vae_config.items() if not k.startswith("_")})
-    return hunyuan.make_vae_jit_friendly(vae).decoder.eval()
-
-
-def _check(family: str, latent_frames: Any, height: Any, width: Any, ratio: int) -> None:
+def check_decode(family: str, latent_frames: Any, height: Any, width: Any, ratio: int) -> None:
     """Refuse a decode the VAE cannot run, naming the bad value and what is allowed."""
     if not isinstance(latent_frames, int) or isinstance(latent_frames, bool) or latent_frames < 1:
         raise PipelineError(f"latent_frames={latent_frames!r}: the {family} VAE decodes a positive whole number "
@@ -199,202 +135,35 @@ def _check(family: str, latent_frames: Any, height: Any, width: Any, ratio: int)
                                 f"{name} must be a positive multiple of {ratio}")
 
 
-def _nbytes(tree: Any) -> int:
+def nbytes(tree: Any) -> int:
     import jax
 
     return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
 
 
-def _replicated(mesh: Any, tree: Any) -> Any:
+def replicated(mesh: Any, tree: Any) -> Any:
     """`tree`'s arrays (shapes and dtypes) as abstract arguments, a whole copy on every chip of `mesh`."""
     import jax
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     return jax.tree.map(lambda a: aot.abstract(a.shape, a.dtype, NamedSharding(mesh, P())), tree)
 
 
-def _spread(mesh: Any, tree: Any) -> Any:
+def spread(mesh: Any, tree: Any) -> Any:
     """`tree`'s arrays as abstract arguments split on axis 0 over `mesh`: one tile per chip; `None` stays."""
     import jax
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     return jax.tree.map(lambda a: aot.abstract(a.shape, a.dtype, NamedSharding(mesh, P(AXIS))), tree)
 
 
-# --- CogVideoX: the Flax NNX VAE, frame batch by frame batch ------------------------------------
-
-def _chunk_calls(graphdef: Any, state: Any, latents: Any, chips: int, spatial: Any) -> dict[tuple, list]:
-    """Every `decode_chunk` call of the model's own `decode` on `latents` (channels-first, abstract)
-    with its pieces in waves of `chips` (`in_waves`, as the pipeline runs it), grouped by abstract
-    arguments: `{key: [calls, chunk latents, cache]}` in order of first call.
-
-    `decode` runs under `jax.eval_shape` with its runner swapped for one that records each
-    call's arguments and then calls the model's jitted `_jit_apply`, so repeated shapes trace once.
-    """
-    import jax
-    from flax import nnx
-
-    from tpupedia.models import cogvideox_vae
-
-    calls: dict[tuple, list] = {}
-
-    def decode(st, z):
-        def runner(method, jit, split=None):
-            def run(chunk, cache):
-                args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (chunk, cache))
-                key = (jax.tree.structure(args), tuple(jax.tree.leaves(args)))
-                calls.setdefault(key, [0, *args, split])[0] += 1
-                return cogvideox_vae._jit_apply(graphdef, "decode_chunk", st, chunk, cache, spatial=split)
-
-            return run
-
-        model = nnx.merge(graphdef, st)
-        model._runner = runner
-        return model.decode(z, tiles=functools.partial(in_waves, chips=chips), spatial=spatial)
-
-    jax.eval_shape(decode, state, latents)
-    return calls
-
-
-def _where(chips: int, h: int, w: int, latent_hw: tuple[int, int], split: Any = None) -> str:
+def where(chips: int, h: int, w: int, latent_hw: tuple[int, int], split: Any = None) -> str:
+    """Where a decoder call's pieces go, in words (a program's name in a plan)."""
     if (h, w) == latent_hw:
         if split is not None:
             axis = "width" if split.spec[3] else "height"
             return f"{h}x{w} latents split by {axis} over {split.mesh.size} chips"
         return f"{h}x{w} latents, " + ("a copy on each chip" if chips > 1 else "one chip")
     return f"{h}x{w}-latent tiles, " + (f"{chips} side by side, one per chip" if chips > 1 else "one at a time")
-
-
-def _chunk_name(chunk: Any, cached: bool, calls: int, latent_hw: tuple[int, int], split: Any, chips: int) -> str:
-    _, frames, h, w, _ = chunk.shape  # channels-last inside the NNX VAE
-    batch = "later frame batches, with the causal cache" if cached else "first frame batch"
-    return f"VAE decode, {batch} ({frames} latent frames, {_where(chips, h, w, latent_hw, split)}, x {calls})"
-
-
-def cogvideox_programs(vae_config: dict, latent_frames: int, height: int, width: int, mesh: Any, *,
-                       dtype: Any = "bfloat16", tiling: bool = False) -> list[aot.Program]:
-    """The decoder programs of CogVideoX's `decode` stage (`vae="flax"`) for a `height` x `width`
-    video decoded from `latent_frames` latent frames (the padding frames already dropped), on the
-    chips of `mesh` (a `decode_mesh`).
-
-    `vae_config` is the checkpoint's VAE config dict (diffusers' `AutoencoderKLCogVideoX` fields);
-    the weights are abstract, in `dtype`, a copy on every chip. One program per distinct
-    `decode_chunk` call: the first frame batch, the later ones with the cache, per tile shape with
-    `tiling` (diffusers' `enable_tiling` defaults), each taking one piece per chip; `calls` counts
-    each (waves of tiles times frame batches). Raises `PipelineError` for frames < 1 or sizes that
-    are not multiples of the VAE's spatial compression.
-    """
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    from tpupedia.models import cogvideox_vae
-    from tpupedia.models import cogvideox_vae_convert as convert
-
-    config = cogvideox_vae.CogVideoXVAEConfig.from_dict(vae_config)
-    ratio = config.spatial_compression_ratio
-    _check("CogVideoX", latent_frames, height, width, ratio)
-    dtype = jnp.dtype(dtype)
-    model = convert.abstract_vae(config, dtype=dtype, param_dtype=dtype)
-    model.enable_tiling() if tiling else model.disable_tiling()
-    graphdef, state = nnx.split(model)
-    latent_hw = (height // ratio, width // ratio)
-    latents = jax.ShapeDtypeStruct((1, config.latent_channels, latent_frames, *latent_hw), dtype)
-    calls = _chunk_calls(graphdef, state, latents, mesh.size, activation_sharding(mesh, latent_hw))
-    state = _replicated(mesh, state)
-    weights = _nbytes(state)
-
-    def arguments(chunk, cache, split):  # a wave of tiles: one per chip; a whole latent: on every chip
-        if split is None and chunk.shape[0] == mesh.size:
-            return _spread(mesh, chunk), _spread(mesh, cache)
-        cached = split if split is not None else NamedSharding(mesh, P())  # the cache as the last call left it
-        return _replicated(mesh, chunk), jax.tree.map(lambda a: aot.abstract(a.shape, a.dtype, cached), cache)
-
-    return [aot.Program(STAGE, _chunk_name(chunk, cache is not None, n, latent_hw, split, mesh.size),
-                        functools.partial(cogvideox_vae._jit_apply, graphdef, "decode_chunk", spatial=split),  # `_runner`'s
-                        (state, *arguments(chunk, cache, split)), weights_bytes=weights, calls=n, component="vae")
-            for n, chunk, cache, split in calls.values()]
-
-
-# --- HunyuanVideo-1.5: diffusers' VAE under torchax, all frames at once --------------------------
-
-def _decoder_calls(vae: Any, latents: Any) -> Counter:
-    """How often diffusers' `vae.decode(latents)` calls `vae.decoder`, per input shape, run on `meta`."""
-    import torch
-
-    calls: Counter = Counter()
-    hook = vae.decoder.register_forward_pre_hook(lambda _module, args: calls.update([tuple(args[0].shape)]))
-    try:
-        with torch.no_grad():
-            vae.decode(latents)
-    finally:
-        hook.remove()
-    return calls
-
-
-def _reference_attention(fm: Any, env: Any):
-    """`fm(params, buffers, z)` traced with torchax's own SDPA (the pipeline's decode installs none;
-    the environment is shared, so it is left as found)."""
-    from tpupedia import torchax_utils
-
-    def decode(params, buffers, z):
-        with torchax_utils.restoring_ops(env):
-            torchax_utils.stock_ops(env)
-            return fm(params, buffers, z)
-
-    return decode
-
-
-def _decoder_name(shape: tuple[int, ...], calls: int, latent_hw: tuple[int, int]) -> str:
-    chips, _, frames, h, w = shape
-    return f"VAE decode, all {frames} latent frames at once ({_where(chips, h, w, latent_hw)}, x {calls})"
-
-
-def hunyuan_programs(vae_config: dict, latent_frames: int, height: int, width: int, mesh: Any, *,
-                     dtype: Any = "bfloat16", tiling: bool = False) -> list[aot.Program]:
-    """The decoder programs of HunyuanVideo-1.5's `decode` stage for a `height` x `width` video
-    decoded from `latent_frames` latent frames (`latent_shape(...)[2]`), on the chips of `mesh` (a
-    `decode_mesh`).
-
-    `vae_config` is the checkpoint's VAE config dict (`AutoencoderKLHunyuanVideo15` fields; missing
-    ones take diffusers' defaults, the release's: `models.hunyuan.full_configs()["vae"]`). The VAE
-    is built on `meta`, its decoder's weights become abstract arguments in `dtype`, a copy on every
-    chip. One program per distinct decoder input shape, one piece per chip: the whole latent
-    untiled, each distinct spatial tile with `tiling` (`calls` counts the waves of tiles,
-    `hunyuan_decode`). Raises `PipelineError` for frames < 1 or sizes that are not multiples of the
-    VAE's spatial compression.
-
-    `weights_bytes` is the decoder's weights (its arguments); the pipeline also keeps the encoder
-    on the chip. The mid-block attention gets the pipeline's loop-free causal mask
-    (`models.hunyuan.make_vae_jit_friendly`).
-    """
-    import jax
-    import jax.numpy as jnp
-    import torch
-    from diffusers import AutoencoderKLHunyuanVideo15
-
-    from tpupedia import torchax_utils
-    from tpupedia.models import hunyuan
-
-    with torch.device("meta"):  # shapes only, and the config as diffusers reads it (defaults filled in)
-        vae = AutoencoderKLHunyuanVideo15.from_config({k: v for k, v in vae_config.items() if not k.startswith("_")})
-    ratio = vae.spatial_compression_ratio
-    _check("HunyuanVideo-1.5", latent_frames, height, width, ratio)
-    dtype = jnp.dtype(dtype)
-    torch_dtype = getattr(torch, dtype.name)
-    vae = hunyuan.make_vae_jit_friendly(vae.to(torch_dtype).eval())
-    vae.enable_tiling() if tiling else vae.disable_tiling()  # as the pipeline's `_decode`
-    latent_hw = (height // ratio, width // ratio)
-    latents = torch.empty((1, vae.config.latent_channels, latent_frames, *latent_hw), dtype=torch_dtype, device="meta")
-    chips = mesh.size
-    calls = {(chips, *shape[1:]): len(waves([jax.ShapeDtypeStruct(shape, dtype)] * n, chips))
-             for shape, n in _decoder_calls(vae, latents).items()}
-    env = torchax_utils.default_env()  # imports torchax through the compatibility shim
-    fm = torchax_utils.FunctionalModule(vae.decoder)  # what `JitModule(vae.decoder)` calls
-    state = _replicated(mesh, fm.abstract_state())
-    weights = _nbytes(state)
-    decode = _reference_attention(fm, env)
-    return [aot.Program(STAGE, _decoder_name(shape, n, latent_hw), decode,
-                        (*state, _spread(mesh, jax.ShapeDtypeStruct(shape, dtype))), weights_bytes=weights, calls=n, component="vae")
-            for shape, n in calls.items()]

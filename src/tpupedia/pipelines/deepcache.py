@@ -10,8 +10,9 @@ defaults 11, 45, 4 over 50 steps, 25 full steps), and the reason it needs no bra
 the pipeline compiles two programs, full and cached, and the Python loop picks one per step
 (`tpupedia.pipelines.hunyuan`).
 
-Quality and time are measured, not assumed: `compare` gives PSNR and SSIM of a cached video
-against the uncached one; `tpupedia bench deepcache` records both with the time per step.
+Quality and time are measured, not assumed: `tpupedia.metrics.compare` gives PSNR and SSIM of a
+cached video against the uncached one; `tpupedia bench deepcache` records both with the time per
+step.
 Introduced in notebook 07.
 """
 
@@ -19,11 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from tpupedia.errors import TpupediaError
 
-__all__ = ["DeepCacheError", "Schedule", "UPSTREAM_DEFAULT", "parse", "psnr", "ssim", "compare"]
+__all__ = ["DeepCacheError", "Schedule", "UPSTREAM_DEFAULT", "parse"]
 
 
 class DeepCacheError(TpupediaError, ValueError):
@@ -76,38 +75,3 @@ def parse(text: str) -> Schedule:
     except ValueError:
         raise DeepCacheError(f"deepcache {text!r}: expected START:END:INTERVAL, three integers (e.g. 11:45:4)") from None
     return Schedule(start, end, interval)
-
-
-def psnr(a: np.ndarray, b: np.ndarray, peak: float = 1.0) -> float:
-    """Peak signal-to-noise ratio in dB of `a` against `b` (values in [0, peak]); inf if equal."""
-    mse = float(np.mean((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2))
-    return float("inf") if mse == 0 else 10 * np.log10(peak**2 / mse)
-
-
-def ssim(a: np.ndarray, b: np.ndarray, peak: float = 1.0, window: int = 7) -> float:
-    """Mean structural similarity of two frame stacks `(..., H, W, C)` in [0, peak]: the
-    Wang et al. (2004) index with a `window` x `window` uniform window over each frame and
-    channel, constants K1 = 0.01, K2 = 0.03 (the common uniform-window variant)."""
-    from numpy.lib.stride_tricks import sliding_window_view
-
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    w = min(window, a.shape[-3], a.shape[-2])
-    c1, c2 = (0.01 * peak) ** 2, (0.03 * peak) ** 2
-
-    def local_mean(x):  # mean over each w x w window of the (H, W) axes
-        return sliding_window_view(x, (w, w), axis=(-3, -2)).mean(axis=(-1, -2))
-
-    mu_a, mu_b = local_mean(a), local_mean(b)
-    var_a = local_mean(a * a) - mu_a**2
-    var_b = local_mean(b * b) - mu_b**2
-    cov = local_mean(a * b) - mu_a * mu_b
-    n = w * w  # sample (not population) covariance, as in the reference implementation
-    var_a, var_b, cov = (x * n / (n - 1) for x in (var_a, var_b, cov))
-    index = ((2 * mu_a * mu_b + c1) * (2 * cov + c2)) / ((mu_a**2 + mu_b**2 + c1) * (var_a + var_b + c2))
-    return float(index.mean())
-
-
-def compare(cached: np.ndarray, reference: np.ndarray) -> dict[str, float]:
-    """`{"psnr_db", "ssim", "max_abs"}` of a cached video against the uncached one."""
-    return {"psnr_db": psnr(cached, reference), "ssim": ssim(cached, reference),
-            "max_abs": float(np.max(np.abs(np.asarray(cached, np.float64) - np.asarray(reference, np.float64))))}

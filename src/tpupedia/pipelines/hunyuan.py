@@ -28,13 +28,15 @@ import functools
 import inspect
 import math
 import time
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from tpupedia.models import hunyuan as family
-from tpupedia.pipelines import common
-from tpupedia.pipelines.deepcache import Schedule
-from tpupedia.pipelines.common import Options, PipelineError, StageReport  # noqa: F401 - public names
+from tpupedia.pipelines import common, decoding
+from tpupedia.pipelines.common import Options, PipelineError, StageReport
+from tpupedia.pipelines.deepcache import UPSTREAM_DEFAULT, Schedule
+from tpupedia.pipelines.deepcache import parse as parse_schedule
 
 __all__ = ["Request", "Options", "PipelineError", "Hunyuan", "validate", "resolve", "settings", "text_settings",
            "run", "run_batch", "StageReport"]
@@ -48,8 +50,11 @@ class Request(common.Request):
     frames: int = 121
     fps: int = 24
     guidance: float | None = None
-    shift: float | None = None
-    deepcache: Schedule | None = None
+    shift: float | None = field(default=None, metadata={
+        "type": float, "help": "flow-matching shift (default: the checkpoint's scheduler)"})
+    deepcache: Schedule | None = field(default=None, metadata={
+        "parse": parse_schedule, "metavar": "START:END:INTERVAL",
+        "help": f"reuse deep features between full steps, e.g. {UPSTREAM_DEFAULT} (upstream's); off by default"})
 
 
 def validate(request: Request, options: Options, device_count: int | None = None,
@@ -148,8 +153,7 @@ class Hunyuan(common.StagedPipeline):
         the negative prompt, as `HunyuanVideo15Pipeline.encode_prompt` computes them."""
         import jax
         import torch
-        from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import (extract_glyph_texts,
-                                                                                  format_text_input)
+        from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import extract_glyph_texts, format_text_input
         from transformers import AutoTokenizer
 
         request = resolve(request, self.configs)
@@ -205,7 +209,8 @@ class Hunyuan(common.StagedPipeline):
         Both sharded over `tp` (`_text_rules`), with real or, on an `abstract` pipeline, abstract weights."""
         import jax.numpy as jnp
         from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import extract_glyph_texts
-        from jax.sharding import NamedSharding, PartitionSpec as P
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
         from transformers import Qwen2_5_VLTextModel, T5EncoderModel
 
         from tpupedia import aot, torchax_utils
@@ -269,25 +274,20 @@ class Hunyuan(common.StagedPipeline):
         image = jax.device_put(np.zeros(image_spec.shape, image_spec.dtype), image_spec.sharding)
         x = jax.device_put(common.to_jax_array(setup.latents), x_spec.sharding)
         full_steps = set(schedule.full_steps(request.steps)) if schedule else set(range(request.steps))
-        step_times, cache = [], None
+
+        def step(i, state):  # the state is (latents, DeepCache's cached features or None)
+            x, cache = state
+            args = (np.int32(i), np.float32(request.guidance), np.bool_(setup.cfg_on[i]))
+            if schedule is None:
+                return compiled[0](weights, buffers, x, text, image, *args), None
+            if i in full_steps:
+                return compiled[0](weights, buffers, x, text, image, *args)  # (latents, new cache)
+            return compiled[1](weights, buffers, x, cache, text, image, *args), cache
+
         with programs[0].context(), self._precision():  # the token refiner's small masked attention
-            for i in range(request.steps):
-                args = (np.int32(i), np.float32(request.guidance), np.bool_(setup.cfg_on[i]))
-                if schedule is None:
-                    call = functools.partial(compiled[0], weights, buffers, x, text, image, *args)
-                elif i in full_steps:
-                    call = functools.partial(compiled[0], weights, buffers, x, text, image, *args)
-                else:
-                    call = functools.partial(compiled[1], weights, buffers, x, cache, text, image, *args)
-                out, seconds = common.timed(call, jax.block_until_ready)
-                x, cache = out if (schedule is not None and i in full_steps) else (out, cache)
-                step_times.append(seconds)
-                if on_step:
-                    on_step(i, x)
-        steady = float(np.median(step_times[1:])) if len(step_times) > 1 else step_times[0]
-        timings = {"first_s": step_times[0], "steady_s": steady, "steps": len(step_times),
-                   "full_steps": len(full_steps), "step_s": [round(s, 6) for s in step_times]}
-        return {"latents": common.to_torch(x).to(self.dtype)}, timings
+            (x, _), timings = common.denoise_loop(step, (x, None), request.steps, on_step,
+                                                  latents=lambda state: state[0])
+        return {"latents": common.to_torch(x).to(self.dtype)}, timings | {"full_steps": len(full_steps)}
 
     def _denoise_setup(self, request: Request):
         """What the steps need from the host (`request` resolved): the flow-matching schedule as
@@ -328,7 +328,8 @@ class Hunyuan(common.StagedPipeline):
         import jax.numpy as jnp
         import numpy as np
         from diffusers import HunyuanVideo15Transformer3DModel
-        from jax.sharding import NamedSharding, PartitionSpec as P
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
 
         from tpupedia import aot, attention, torchax_utils
         from tpupedia.pipelines import schedulers
@@ -338,16 +339,8 @@ class Hunyuan(common.StagedPipeline):
 
         def load():
             transformer = self._load(HunyuanVideo15Transformer3DModel, "transformer")
-            padded = jax.jit(functools.partial(
-                attention.padded_attention, backend=backend, mesh=mesh if backend == "splash" else None,
-                interpret=not common.on_tpu(mesh), batch_axis="dp", head_axis="tp", block_sizes=self.block_sizes))
-
-            def attend(q, k, v, valid):  # torchax tensors in, torchax tensor out
-                from torchax.interop import call_jax
-
-                return call_jax(padded, q, k, v, valid)
-
-            family.make_jit_friendly(transformer, attend)
+            family.make_jit_friendly(transformer, attention.padded_attend(
+                backend, mesh=mesh, interpret=not common.on_tpu(mesh), block_sizes=self.block_sizes))
             self._to_jax("transformer", transformer, self._rules(self.options.sharding))
             return transformer
 
@@ -440,7 +433,7 @@ class Hunyuan(common.StagedPipeline):
         from tpupedia.pipelines import decoding
 
         frames = family.latent_shape(request.frames, request.height, request.width, self.shapes)[2]
-        return decoding.hunyuan_programs(self.configs["vae"], frames, request.height, request.width,
+        return decode_programs(self.configs["vae"], frames, request.height, request.width,
                                          decoding.decode_mesh(self.mesh), dtype=str(self.dtype).removeprefix("torch."),
                                          tiling=request.vae_tiling)
 
@@ -452,7 +445,6 @@ class Hunyuan(common.StagedPipeline):
         from diffusers.pipelines.hunyuan_video1_5.image_processor import HunyuanVideo15ImageProcessor
 
         from tpupedia import torchax_utils
-
         from tpupedia.pipelines import decoding
 
         def load():  # (the VAE, its decoder jitted and replicated on the host's chips; the decoder on `meta`)
@@ -461,18 +453,160 @@ class Hunyuan(common.StagedPipeline):
             family.make_vae_jit_friendly(vae)
             self._to_jax("vae", vae, mesh=decoding.decode_mesh(self.mesh))
             vae.decoder = torchax_utils.JitModule(vae.decoder)
-            return vae, decoding.meta_decoder(self.configs["vae"])
+            return vae, meta_decoder(self.configs["vae"])
 
         vae, shapes_of = self.held("decode", "vae", load)
         vae.enable_tiling() if request.vae_tiling else vae.disable_tiling()
         z = latents.to(vae.dtype) / vae.config.scaling_factor
         start = time.perf_counter()
         with self._precision():  # the tiles (or the whole latent) side by side on the host's chips
-            video = decoding.hunyuan_decode(vae, z, decoding.decode_mesh(self.mesh), self.env, shapes_of)
+            video = decode_in_waves(vae, z, decoding.decode_mesh(self.mesh), self.env, shapes_of)
         seconds = time.perf_counter() - start
         frames = HunyuanVideo15ImageProcessor(vae_scale_factor=vae.spatial_compression_ratio).postprocess_video(
             video, output_type="np")[0]
         return {"frames": torch.from_numpy(frames.astype("float32"))}, {"first_s": seconds}
+
+
+# --- the decode, spread over a host's chips, and its programs for `tpupedia.plan` --------------------
+
+def _decoder_calls(vae: Any, latents: Any) -> Counter:
+    """How often diffusers' `vae.decode(latents)` calls `vae.decoder`, per input shape, run on `meta`."""
+    import torch
+
+    calls: Counter = Counter()
+    hook = vae.decoder.register_forward_pre_hook(lambda _module, args: calls.update([tuple(args[0].shape)]))
+    try:
+        with torch.no_grad():
+            vae.decode(latents)
+    finally:
+        hook.remove()
+    return calls
+
+
+def _reference_attention(fm: Any, env: Any):
+    """`fm(params, buffers, z)` traced with torchax's own SDPA (the pipeline's decode installs none;
+    the environment is shared, so it is left as found)."""
+    from tpupedia import torchax_utils
+
+    def decode(params, buffers, z):
+        with torchax_utils.restoring_ops(env):
+            torchax_utils.stock_ops(env)
+            return fm(params, buffers, z)
+
+    return decode
+
+
+def _decoder_name(shape: tuple[int, ...], calls: int, latent_hw: tuple[int, int]) -> str:
+    chips, _, frames, h, w = shape
+    return f"VAE decode, all {frames} latent frames at once ({decoding.where(chips, h, w, latent_hw)}, x {calls})"
+
+
+def decode_programs(vae_config: dict, latent_frames: int, height: int, width: int, mesh: Any, *,
+                   dtype: Any = "bfloat16", tiling: bool = False) -> list:
+    """The decoder programs of HunyuanVideo-1.5's `decode` stage for a `height` x `width` video
+    decoded from `latent_frames` latent frames (`latent_shape(...)[2]`), on the chips of `mesh` (a
+    `decode_mesh`).
+
+    `vae_config` is the checkpoint's VAE config dict (`AutoencoderKLHunyuanVideo15` fields; missing
+    ones take diffusers' defaults, the release's: `models.hunyuan.full_configs()["vae"]`). The VAE
+    is built on `meta`, its decoder's weights become abstract arguments in `dtype`, a copy on every
+    chip. One program per distinct decoder input shape, one piece per chip: the whole latent
+    untiled, each distinct spatial tile with `tiling` (`calls` counts the waves of tiles,
+    `decode_in_waves`). Raises `PipelineError` for frames < 1 or sizes that are not multiples of the
+    VAE's spatial compression.
+
+    `weights_bytes` is the decoder's weights (its arguments); the pipeline also keeps the encoder
+    on the chip. The mid-block attention gets the pipeline's loop-free causal mask
+    (`models.hunyuan.make_vae_jit_friendly`).
+    """
+    import jax
+    import jax.numpy as jnp
+    import torch
+    from diffusers import AutoencoderKLHunyuanVideo15
+
+    from tpupedia import aot, torchax_utils
+
+    with torch.device("meta"):  # shapes only, and the config as diffusers reads it (defaults filled in)
+        vae = AutoencoderKLHunyuanVideo15.from_config({k: v for k, v in vae_config.items() if not k.startswith("_")})
+    ratio = vae.spatial_compression_ratio
+    decoding.check_decode("HunyuanVideo-1.5", latent_frames, height, width, ratio)
+    dtype = jnp.dtype(dtype)
+    torch_dtype = getattr(torch, dtype.name)
+    vae = family.make_vae_jit_friendly(vae.to(torch_dtype).eval())
+    vae.enable_tiling() if tiling else vae.disable_tiling()  # as the pipeline's `_decode`
+    latent_hw = (height // ratio, width // ratio)
+    latents = torch.empty((1, vae.config.latent_channels, latent_frames, *latent_hw), dtype=torch_dtype, device="meta")
+    chips = mesh.size
+    calls = {(chips, *shape[1:]): len(decoding.waves([jax.ShapeDtypeStruct(shape, dtype)] * n, chips))
+             for shape, n in _decoder_calls(vae, latents).items()}
+    env = torchax_utils.default_env()  # imports torchax through the compatibility shim
+    fm = torchax_utils.FunctionalModule(vae.decoder)  # what `JitModule(vae.decoder)` calls
+    state = decoding.replicated(mesh, fm.abstract_state())
+    weights = decoding.nbytes(state)
+    decode = _reference_attention(fm, env)
+    return [aot.Program(decoding.STAGE, _decoder_name(shape, n, latent_hw), decode,
+                        (*state, decoding.spread(mesh, jax.ShapeDtypeStruct(shape, dtype))), weights_bytes=weights, calls=n, component="vae")
+            for shape, n in calls.items()]
+
+
+def decode_in_waves(vae: Any, z: Any, mesh: Any, env: Any, shapes_of: Any) -> Any:
+    """HunyuanVideo-1.5's `vae.decode(z).sample` (z: CPU torch latents, `vae` a diffusers
+    `AutoencoderKLHunyuanVideo15` whose `decoder` is jitted under torchax and replicated over
+    `mesh`), with its decoder calls run side by side on `mesh` (`in_waves`). Returns CPU torch.
+    `shapes_of` is the decoder on PyTorch's `meta` device (`meta_decoder`): what a tile decodes to.
+
+    diffusers' own `decode` runs twice around the real work, so the tiling, blending and cropping
+    are stock code: first with a decoder that only records each tile it is given (answering with
+    an empty `meta` tensor of the decoded shape), then, once the recorded tiles are decoded in
+    waves, with a decoder that hands back those results in order. The blending runs on the host,
+    in the VAE's dtype, as diffusers runs it. Introduced in notebook 07 (the decode stage)."""
+    import torch
+    from torchax.interop import jax_view, torch_view
+
+    jitted, tiles = vae.decoder, []
+
+    def record(tile):
+        tiles.append(tile)
+        dtype = next(shapes_of.parameters()).dtype
+        with torch.no_grad():
+            return shapes_of(torch.empty(tile.shape, dtype=dtype, device="meta"))
+
+    def decode_one(batch):
+        with env:
+            return jax_view(jitted(torch_view(batch)))
+
+    try:
+        vae.decoder = _calls(record)
+        with torch.no_grad():
+            vae.decode(z)
+        decoded = iter(decoding.in_waves([common.to_jax_array(t) for t in tiles], decode_one, mesh))
+        vae.decoder = _calls(lambda tile: common.to_torch(next(decoded)))
+        with torch.no_grad():
+            return vae.decode(z).sample
+    finally:
+        vae.decoder = jitted
+
+
+def _calls(fn: Callable[[Any], Any]) -> Any:
+    """A module whose forward is `fn`: what stands in for a VAE's `decoder` (`decode_in_waves`)."""
+    import torch
+
+    class Calls(torch.nn.Module):
+        def forward(self, x):
+            return fn(x)
+
+    return Calls()
+
+
+def meta_decoder(vae_config: dict) -> Any:
+    """HunyuanVideo-1.5's VAE decoder built on PyTorch's `meta` device from the checkpoint's VAE
+    config (shapes only, the mid-block's loop-free mask), in eval mode."""
+    import torch
+    from diffusers import AutoencoderKLHunyuanVideo15
+
+    with torch.device("meta"):
+        vae = AutoencoderKLHunyuanVideo15.from_config({k: v for k, v in vae_config.items() if not k.startswith("_")})
+    return family.make_vae_jit_friendly(vae).decoder.eval()
 
 
 PIPELINE = Hunyuan

@@ -31,11 +31,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
+from tpupedia import files
 from tpupedia.errors import TpupediaError
 
 __all__ = ["STAGES", "FORMAT", "StageError", "StageFile", "fingerprint", "path", "write", "read", "status",
@@ -105,23 +105,6 @@ def _json_path(workdir: str | os.PathLike, stage: str) -> Path:
     return path(workdir, stage).with_suffix(".json")
 
 
-def _atomic(target: Path, write: Callable[[Path], None]) -> None:
-    """Call `write(temporary_path)`, flush it to disk, then rename it onto `target` (same
-    folder, so the rename is atomic); the temporary file is removed if anything fails."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a stage file is shared like any output
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _describe(tensors: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     return {k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")} for k, v in tensors.items()}
 
@@ -151,13 +134,13 @@ def write(workdir: str | os.PathLike, stage: str, tensors: Mapping[str, Any], se
     target, twin = path(workdir, stage), _json_path(workdir, stage)
     tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
     twin.unlink(missing_ok=True)  # from here until the new twin exists, the stage is not done
-    _atomic(target, lambda tmp: save_file(tensors, str(tmp), metadata={"stage": stage, "fingerprint": fp,
+    files.write_atomic(target, lambda tmp: save_file(tensors, str(tmp), metadata={"stage": stage, "fingerprint": fp,
                                                                        "format": FORMAT}))
     meta = {
         "format": FORMAT, "stage": stage, "fingerprint": fp, "settings": settings,
         "tensors": _describe(tensors), "sha256": _sha256(target.read_bytes()), "extra": dict(extra or {}),
     }
-    _atomic(twin, lambda tmp: tmp.write_text(json.dumps(meta, indent=2, default=str) + "\n"))
+    files.write_text_atomic(twin, json.dumps(meta, indent=2, default=str) + "\n")
     return target
 
 

@@ -1,0 +1,87 @@
+"""`FamilySpec`: what the rest of the package needs to know about a model family, in one record.
+
+Each family module (`tpupedia.models.<name>`) exports `SPEC`; `tpupedia.families` collects them,
+and the command line, the dry-run, the plan, the docs and the tests read the registry instead of
+naming a family. The spec holds what is *data*: names, the checkpoint's hub id, the sharding
+tables, the attention mask's structure, the prefix of one layer's weights. Everything computed
+(configs, shape facts read from a checkpoint, frame and size rules, FLOPs, builders) stays a
+function of the family module, which `FamilySpec.facts` imports; a family whose `kind` is
+`"video"` also has a pipeline, `tpupedia.pipelines.<name>` by convention.
+
+Kinds:
+
+* `"video"`: a text-to-video family with a staged pipeline (`generate`, `plan`, `dryrun`,
+  `bench generate`);
+* `"llm"`: a decoder-only language model the dry-run compiles one forward of;
+* `"vae"`: a video decoder the dry-run compiles one frame batch of, with the frame and size
+  rules of the video family it belongs to (`defaults_from`).
+
+Introduced with the family registry (issue 20); notebook 09 plans a run from it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+__all__ = ["FamilySpec", "KINDS", "MASKS"]
+
+KINDS = ("video", "llm", "vae")
+MASKS = ("padding", "causal_padding")
+"""The attention mask's structure a family hands to SDPA (`tpupedia.attention`'s `mask_structure`):
+text padding only (valid(q) & valid(k)), or causal on top of it (an LLM)."""
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """One model family, as the registry describes it (see the module docstring)."""
+
+    name: str
+    """The command-line name (`tpupedia generate NAME`) and the `model` of stage files and records."""
+    title: str
+    """One line for help texts: what the family is and what its stages run."""
+    module: str
+    """The family module holding its facts and builders (`tpupedia.models.<...>`)."""
+    kind: str = "video"
+    full_id: str | None = None
+    """The hub id the full preset loads (`None`: not loaded by id)."""
+    sharding: Mapping[str, Sequence[tuple[str, tuple]]] = field(default_factory=dict)
+    """Rule tables by strategy, written against the default axes `"tp"` / `"fsdp"`
+    (`tpupedia.sharding.rules` renames them to the mesh's)."""
+    mask: str = "padding"
+    layer_prefix: str = "transformer_blocks.0."
+    """The names of one layer's weights start with this: the dry-run adds the missing layers'
+    weight shards from it."""
+    dryrun_masks: tuple[str, ...] = ("vector",)
+    """How the dry-run can hand the text padding to attention: `vector` (a (B, S) vector, what the
+    pipelines run) and, where the stock processor differs, `matrix` (its (B, 1, S, S) matrix)."""
+    defaults_from: str | None = None
+    """A `"vae"` target: the video family whose default request and frame rule it uses."""
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"{self.name}: kind {self.kind!r} is not one of {', '.join(KINDS)}")
+        if self.mask not in MASKS:
+            raise ValueError(f"{self.name}: mask {self.mask!r} is not one of {', '.join(MASKS)}")
+
+    @property
+    def facts(self) -> ModuleType:
+        """The family module (`tpupedia.models.<...>`): configs, shape facts, rules, builders."""
+        return importlib.import_module(self.module)
+
+    @property
+    def pipeline(self) -> str | None:
+        """The module name of the family's staged pipeline (a `"video"` family), by convention."""
+        return f"tpupedia.pipelines.{self.name}" if self.kind == "video" else None
+
+    @property
+    def strategies(self) -> tuple[str, ...]:
+        return tuple(self.sharding)
+
+    def describe(self) -> dict[str, Any]:
+        """The spec as plain data (for the docs' family table)."""
+        return {"name": self.name, "kind": self.kind, "title": self.title, "module": self.module,
+                "full_id": self.full_id, "strategies": list(self.strategies), "mask": self.mask}
