@@ -289,16 +289,12 @@ class CogVideoX(common.StagedPipeline):
         """The decode stage's programs, the Flax NNX VAE's frame batches (`tpupedia.pipelines.decoding`),
         on the host's chips, one tile (or a copy of the whole latent) per chip. Only the Flax VAE is planned:
         diffusers' decoder under torchax carries its causal cache in another form."""
-        from tpupedia.pipelines import decoding
-
         if self.vae != "flax":
             raise PipelineError(f"vae={self.vae!r}: the decode programs are planned for the Flax VAE only; "
                                 "plan with --vae flax (the default)")
-
         return decode_programs(self.configs["vae"], family.latent_frames(request.frames, self.shapes),
-                                           request.height, request.width, decoding.decode_mesh(self.mesh),
-                                           dtype=str(self.dtype).removeprefix("torch."), tiling=request.vae_tiling)
-
+                               request.height, request.width, decoding.decode_mesh(self.mesh),
+                               dtype=str(self.dtype).removeprefix("torch."), tiling=request.vae_tiling)
 
     def _decode(self, request: Request, latents) -> tuple[dict, dict]:
         """Latents -> frames, float32 (F, H, W, 3) in [0, 1] (diffusers' `output_type="np"`)."""
@@ -306,8 +302,6 @@ class CogVideoX(common.StagedPipeline):
         import torch
         from diffusers import AutoencoderKLCogVideoX
         from diffusers.video_processor import VideoProcessor
-
-        from tpupedia.pipelines import decoding
 
         _, padding = family.padded_latent_frames(request.frames, self.shapes)
         chips = decoding.decode_mesh(self.mesh)

@@ -430,13 +430,10 @@ class Hunyuan(common.StagedPipeline):
     def _decode_programs(self, request: Request) -> list:
         """The decode stage's programs, the VAE's decoder calls whole or per tile
         (`tpupedia.pipelines.decoding`), on the host's chips, one tile (or a copy of the whole latent) per chip."""
-        from tpupedia.pipelines import decoding
-
         frames = family.latent_shape(request.frames, request.height, request.width, self.shapes)[2]
         return decode_programs(self.configs["vae"], frames, request.height, request.width,
-                                         decoding.decode_mesh(self.mesh), dtype=str(self.dtype).removeprefix("torch."),
-                                         tiling=request.vae_tiling)
-
+                               decoding.decode_mesh(self.mesh), dtype=str(self.dtype).removeprefix("torch."),
+                               tiling=request.vae_tiling)
 
     def _decode(self, request: Request, latents) -> tuple[dict, dict]:
         """Latents -> frames, float32 (F, H, W, 3) in [0, 1] (diffusers' `output_type="np"`)."""
@@ -445,8 +442,6 @@ class Hunyuan(common.StagedPipeline):
         from diffusers.pipelines.hunyuan_video1_5.image_processor import HunyuanVideo15ImageProcessor
 
         from tpupedia import torchax_utils
-        from tpupedia.pipelines import decoding
-
         def load():  # (the VAE, its decoder jitted and replicated on the host's chips; the decoder on `meta`)
             vae = AutoencoderKLHunyuanVideo15.from_pretrained(self.source, subfolder="vae", dtype=self.dtype,
                                                               use_safetensors=True).eval()
