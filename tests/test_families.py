@@ -27,7 +27,7 @@ def test_the_registry_finds_every_family_module_with_a_spec():
     modules = {p.stem for p in (SRC / "models").glob("*.py")
                if re.search(r"^SPEC = FamilySpec\(", p.read_text(), re.M)}
     assert {s.module.rsplit(".", 1)[1] for s in specs.values()} == modules
-    assert families.names("video") == ("cogvideox", "hunyuan")
+    assert families.names("video") == ("cogvideox", "hunyuan", "wan")
     assert set(families.names("llm")) == {"llama"} and set(families.names("vae")) == {"cogvideox-vae"}
     for spec in families.video():  # what `generate` needs of a video family
         facts = spec.facts
@@ -38,7 +38,7 @@ def test_the_registry_finds_every_family_module_with_a_spec():
 
 
 def test_an_unknown_family_is_refused_with_the_names_there_are():
-    with pytest.raises(families.FamilyError, match=r"video family 'llama' is not one of cogvideox, hunyuan"):
+    with pytest.raises(families.FamilyError, match=r"video family .llama. is not one of cogvideox, hunyuan, wan"):
         families.get("llama", "video")
     with pytest.raises(families.FamilyError, match="'wan2' is not one of"):
         families.get("wan2")

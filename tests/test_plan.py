@@ -65,6 +65,9 @@ def test_the_decode_runs_on_the_hosts_chips_and_its_programs_share_the_vaes_weig
     assert plan.StageCost("decode", [first, later], 0.0).weights == first.weights > 0
     other = dataclasses.replace(first, name="a second text encoder", component="text_encoder_2")
     assert plan.StageCost("text", [first, other], 0.0).weights == 2 * first.weights
+    # one program runs while the other component's weights stay loaded (Wan 2.2's two experts)
+    assert plan.StageCost("decode", [first, later], 0.0).peak == first.peak
+    assert plan.StageCost("text", [first, other], 0.0).peak == first.peak + other.weights
 
 
 def test_a_batch_plan_counts_the_other_stages_models_as_resident(cogvideox_plan):

@@ -175,19 +175,25 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
           ("v6e-64", "v6e:8x8", "ici_s", r"\n\s+floors per step: [^\n]*ICI ([\d.]+) s", lambda v: f"{v:.3f}",
            (("docs/kb/*.md", r"ICI floor ([\d.]+) s > compute floor 0\.041"), ("docs/kb/*.md", r"v6e-64[^\n]*\| [\d.]+ → ([\d.]+) s \|"))),
       ]],
-    *[Figure(f"run.{n:02d}", (lambda n: lambda root: notebook_seconds(next((root / "notebooks").glob(f"{n:02d}_*.ipynb"))))(n),
-             duration_text, f"notebooks/{n:02d}_*.ipynb: stored cell execution times (measured here, 2-core CPU)")
-      for n in range(11)],
-    *[Figure(f"reading.{n:02d}", (lambda n: lambda root: _reading(root, n))(n), lambda v: f"{v:.0f} min",
-             f"lessons/{n:02d}_*.py: its prose words / 200 words per minute, rounded up")
-      for n in range(11)],
 ]}
-"""Every named figure, by name."""
+"""Every named figure, by name; besides these, each lesson's `run.NN` and `reading.NN` (`figure`)."""
+
+
+def _lesson_figure(kind: str, n: int) -> Figure:
+    """`run.NN`: the notebook's stored cell execution time; `reading.NN`: the lesson's reading time."""
+    if kind == "run":
+        return Figure(f"run.{n:02d}", lambda root: notebook_seconds(next((root / "notebooks").glob(f"{n:02d}_*.ipynb"))),
+                      duration_text, f"notebooks/{n:02d}_*.ipynb: stored cell execution times (measured here, 2-core CPU)")
+    return Figure(f"reading.{n:02d}", lambda root: _reading(root, n), lambda v: f"{v:.0f} min",
+                  f"lessons/{n:02d}_*.py: its prose words / 200 words per minute, rounded up")
 
 
 def figure(name: str) -> Figure:
+    lesson = re.fullmatch(r"(run|reading)\.(\d\d)", name)
+    if lesson:
+        return _lesson_figure(lesson.group(1), int(lesson.group(2)))
     if name not in FIGURES:
-        raise FigureError(f"no figure named {name!r}; known: {', '.join(sorted(FIGURES))}")
+        raise FigureError(f"no figure named {name!r}; known: {', '.join(sorted(FIGURES))}, run.NN, reading.NN")
     return FIGURES[name]
 
 

@@ -93,11 +93,14 @@ class StageCost:
 
     @property
     def peak(self) -> float | None:
-        peaks = [p.peak for p in self.programs]
-        if any(p is None for p in peaks):
+        """The worst program's arguments, temporaries and outputs, plus the weights of the stage's
+        other components (they stay loaded while it runs: Wan 2.2's second expert, a second text
+        encoder), plus what other stages keep resident."""
+        if any(p.peak is None for p in self.programs):
             return None
-        # programs of one stage share its weights; the others' arguments are their own tensors
-        return max(peaks) + self.resident
+        weights = {p.component or p.name: p.weights for p in self.programs}
+        others = [sum(w for c, w in weights.items() if c != (p.component or p.name)) for p in self.programs]
+        return max(p.peak + other for p, other in zip(self.programs, others)) + self.resident
 
     def fits(self, hbm: float) -> bool:
         """Every program compiled and fits, and the peak with what stays resident is within `hbm`."""

@@ -6,7 +6,8 @@ SentencePiece model (`spiece.model`, `special_tokens_map.json`, `tokenizer_confi
 `tokenizer.json`), which transformers 5 can read only with the `sentencepiece` package installed
 (without it, it falls back to a tiktoken reader and raises); HunyuanVideo-1.5's Qwen2.5-VL
 tokenizer is byte-level BPE (`tokenizer.json`, `vocab.json`, `merges.txt`) with the chat template
-inside `tokenizer_config.json`. `save_pretrained` in transformers 5.23 writes neither layout (it
+inside `tokenizer_config.json`; Wan's umT5 tokenizer folder holds both `spiece.model` and
+`tokenizer.json`. `save_pretrained` in transformers 5.23 writes neither layout (it
 writes `tokenizer.json` for T5 and a separate `chat_template.jinja` for Qwen), so the tiny
 checkpoints lay their tokenizer folders out here, after `save_pretrained`, and load them through
 the same `AutoTokenizer.from_pretrained` call the full checkpoints go through.
@@ -21,7 +22,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["T5_CORPUS", "T5_EXTRA_IDS", "write_t5_spiece", "write_qwen_bpe", "layout"]
+__all__ = ["T5_CORPUS", "T5_EXTRA_IDS", "write_t5_spiece", "write_t5_fast", "write_qwen_bpe", "layout"]
 
 T5_CORPUS = (
     "A panda plays an acoustic guitar in a bamboo forest.",
@@ -70,6 +71,22 @@ def write_t5_spiece(folder: str | Path, *, vocab_size: int = 96, max_length: int
     config = {"tokenizer_class": "T5Tokenizer", "extra_ids": T5_EXTRA_IDS, "model_max_length": max_length,
               "legacy": True, "clean_up_tokenization_spaces": True, "sp_model_kwargs": {}, **special}
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return folder
+
+
+def write_t5_fast(folder: str | Path, *, max_length: int = 512, corpus: tuple[str, ...] = T5_CORPUS) -> Path:
+    """A T5 tokenizer folder as the Wan diffusers checkpoints ship umT5's (`T5TokenizerFast` in
+    their `model_index.json`): the SentencePiece model of `write_t5_spiece` *and* its
+    `tokenizer.json`, with `special_tokens_map.json` and `tokenizer_config.json`. transformers
+    loads the fast tokenizer from `tokenizer.json`; `spiece.model` stays for slow readers."""
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    folder = write_t5_spiece(folder, max_length=max_length, corpus=corpus)
+    with tempfile.TemporaryDirectory() as tmp:
+        AutoTokenizer.from_pretrained(folder).save_pretrained(tmp)
+        (folder / "tokenizer.json").write_text((Path(tmp) / "tokenizer.json").read_text())
     return folder
 
 

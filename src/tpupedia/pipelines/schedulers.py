@@ -15,6 +15,7 @@ and the noise an argument drawn on the host (`dpm_noise`) in the order the stock
 | `CogVideoXDDIMScheduler` | `cogvideox_tables` | `ddim_step` |
 | `CogVideoXDPMScheduler` | `cogvideox_tables` | `dpm_step` (+ `dpm_noise` / `draw_dpm_noise`) |
 | `FlowMatchEulerDiscreteScheduler` | `flow_match_tables` | `flow_match_euler_step` |
+| `UniPCMultistepScheduler` (flow sigmas, Wan) | `unipc_tables` | `unipc_step` (+ `unipc_state`) |
 
 Numerics: the CogVideoX pure steps compute in float32. The stock step, given bf16 latents,
 computes in bf16; with float32 latents the two agree to float32 rounding (the tests: 1e-5).
@@ -33,7 +34,7 @@ import numpy as np
 from tpupedia.errors import TpupediaError
 
 __all__ = ["SchedulerError", "cogvideox_tables", "ddim_step", "dpm_step", "dpm_noise", "draw_dpm_noise",
-           "flow_match_tables", "flow_match_euler_step"]
+           "flow_match_tables", "flow_match_euler_step", "unipc_tables", "unipc_step", "unipc_state"]
 
 _PREDICTIONS = ("epsilon", "v_prediction", "sample")
 
@@ -227,3 +228,126 @@ def flow_match_euler_step(tables: dict, i: Any, latents: Any, model_output: Any)
     dtype = model_output.dtype
     delta = tables["dt"][i].astype(dtype) * model_output  # torch casts the 0-dim dt to the output's dtype
     return (latents.astype(jnp.float32) + delta.astype(jnp.float32)).astype(dtype)
+
+
+def unipc_tables(scheduler: Any) -> dict[str, np.ndarray]:
+    """Per-step arrays for `unipc_step`, from a stock `UniPCMultistepScheduler` after
+    `set_timesteps`: the flow-matching configuration Wan ships (`prediction_type="flow_prediction"`,
+    `use_flow_sigmas`, `predict_x0`, B(h) solvers, `solver_order` 1 or 2), its flow shift already
+    in `scheduler.sigmas`.
+
+    The stock `step` keeps Python state (the last two converted outputs, the last sample, a
+    warm-up counter) and decides per call which order its predictor and corrector use. Those
+    decisions depend only on the step index, so they are made here, with the stock code's own
+    arithmetic on its own sigmas (0-dim float32 torch tensors, `torch.linalg.solve` for the
+    corrector's weights), and stored as columns of shape `(steps,)`:
+
+    * `timesteps` (what the model is given), `sigmas` (`steps + 1`);
+    * the predictor from step `i` to `i + 1`: `p_x` (sigma ratio), `p_m0` (alpha * h phi_1),
+      `p_q` (alpha * B(h)), `p_rk`, `p_two` (1.0 for the second-order update);
+    * the corrector of step `i` (from step `i - 1`): `c_on` (1.0 where it runs: not the first
+      step, not disabled), `c_x`, `c_m0`, `c_q`, `c_rk`, `c_rho0`, `c_rho1` (its weights; second
+      order where `c_rho0` is not 0).
+    """
+    import torch
+    from diffusers import UniPCMultistepScheduler
+
+    if not isinstance(scheduler, UniPCMultistepScheduler):
+        raise SchedulerError(f"{type(scheduler).__name__}: expected UniPCMultistepScheduler")
+    if getattr(scheduler, "num_inference_steps", None) is None:
+        raise SchedulerError("call scheduler.set_timesteps(...) before building its tables")
+    config = scheduler.config
+    wanted = {"prediction_type": "flow_prediction", "use_flow_sigmas": True, "predict_x0": True,
+              "thresholding": False, "solver_p": None}
+    for key, value in wanted.items():
+        if config.get(key) != value:
+            raise SchedulerError(f"UniPC with {key}={config.get(key)!r}: the pure step reproduces {key}={value!r} "
+                                 "(Wan's flow-matching configuration)")
+    if config.solver_order not in (1, 2) or config.solver_type not in ("bh1", "bh2"):
+        raise SchedulerError(f"UniPC solver_order={config.solver_order}, solver_type={config.solver_type!r}: "
+                             "the pure step reproduces orders 1 and 2 with bh1 or bh2")
+    sigmas = scheduler.sigmas.detach().cpu()
+    steps = len(scheduler.timesteps)
+
+    def alpha_sigma(s):  # `_sigma_to_alpha_sigma_t` with flow sigmas
+        return 1 - s, s
+
+    def lam(s):
+        a, s_ = alpha_sigma(s)
+        return torch.log(a) - torch.log(s_)
+
+    def coefficients(t_index: int, s0_index: int):  # what both updates compute from (t, s0)
+        alpha_t, sigma_t = alpha_sigma(sigmas[t_index])
+        _, sigma_s0 = alpha_sigma(sigmas[s0_index])
+        h = lam(sigmas[t_index]) - lam(sigmas[s0_index])
+        hh = -h  # predict_x0
+        h_phi_1 = torch.expm1(hh)
+        b_h = hh if config.solver_type == "bh1" else torch.expm1(hh)
+        return sigma_t / sigma_s0, alpha_t * h_phi_1, alpha_t * b_h, h, hh, h_phi_1, b_h
+
+    orders, done = [], 0
+    for i in range(steps):  # the stock warm-up and `lower_order_final`
+        order = min(config.solver_order, steps - i) if config.lower_order_final else config.solver_order
+        orders.append(min(order, done + 1))
+        done = min(done + 1, config.solver_order)
+    cols = {k: np.zeros(steps, np.float32) for k in ("p_x", "p_m0", "p_q", "p_two", "c_on", "c_x", "c_m0", "c_q",
+                                                     "c_rho0", "c_rho1")}
+    cols["p_rk"] = np.ones(steps, np.float32)
+    cols["c_rk"] = np.ones(steps, np.float32)
+    for i in range(steps):
+        ratio, m0_coef, q, h, *_ = coefficients(i + 1, i)
+        cols["p_x"][i], cols["p_m0"][i], cols["p_q"][i] = float(ratio), float(m0_coef), float(q)
+        if orders[i] == 2:
+            cols["p_two"][i], cols["p_rk"][i] = 1.0, float((lam(sigmas[i - 1]) - lam(sigmas[i])) / h)
+        if i == 0 or (i - 1) in config.disable_corrector:
+            continue
+        order = orders[i - 1]
+        ratio, m0_coef, q, h, hh, h_phi_1, b_h = coefficients(i, i - 1)
+        cols["c_on"][i], cols["c_x"][i], cols["c_m0"][i], cols["c_q"][i] = 1.0, float(ratio), float(m0_coef), float(q)
+        if order == 1:
+            cols["c_rho1"][i] = 0.5
+            continue
+        rk = (lam(sigmas[i - 2]) - lam(sigmas[i - 1])) / h
+        rks = torch.stack([rk, torch.ones(())])
+        r, b, h_phi_k, factorial = [], [], h_phi_1 / hh - 1, 1
+        for k in range(1, order + 1):
+            r.append(torch.pow(rks, k - 1))
+            b.append(h_phi_k * factorial / b_h)
+            factorial *= k + 1
+            h_phi_k = h_phi_k / hh - 1 / factorial
+        rhos = torch.linalg.solve(torch.stack(r), torch.stack(b))
+        cols["c_rk"][i], cols["c_rho0"][i], cols["c_rho1"][i] = float(rk), float(rhos[0]), float(rhos[1])
+    return {"timesteps": scheduler.timesteps.detach().cpu().float().numpy(),
+            "sigmas": sigmas.float().numpy(), **cols}
+
+
+def unipc_step(tables: dict, i: Any, sample: Any, model_output: Any, state: Any) -> tuple[Any, Any]:
+    """`UniPCMultistepScheduler.step(model_output, timesteps[i], sample)` as a pure function of a
+    (traceable) step index: `(prev_sample, state)`. `state` is `(last_sample, m_prev, m_prev2)`,
+    the stock step's Python state (the corrected sample of the step before, the last two
+    converted outputs), zeros before the first step (`unipc_state`). Computes in float32, as the
+    stock step does on float32 latents (the converted output `sample - sigma * output` takes the
+    product in the output's dtype, as torch does)."""
+    import jax.numpy as jnp
+
+    t = {k: v[i] for k, v in tables.items() if k != "sigmas"}
+    last, m1, m2 = state
+    sample = sample.astype(jnp.float32)
+    sigma = tables["sigmas"][i]
+    m = sample - (sigma.astype(model_output.dtype) * model_output).astype(jnp.float32)  # x0 from the flow
+    # UniC: correct this step's sample with the new output (the predictor of step i-1 made it)
+    corr_res = jnp.where(t["c_rho0"] != 0, t["c_rho0"] * ((m2 - m1) / t["c_rk"]), 0.0)
+    corrected = (t["c_x"] * last - t["c_m0"] * m1) - t["c_q"] * (corr_res + t["c_rho1"] * (m - m1))
+    x = jnp.where(t["c_on"] > 0, corrected, sample)
+    # UniP: predict the next sample from the corrected one
+    pred_res = jnp.where(t["p_two"] > 0, 0.5 * ((m1 - m) / t["p_rk"]), 0.0)
+    new = (t["p_x"] * x - t["p_m0"] * m) - t["p_q"] * pred_res
+    return new, (x, m, m1)
+
+
+def unipc_state(shape: tuple[int, ...]) -> tuple[Any, Any, Any]:
+    """The state `unipc_step` starts from: zeros (read only where the tables say so), three
+    separate buffers, so that a step can donate them."""
+    import jax.numpy as jnp
+
+    return tuple(jnp.zeros(shape, jnp.float32) for _ in range(3))

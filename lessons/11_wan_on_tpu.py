@@ -1,0 +1,261 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: notebooks///ipynb,lessons///py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 11 · Wan 2.1 and 2.2 on TPU
+#
+# Wan is the open video family every TPU project runs, so it is where this course meets the
+# others. It is also the test of the course's own structure: a third family should need its
+# model module, its pipeline, a scheduler step and this notebook, and nothing else
+# (`tests/test_families.py` checks it). Everything notebooks 06 and 07 built carries over: the
+# stage files, the guidance pair as a batch on `dp`, one compiled step for all steps, parity
+# with stock diffusers. This notebook teaches only what is new:
+#
+# 1. **the family in the registry**: one `FamilySpec`, and the command line grows a subcommand;
+# 2. **UniPC**, a multistep predictor-corrector whose `step` keeps Python state, as a pure step;
+# 3. **two experts** (Wan 2.2 A14B): two transformers, one compiled step each, switched on the host;
+# 4. **a VAE whose cache is a Python list** of tensors, `None` and a string, compiled anyway;
+# 5. the whole run against stock `WanPipeline`, and the full size planned for a v6e-8.
+#
+# | preset | loads | memory | compute time |
+# |---|---|---|---|
+# | `tiny` (CPU, CI) | random 2-block Wan 2.1 and Wan 2.2 (two experts) checkpoints written with `save_pretrained`, 8 simulated devices | about 2 GB of host RAM | about 45 s, measured here on a 2-core CPU (building the two tiny checkpoints the first time adds about 40 s) |
+# | `full` (TPU v6e-8) | `Wan-AI/Wan2.1-T2V-14B-Diffusers`: a 14.3B-parameter transformer (28.6 GB in bf16, counted below), umT5-XXL (about 11 GB), the VAE | per chip: section 6 reads the plan compiled here for a v6e-8 | not measured here; none reported by the upstream project |
+#
+# On the full preset, sections 2 to 4 run the same checks at the tiny sizes (the facts they
+# teach do not depend on the checkpoint), and section 5 loads the release from the Hub: a TPU
+# VM with about 100 GB of disk. *Reading time: about 6 minutes.*
+
+# %%
+# %xmode Minimal
+from tpupedia import session
+
+preset = session.start()  # preset, simulated devices, known warnings silenced (notebook 01)
+preset.name
+
+# %% [markdown]
+# ## 1. A third family in the registry
+#
+# `tpupedia.models.wan` holds the family's facts and exports `SPEC`; the registry finds it. The
+# command line, the dry-run, the plan and the docs read the registry, so `tpupedia generate wan`
+# exists because the module does.
+
+# %%
+from tpupedia import cli, families
+from tpupedia.models import wan as family
+
+spec = families.get("wan")
+print(spec.title)
+print("video families:", families.names("video"))
+print("sharding strategies:", spec.strategies, "| mask:", spec.mask, "| one layer's weights:", spec.layer_prefix)
+subcommands = cli.build_parser()._subparsers._group_actions[0].choices["generate"]._subparsers._group_actions[0].choices
+print("tpupedia generate:", sorted(subcommands))
+
+# %% [markdown]
+# The release's size, counted from its config on PyTorch's `meta` device (shapes, no memory):
+# 40 blocks of width 5120 (40 heads of 128), self-attention over the video tokens,
+# cross-attention to 512 text tokens, an FFN of 13,824.
+
+# %%
+import torch
+
+transformer = family.build(device="meta")
+n_params = sum(p.numel() for p in transformer.parameters())
+print(f"Wan 2.1 T2V 14B transformer: {n_params / 1e9:.2f} B parameters, {2 * n_params / 1e9:.1f} GB in bf16")
+flops = family.step_flops(1280, 720, 81)
+print(f"720p, 81 frames: {flops['tokens']:,} video tokens per sample; one guided step {flops['total'] / 1e15:.1f} PFLOP "
+      f"({flops['attention'] / flops['total']:.0%} in attention)")
+
+# %%
+assert "wan" in families.names("video") and "wan" in subcommands
+assert 14.0e9 < n_params < 14.5e9 and flops["tokens"] == 21 * 45 * 80
+
+# %% [markdown]
+# ## 2. UniPC as a pure step
+#
+# Wan's scheduler is UniPC on flow sigmas: each step *corrects* the sample the previous step
+# predicted, using the new model output (UniC), then *predicts* the next one from the last two
+# outputs (UniP). diffusers' `UniPCMultistepScheduler.step` keeps that history as Python state
+# (`model_outputs`, `last_sample`, a warm-up counter) and picks each update's order in Python:
+# first order on the first step and on the last, second order in between. A jitted step cannot
+# keep Python state, and it cannot branch on the step index either.
+#
+# None of those decisions depends on the data, only on the step index. So
+# `schedulers.unipc_tables` makes them once, on the host, with the stock code's own arithmetic,
+# and stores the coefficients per step; `unipc_step` is then a few multiply-adds, and its state
+# is an argument: the corrected sample and the last two predictions.
+
+# %%
+import jax
+import jax.numpy as jnp
+import numpy as np
+from diffusers import UniPCMultistepScheduler
+
+from tpupedia.pipelines import schedulers
+
+stock = UniPCMultistepScheduler(**family.SCHEDULER_CONFIG)
+stock.set_timesteps(8)
+host_tables = schedulers.unipc_tables(stock)
+print("timesteps:", host_tables["timesteps"].astype(int).tolist())
+print("predictor second order:", host_tables["p_two"].astype(int).tolist())
+print("corrector runs:         ", host_tables["c_on"].astype(int).tolist())
+
+# %% [markdown]
+# The proof is step by step: feed the stock scheduler and the pure step the same random model
+# outputs and compare every sample. One compiled step serves all eight.
+
+# %%
+tables = {k: jnp.asarray(v) for k, v in host_tables.items()}
+step = jax.jit(schedulers.unipc_step)
+g = torch.Generator().manual_seed(0)
+sample = torch.randn(1, 4, 3, 8, 8, generator=g)
+ours, state = jnp.asarray(sample.numpy()), schedulers.unipc_state(tuple(sample.shape))
+unipc_errors = []
+for i, t in enumerate(stock.timesteps):
+    output = torch.randn(sample.shape, generator=g)
+    sample = stock.step(output, t, sample, return_dict=False)[0]
+    ours, state = step(tables, i, ours, jnp.asarray(output.numpy()), state)
+    unipc_errors.append(float(np.abs(np.asarray(ours) - sample.numpy()).max()))
+print("max abs difference per step:", " ".join(f"{e:.0e}" for e in unipc_errors))
+print("compiled once:", step._cache_size() == 1)
+
+# %%
+assert max(unipc_errors) < 1e-5 and step._cache_size() == 1
+
+# %% [markdown]
+# ## 3. Two experts
+#
+# Wan 2.2 A14B splits the denoising between two transformers of the same shapes: `transformer`
+# for the high-noise steps, `transformer_2` once the timestep falls below `boundary_ratio *
+# 1000` (0.875 in the release's `model_index.json`), each with its own guidance scale. In one
+# compiled program the switch would be a `lax.cond` over two 14B weight sets; the boundary is a
+# host fact, like the step index, so the pipeline compiles one step per expert and the Python
+# loop calls the right one. Both experts stay resident: 2 x 28.6 GB of bf16 weights, 7.1 GB per
+# chip over 8 chips.
+#
+# Where the switch falls depends on the schedule: the flow shift bends the timesteps towards
+# high noise, so a larger shift gives the high-noise expert more of the steps. Over 40 steps:
+
+# %%
+two = family.full_configs(experts=2)
+boundary = family.boundary_timestep(two)
+split = {}
+for shift in (3.0, 12.0):
+    schedule = UniPCMultistepScheduler(**(family.SCHEDULER_CONFIG | {"flow_shift": shift}))
+    schedule.set_timesteps(40)
+    experts = ["high" if t >= boundary else "low" for t in schedule.timesteps.tolist()]
+    split[shift] = experts.count("high")
+    print(f"shift {shift:4}: boundary timestep {boundary:.0f}: {experts.count('high')} high-noise steps, "
+          f"then {experts.count('low')} low-noise")
+
+# %%
+assert family.experts(two) == ("transformer", "transformer_2") and 0 < split[3.0] < split[12.0] < 40
+
+# %% [markdown]
+# ## 4. A VAE whose cache is a Python list
+#
+# `AutoencoderKLWan` decodes one latent frame at a time. Its causal convolutions carry the last
+# frames of their input to the next call through `feat_cache`, a Python list the modules write
+# into, whose entries are tensors, `None` (nothing yet) or the string `"Rep"` (an upsampler's
+# first call). `jax.jit` takes arrays, not strings, and cannot see writes into a list.
+#
+# `pipelines.wan.decode_frames` splits the list in two: the tensors become arguments and
+# results, and the *markers* (tensor, `None`, `"Rep"`) become static arguments. The markers a
+# call leaves depend only on the markers it was given, so the layout settles after two frames:
+# three compiled programs decode any number of frames (first, second, the rest).
+#
+# One more change, found when the plan of section 6 compiled the release's bf16 VAE: diffusers'
+# `WanUpsample` upsamples in float32 and casts back, and under torchax the convolution after it
+# then refuses its input ("Input type (float) and bias type (c10::BFloat16) should be the same").
+# The upsampling is nearest-neighbour, which copies values, so doing it in bf16 gives the same
+# bits: `models.wan.make_vae_jit_friendly` does that.
+
+# %%
+from tpupedia import devices
+from tpupedia.pipelines import wan as pipeline
+
+checkpoint_21 = family.tiny_checkpoint(experts=1)
+checkpoint_22 = family.tiny_checkpoint(experts=2)
+request = pipeline.Request(prompt="A panda plays an acoustic guitar in a bamboo forest.", frames=17, height=64,
+                           width=64, steps=4, guidance=5.0, guidance_2=3.0, seed=42, fps=8)
+mesh = devices.make_mesh((2, 4), ("dp", "tp"))
+pipe = pipeline.Wan(str(checkpoint_22), "tiny 2.2", torch.float32, mesh, pipeline.Options(quiet=True))
+latents = torch.from_numpy(np.random.default_rng(0).standard_normal((1, 4, 5, 8, 8)).astype("float32"))
+decoded, _ = pipe.decode(request, latents)
+print("5 latent frames ->", tuple(decoded["frames"].shape), "frames; decoder programs traced:", pipe.traces["decode"])
+
+# %%
+assert tuple(decoded["frames"].shape) == (17, 64, 64, 3) and pipe.traces["decode"] == 3
+
+# %% [markdown]
+# ## 5. The whole run against stock diffusers
+#
+# Text, denoise and decode through `pipeline.run`, then stock `WanPipeline(output_type="np")`
+# from the same checkpoint, prompt and seed. Both tiny checkpoints: Wan 2.1, and Wan 2.2 with
+# two experts and two guidance scales. float32: the frames agree to 1e-4.
+
+# %%
+import dataclasses
+import tempfile
+
+from diffusers import WanPipeline
+from safetensors.numpy import load_file
+
+parity = {}
+for name, checkpoint, guidance_2 in (("Wan 2.1", checkpoint_21, None), ("Wan 2.2", checkpoint_22, 3.0)):
+    request = dataclasses.replace(request, guidance_2=guidance_2)  # a second scale only for a second expert
+    with tempfile.TemporaryDirectory() as workdir:
+        reports = pipeline.run(request, pipeline.Options(quiet=True), preset=preset, model=str(checkpoint),
+                               workdir=workdir, log=lambda _: None)
+        frames = load_file(f"{workdir}/decode.safetensors")["frames"]
+    stock_pipe = WanPipeline.from_pretrained(checkpoint, dtype=torch.float32)
+    stock_pipe.set_progress_bar_config(disable=True)
+    expected = stock_pipe(prompt=request.prompt, negative_prompt="", num_frames=request.frames, height=64, width=64,
+                          num_inference_steps=request.steps, guidance_scale=request.guidance,
+                          guidance_scale_2=request.guidance_2, generator=torch.Generator().manual_seed(request.seed),
+                          output_type="np").frames[0]
+    per_expert = {r.stage: r for r in reports}["denoise"].timings["steps_per_expert"]
+    parity[name] = float(np.abs(frames - expected).max())
+    print(f"{name}: steps per expert {per_expert}; max abs difference from stock WanPipeline {parity[name]:.1e}")
+
+# %%
+assert all(error < 1e-4 for error in parity.values())
+
+# %% [markdown]
+# ## 6. The full size, planned for a v6e-8
+#
+# `tpupedia plan wan` compiles every program of a `generate wan --preset full` run for a TPU
+# topology ahead of time, from the release's configs (notebook 09): the umT5 encoder, the
+# denoising step at 720p and 81 frames, the VAE's three frame programs. Compiling the full
+# depth on a CPU host takes long, so the recorded plan compiles one layer per model and adds
+# the other layers' weight shards from their shapes. On the tiny preset this cell reads the
+# record (`docs/results/plans.json`); on the full preset it compiles.
+
+# %%
+from pathlib import Path
+
+from tpupedia import plan, results
+
+if preset.pretrained:
+    full_request = pipeline.Request(prompt="a video", **family.default_request(preset))
+    wan_plan = plan.make("wan", full_request, pipeline.Options(), topology="v6e:2x4", layers=1).as_dict()
+else:
+    wan_plan = next(r for r in results.load(Path("..") / plan.DEFAULT_RECORDS) if r.get("family") == "wan")
+for stage in wan_plan["stages"]:
+    print(f"{stage['stage']:8} peak {stage['peak'] / 2**30:6.2f} GiB per chip (weights {stage['weights'] / 2**30:.2f} GiB)")
+print("binding stage:", wan_plan["binding"], "| fits:", wan_plan["fits"])
+
+# %%
+assert wan_plan["fits"] and all(s["peak"] <= wan_plan["hbm"] for s in wan_plan["stages"])

@@ -1,0 +1,353 @@
+"""Wan 2.1 / 2.2 text-to-video: every fact about the family in one place.
+
+Wan (Alibaba's Wan team; diffusers' `WanPipeline`) is a flow-matching video transformer: umT5-XXL
+encodes the prompt into 512 tokens of width 4096, padded with zeros after its last real token;
+the transformer (40 blocks of 40 heads of 128 in the 14B models) attends over the video tokens
+(patches of 1x2x2 latents) and cross-attends to the text; a causal 3D VAE compresses 4x in time
+and 8x in space into 16 channels; the scheduler is UniPC, a multistep predictor-corrector, on
+flow sigmas shifted by the checkpoint's `flow_shift`.
+
+Wan 2.2 A14B is two such transformers, *experts*: `transformer` denoises the high-noise steps,
+`transformer_2` the rest, switched at `boundary_ratio * num_train_timesteps` (the checkpoint's
+`model_index.json`), each with its own guidance scale. Wan 2.2 TI2V-5B gives every video token
+its own timestep (`expand_timesteps`).
+
+Shape facts come from the checkpoint's configs as diffusers reads them (`shape_facts`: the VAE's
+`scale_factor_spatial` and `scale_factor_temporal`, the transformer's `patch_size`, the VAE's
+`z_dim`); the constants here are the 14B releases' and only defaults. Introduced in notebook 11
+(Wan on TPU); the dry-run and the plan read the same facts.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from tpupedia.models import ModelInputError, checkpoints, tokenizer_files
+from tpupedia.models.shapes import ShapeFacts
+from tpupedia.models.spec import FamilySpec
+
+__all__ = ["FAMILY", "FULL_ID", "FULL_ID_22", "FULL_LAYERS", "DEFAULT_SHAPES", "TEXT_TOKENS", "TEXT_DIM",
+           "SPLASH_BLOCK_SIZES", "SCHEDULER_CONFIG", "SHARDING", "SPEC", "ENV_MODEL", "ModelInputError",
+           "full_transformer_config", "full_configs", "tiny_transformer_config", "tiny_vae_config",
+           "tiny_text_encoder_config", "default_request", "shape_facts", "check_frames", "check_size",
+           "latent_shape", "video_tokens", "step_flops", "build", "step_inputs", "tiny_checkpoint",
+           "model_source", "named_source", "component_configs", "experts", "boundary_timestep", "make_vae_jit_friendly"]
+
+FAMILY = "wan"
+FULL_ID = "Wan-AI/Wan2.1-T2V-14B-Diffusers"
+FULL_ID_22 = "Wan-AI/Wan2.2-T2V-A14B-Diffusers"
+"""Wan 2.2's two-expert text-to-video release (`--model`); the full preset loads Wan 2.1."""
+FULL_LAYERS = 40
+TEXT_TOKENS = 512  # the pipeline's max_sequence_length: umT5 tokens, zero-padded after the prompt
+TEXT_DIM = 4096  # umT5-XXL's width
+DEFAULT_SHAPES = ShapeFacts(spatial=8, temporal=4, patch=2, patch_t=1, latent_channels=16)
+"""The 14B releases' shape facts (Wan 2.1 and 2.2 A14B share the VAE): the presets' and the dry-run's."""
+ENV_MODEL = "TPUPEDIA_WAN"
+"""Environment variable naming a checkpoint (hub id or directory) to use instead of the preset's."""
+TEXT_ENCODERS = {"text_encoder": "t5"}
+"""The text encoder and its `tpupedia.sharding` architecture table (umT5 uses T5's names; 11 GB in bf16)."""
+SPLASH_BLOCK_SIZES = (2048, 2048, 512)
+"""Splash `(block_q, block_kv, block_kv_compute)` for the video self-attention: a starting point,
+not tuned on a TPU (the cross-attention's 512 text keys cap the KV blocks at 512); `tpupedia plan
+wan` checks they compile for v6e at the release shape; `--block-sizes` overrides."""
+
+# The scheduler the Wan 2.1 14B diffusers checkpoints ship (scheduler/scheduler_config.json):
+# UniPC on flow sigmas, second order, B(h) = expm1(h), shift 3.
+SCHEDULER_CONFIG: dict[str, Any] = dict(
+    prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=3.0,
+    solver_order=2, solver_type="bh2", lower_order_final=True, predict_x0=True, final_sigmas_type="zero",
+    timestep_spacing="linspace")
+BOUNDARY_RATIO = 0.875
+"""Wan 2.2 A14B's switch from the high-noise to the low-noise expert (its `model_index.json`)."""
+
+# Sharding tables for the transformer (diffusers `WanTransformer3DModel` names): self-attention
+# (`attn1`) and cross-attention (`attn2`) projections and the FFN as Megatron pairs.
+_COL = r"(attn1\.to_q|attn1\.to_k|attn1\.to_v|attn2\.to_q|attn2\.to_k|attn2\.to_v|ffn\.net\.0\.proj)"
+_ROW = r"(attn1\.to_out\.0|attn2\.to_out\.0|ffn\.net\.2)"
+SHARDING: dict[str, list] = {
+    "tp": [
+        (rf".*\.{_COL}\.weight", ("tp", None)),
+        (rf".*\.{_COL}\.bias", ("tp",)),
+        (rf".*\.{_ROW}\.weight", (None, "tp")),
+    ],
+    "fsdp": [
+        (rf".*\.({_COL[1:-1]}|{_ROW[1:-1]})\.weight", ("fsdp", None)),
+    ],
+    "replicated": [],
+}
+
+SPEC = FamilySpec(
+    name=FAMILY, module=__name__, full_id=FULL_ID, sharding=SHARDING, mask="padding", layer_prefix="blocks.0.",
+    title="Wan 2.1 / 2.2 (14B t2v on the full preset): umT5 -> transformer (or two experts) -> VAE",
+)
+"""This family in the registry (`tpupedia.families`)."""
+
+
+# --- configs -----------------------------------------------------------------------------------
+
+def full_transformer_config(layers: int | None = None) -> dict[str, Any]:
+    """Wan 2.1 T2V 14B's transformer (each Wan 2.2 A14B expert has the same shapes): diffusers'
+    `WanTransformer3DModel` defaults, 40 blocks of 40 heads of 128, FFN 13,824."""
+    return dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16, out_channels=16,
+                text_dim=TEXT_DIM, freq_dim=256, ffn_dim=13824, num_layers=FULL_LAYERS if layers is None else layers,
+                cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
+
+
+def full_text_encoder_config() -> dict[str, Any]:
+    """umT5-XXL's encoder: 24 layers of width 4096, 64 heads, gated-GELU FFN of 10,240, 256,384 ids."""
+    return dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+                relative_attention_num_buckets=32, feed_forward_proj="gated-gelu", dense_act_fn="gelu_new",
+                is_gated_act=True, tie_word_embeddings=False)
+
+
+def full_configs(experts: int = 1) -> dict[str, dict]:
+    """The release's component configs, as `component_configs` reads them, for planning without a
+    download (`tpupedia plan`): Wan 2.1 14B, or with `experts=2` Wan 2.2 A14B (a second
+    transformer of the same shapes and the boundary)."""
+    import torch
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+    from transformers import UMT5Config
+
+    with torch.device("meta"):
+        transformer = dict(WanTransformer3DModel(**full_transformer_config(layers=1)).config)
+        vae = dict(AutoencoderKLWan().config)
+    transformer |= {"num_layers": FULL_LAYERS}
+    configs = {"transformer": transformer, "vae": vae, "scheduler": dict(UniPCMultistepScheduler(**SCHEDULER_CONFIG).config),
+               "text_encoder": UMT5Config(**full_text_encoder_config()).to_dict(),
+               "pipeline": {"boundary_ratio": None, "expand_timesteps": False}}
+    if experts == 2:
+        configs |= {"transformer_2": dict(transformer), "pipeline": {"boundary_ratio": BOUNDARY_RATIO, "expand_timesteps": False}}
+    return configs
+
+
+def tiny_transformer_config() -> dict[str, Any]:
+    """2 blocks of 2 heads of 8 over 4-channel latents: Wan's architecture (patch 1x2x2, RMS
+    norm across heads, cross-attention norm) at CPU size."""
+    return dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
+                text_dim=32, freq_dim=16, ffn_dim=32, num_layers=2, cross_attn_norm=True,
+                qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
+
+
+def tiny_vae_config() -> dict[str, Any]:
+    """The released VAE's structure (4 levels: 8x in space, 4x in time) at base width 8 and 4 latent
+    channels, with per-channel latent statistics that are not 0 and 1, so the de-normalisation shows."""
+    return dict(base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1, temperal_downsample=[False, True, True],
+                latents_mean=[-0.25, 0.5, 0.1, -0.7], latents_std=[2.0, 1.5, 0.8, 2.5])
+
+
+def tiny_text_encoder_config() -> dict[str, Any]:
+    """A 2-layer umT5 encoder over the tiny SentencePiece vocabulary (at most 96 pieces + 100 extra ids)."""
+    return dict(vocab_size=256, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                relative_attention_num_buckets=8, feed_forward_proj="gated-gelu", dense_act_fn="gelu_new",
+                is_gated_act=True, tie_word_embeddings=False)
+
+
+def default_request(preset: Any) -> dict[str, Any]:
+    """Frames, size, steps, guidance, seed and fps a preset generates by default: the full preset
+    720p and 81 frames at 16 fps (what the releases and MaxDiffusion run), 50 steps, guidance 5
+    (`WanPipeline`'s default); the tiny preset seconds on a CPU."""
+    if preset.pretrained:
+        return dict(frames=81, height=720, width=1280, steps=50, guidance=5.0, seed=42, fps=16)
+    return dict(frames=9, height=64, width=64, steps=4, guidance=5.0, seed=42, fps=8)
+
+
+# --- shape facts and rules ---------------------------------------------------------------------
+
+def shape_facts(configs: dict[str, dict]) -> ShapeFacts:
+    """A checkpoint's shape facts, as `WanPipeline` reads them: the VAE's `scale_factor_spatial`
+    and `scale_factor_temporal` (8 and 4 where the config predates them), the transformer's
+    `patch_size` (t, h, w) and the VAE's `z_dim`."""
+    vae, transformer = configs["vae"], configs.get("transformer") or configs["transformer_2"]
+    p_t, p_h, p_w = transformer["patch_size"]
+    if p_h != p_w:
+        raise ModelInputError(f"transformer patch_size {tuple(transformer['patch_size'])}: only square patches "
+                              "(equal height and width) are supported")
+    return ShapeFacts(spatial=int(vae.get("scale_factor_spatial") or 8), temporal=int(vae.get("scale_factor_temporal") or 4),
+                      patch=int(p_h), patch_t=int(p_t), latent_channels=int(vae["z_dim"]))
+
+
+def check_frames(frames: int, facts: ShapeFacts = DEFAULT_SHAPES) -> None:
+    """Refuse a frame count the VAE cannot produce exactly: temporal * n + 1 (4n+1 for the releases).
+    `WanPipeline` rounds it down with a warning; here the request is refused, naming both."""
+    if not facts.frames_ok(frames):
+        t = facts.temporal
+        rounded = facts.frames_for(facts.latent_frames(max(1, frames))) if isinstance(frames, int) else "?"
+        raise ModelInputError(
+            f"frames={frames}: Wan generates {t}n+1 frames (the VAE keeps the first frame and compresses the rest "
+            f"{t}x in time), e.g. {t * 2 + 1}, {t * 20 + 1}; diffusers would round {frames} down to {rounded}")
+
+
+def check_size(width: int, height: int, facts: ShapeFacts = DEFAULT_SHAPES) -> None:
+    """Refuse a size that does not tile into whole patches: positive multiples of spatial * patch (16).
+    `WanPipeline` rounds it down with a warning."""
+    if not facts.size_ok(width, height):
+        raise ModelInputError(f"size {width}x{height}: width and height must be positive multiples of "
+                              f"{facts.size_multiple} (the VAE compresses {facts.spatial}x, patches of {facts.patch})")
+
+
+def latent_shape(frames: int, height: int, width: int, facts: ShapeFacts = DEFAULT_SHAPES) -> tuple[int, ...]:
+    """`(1, C, T, H/8, W/8)`, the latents `WanPipeline.prepare_latents` draws."""
+    return (1, facts.latent_channels, facts.latent_frames(frames), *facts.latent_size(height, width))
+
+
+def video_tokens(width: int, height: int, frames: int, facts: ShapeFacts = DEFAULT_SHAPES) -> int:
+    """Video tokens of one sample: latent frames / patch_t times (height / 16) times (width / 16)."""
+    per = facts.size_multiple
+    return facts.latent_frames(frames) // (facts.patch_t or 1) * (height // per) * (width // per)
+
+
+def step_flops(width: int, height: int, frames: int, layers: int = FULL_LAYERS, batch: int = 2, heads: int = 40,
+               head_dim: int = 128, ffn: int = 13824, text_tokens: int = TEXT_TOKENS) -> dict[str, float]:
+    """Matmul FLOPs of one transformer call (the guidance pair as `batch`): per block, the video
+    tokens' self-attention projections (4 d^2), the cross-attention's query and output (2 d^2),
+    the text tokens' keys and values (2 d^2) and the FFN (2 d ffn), times 2 FLOPs per multiply-add;
+    attention scores and values over the video (4 T^2 d) and over the text (4 T L d)."""
+    d = heads * head_dim
+    t, n = video_tokens(width, height, frames), text_tokens
+    linear = batch * layers * 2 * (t * (6 * d * d + 2 * d * ffn) + n * 2 * d * d)
+    attention = batch * layers * 4 * (t * t + t * n) * d
+    return {"tokens": t, "linear": float(linear), "attention": float(attention), "total": float(linear + attention)}
+
+
+def build(layers: int | None = None, device: str = "meta", dtype: Any = None):
+    """The full transformer (shapes only on `meta`), bf16 by default."""
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    with torch.device(device):
+        return WanTransformer3DModel(**full_transformer_config(layers)).to(dtype or torch.bfloat16)
+
+
+def step_inputs(width: int, height: int, frames: int, batch: int = 2) -> tuple[list, Any]:
+    """`(input specs, call)` for the dry-run: latents, the timestep and the text, batch on `dp`."""
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    specs = [(latent_shape(frames, height, width)[1:], None, None)]
+    c, t, h, w = specs[0][0]
+    specs = [((batch, c, t, h, w), jnp.bfloat16, P("dp")), ((batch,), jnp.float32, P("dp")),
+             ((batch, TEXT_TOKENS, TEXT_DIM), jnp.bfloat16, P("dp"))]
+
+    def call(fm, weights, buffers, x, timestep, text):
+        return fm(weights, buffers, hidden_states=x, timestep=timestep, encoder_hidden_states=text, return_dict=False)[0]
+
+    return specs, call
+
+
+def make_vae_jit_friendly(vae):
+    """`vae` (an `AutoencoderKLWan`) with each `WanUpsample` upsampling in its input's dtype.
+
+    diffusers' `WanUpsample` upsamples `x.float()` and casts back with `type_as(x)`. Under torchax
+    0.0.13 with bf16 weights, the convolution after it then fails its dtype check ("Input type
+    (float) and bias type (c10::BFloat16) should be the same"; the plan's AOT compile found it).
+    Its modes are nearest-neighbour (`nearest-exact`): values are copied, not mixed, so upsampling
+    in bf16 gives exactly the bits of the float round trip. Returns `vae`, changed in place."""
+    import types
+
+    import torch.nn.functional as F
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanUpsample
+
+    def same_dtype(self, x):
+        return F.interpolate(x, size=self.size, scale_factor=self.scale_factor, mode=self.mode,
+                             align_corners=self.align_corners)
+
+    for module in vae.modules():
+        if isinstance(module, WanUpsample):
+            if not module.mode.startswith("nearest"):
+                raise ModelInputError(f"WanUpsample mode={module.mode!r}: only nearest-neighbour modes copy values "
+                                      "exactly in any dtype")
+            module.forward = types.MethodType(same_dtype, module)
+    return vae
+
+
+# --- experts ------------------------------------------------------------------------------------
+
+def experts(configs: dict[str, dict]) -> tuple[str, ...]:
+    """The transformers a checkpoint denoises with: `("transformer",)` for Wan 2.1,
+    `("transformer", "transformer_2")` for Wan 2.2 A14B (its `model_index.json` names both and a
+    `boundary_ratio`)."""
+    two = "transformer_2" in configs and configs.get("pipeline", {}).get("boundary_ratio") is not None
+    return ("transformer", "transformer_2") if two else ("transformer",)
+
+
+def boundary_timestep(configs: dict[str, dict]) -> float | None:
+    """The timestep below which `transformer_2` takes over (`boundary_ratio * num_train_timesteps`),
+    or `None` with one expert."""
+    ratio = configs.get("pipeline", {}).get("boundary_ratio")
+    return None if ratio is None else ratio * configs["scheduler"]["num_train_timesteps"]
+
+
+# --- weights: tiny checkpoints and loading -------------------------------------------------------
+
+def tiny_checkpoint(directory: "str | os.PathLike | None" = None, seed: int = 0, experts: int = 1,
+                    vae: dict | None = None, transformer: dict | None = None) -> Path:
+    """Write a whole random `WanPipeline` (umT5 encoder with a SentencePiece tokenizer in the
+    diffusers checkpoints' layout, `tokenizer_files.write_t5_fast`; transformer, VAE, UniPC
+    scheduler) with `save_pretrained` (safetensors) and return its directory (cached, named by its
+    configs, written atomically). `experts=2` writes Wan 2.2's layout: a second transformer and
+    the boundary in `model_index.json`. `vae` and `transformer` override config entries."""
+    if experts not in (1, 2):
+        raise ModelInputError(f"experts={experts}: Wan checkpoints have 1 (2.1) or 2 (2.2 A14B) transformers")
+    transformer_config = tiny_transformer_config() | (transformer or {})
+    vae_config = tiny_vae_config() | (vae or {})
+    spec = [transformer_config, vae_config, tiny_text_encoder_config(), SCHEDULER_CONFIG, seed, experts, "t5-fast",
+            tokenizer_files.T5_CORPUS]
+
+    def write_tokenizer(folder):
+        return tokenizer_files.write_t5_fast(folder, max_length=TEXT_TOKENS)
+
+    def build():
+        import tempfile
+
+        import torch
+        from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+        from transformers import AutoTokenizer, UMT5Config, UMT5EncoderModel
+
+        with tempfile.TemporaryDirectory() as tmp:
+            tokenizer = AutoTokenizer.from_pretrained(write_tokenizer(tmp))
+        torch.manual_seed(seed)
+        parts = dict(tokenizer=tokenizer, text_encoder=UMT5EncoderModel(UMT5Config(**tiny_text_encoder_config())).eval(),
+                     vae=AutoencoderKLWan(**vae_config).eval(), transformer=WanTransformer3DModel(**transformer_config).eval(),
+                     scheduler=UniPCMultistepScheduler(**SCHEDULER_CONFIG))
+        if experts == 2:
+            parts |= dict(transformer_2=WanTransformer3DModel(**transformer_config).eval(), boundary_ratio=BOUNDARY_RATIO)
+        return WanPipeline(**parts)
+
+    return checkpoints.cached_pipeline(f"wan{'22' if experts == 2 else '21'}-tiny", spec, build, directory,
+                                       finish=lambda path: write_tokenizer(path / "tokenizer"))
+
+
+def model_source(preset: Any, model: "str | os.PathLike | None" = None) -> tuple[str, str]:
+    """`(where to load from, label for stage files)`: `model` if given, else `$TPUPEDIA_WAN`, else
+    the preset's (`FULL_ID` for full; the tiny Wan 2.1 checkpoint, labelled `preset:tiny`)."""
+    return checkpoints.choose_source(preset, model, ENV_MODEL, FULL_ID, tiny_checkpoint)
+
+
+def named_source(model: "str | os.PathLike | None" = None) -> str | None:
+    """The checkpoint the user named (`model`, else `$TPUPEDIA_WAN`), or `None` for the preset's."""
+    return checkpoints.named_source(model, ENV_MODEL)
+
+
+def component_configs(source: str) -> dict[str, dict]:
+    """The checkpoint's component configs (no weights read), minus version and path entries, and
+    `pipeline`: the `model_index.json` entries that change the run (`boundary_ratio`,
+    `expand_timesteps`). A second transformer is read where `model_index.json` names one."""
+    import diffusers
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+    from transformers import AutoConfig
+
+    index = checkpoints.read_configs(source, {"pipeline": lambda s: diffusers.DiffusionPipeline.load_config(s)})["pipeline"]
+    loaders = {
+        "transformer": lambda s: WanTransformer3DModel.load_config(s, subfolder="transformer"),
+        "vae": lambda s: AutoencoderKLWan.load_config(s, subfolder="vae"),
+        "scheduler": lambda s: UniPCMultistepScheduler.load_config(s, subfolder="scheduler"),
+        "text_encoder": lambda s: AutoConfig.from_pretrained(s, subfolder="text_encoder").to_dict(),
+    }
+    if (index.get("transformer_2") or [None])[0] is not None:
+        loaders["transformer_2"] = lambda s: WanTransformer3DModel.load_config(s, subfolder="transformer_2")
+    configs = checkpoints.read_configs(source, loaders)
+    configs["pipeline"] = {"boundary_ratio": index.get("boundary_ratio"),
+                           "expand_timesteps": bool(index.get("expand_timesteps", False))}
+    return configs

@@ -1,0 +1,434 @@
+"""Wan 2.1 / 2.2 text-to-video in three stages, under torchax, on a mesh.
+
+What is Wan's own, on top of what notebooks 06 and 07 built (`tpupedia.pipelines.common`):
+
+1. `encode_text`: umT5 with its attention mask, each prompt cleaned as `WanPipeline` cleans it;
+   the embeddings past the prompt's last token are zeros (diffusers cuts them off and pads with
+   zeros; here the same values come from multiplying by the mask, a fixed shape for jit).
+2. `denoise`: UniPC, a multistep predictor-corrector, as a pure step
+   (`tpupedia.pipelines.schedulers.unipc_step`): its Python state (the last sample, the last two
+   predictions) becomes an argument carried from step to step by the shared loop
+   (`common.denoise_loop`). Wan 2.2 A14B's two experts are two compiled steps, one per
+   transformer, both resident; the host picks one per step at the checkpoint's boundary, with
+   each expert's guidance scale. The guidance pair is a batch of 2 on `dp` (the stock pipeline
+   calls the transformer twice).
+3. `decode`: `AutoencoderKLWan` decodes one latent frame at a time through a causal cache that
+   its modules write into a Python list (`feat_cache`, holding tensors, `None` or the marker
+   `"Rep"`). Here that list is split into its tensors (program arguments and results) and its
+   markers (static): one compiled program for the first frame, one for the second, one for all
+   later frames (`decode_frames`).
+
+Same weights and seed as `WanPipeline(output_type="np")` give the same frames (float32: within
+1e-4, tests/test_wan.py). Introduced in notebook 11 (Wan on TPU); `tpupedia generate wan`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from tpupedia.models import wan as family
+from tpupedia.pipelines import common, decoding
+from tpupedia.pipelines.common import Options, PipelineError, StageReport
+
+__all__ = ["PipelineError", "Request", "Options", "validate", "resolve", "settings", "Wan", "run", "run_batch",
+           "StageReport", "decode_frames", "decode_programs"]
+
+
+@dataclass(frozen=True)
+class Request(common.Request):
+    """What to generate. `guidance_2` is Wan 2.2's low-noise expert's scale (`None`: `guidance`,
+    as `WanPipeline` takes it)."""
+
+    frames: int = 81
+    guidance: float = 5.0
+    fps: int = 16
+    guidance_2: float | None = field(default=None, metadata={
+        "type": float, "help": "two-expert checkpoints (Wan 2.2 A14B): guidance of the low-noise expert "
+                               "(default: --guidance)"})
+
+
+def validate(request: Request, options: Options, device_count: int | None = None,
+             configs: dict[str, dict] | None = None) -> None:
+    """Refuse what cannot run, naming the bad value and what is allowed. Loads no model; with
+    `configs` (`family.component_configs`), the rules use that checkpoint's shape facts."""
+    Wan.validate(request, options, device_count, configs)
+
+
+def resolve(request: Request, configs: dict[str, dict]) -> Request:
+    """`request` with `guidance_2` taken from `guidance` where unset and the checkpoint has two experts."""
+    if request.guidance_2 is None and len(family.experts(configs)) == 2:
+        return dataclasses.replace(request, guidance_2=request.guidance)
+    return request
+
+
+def settings(stage: str, source_label: str, configs: dict[str, dict], request: Request, *, dtype: str) -> dict:
+    """Every setting that changes the tensors of `stage` (and of the stages before it)."""
+    request = resolve(request, configs)
+    out = {"model": family.FAMILY, "source": source_label, "dtype": dtype,
+           "text_encoder": common.config_fingerprint(configs["text_encoder"]),
+           "prompt": request.prompt, "negative_prompt": request.negative_prompt}
+    if stage in ("denoise", "decode"):
+        out |= {name: common.config_fingerprint(configs[name]) for name in family.experts(configs)}
+        out |= {"scheduler": common.config_fingerprint(configs["scheduler"]),
+                "pipeline": common.config_fingerprint(configs.get("pipeline", {})),
+                "frames": request.frames, "height": request.height, "width": request.width,
+                "steps": request.steps, "guidance": request.guidance, "guidance_2": request.guidance_2,
+                "seed": request.seed}
+    if stage == "decode":
+        out |= {"vae_config": common.config_fingerprint(configs["vae"])}
+    return out
+
+
+class Wan(common.StagedPipeline):
+    """The three Wan stages over one checkpoint (see the module docstring)."""
+
+    family = family
+    vaes = ("torchax",)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.traces = {"text": 0, "denoise": 0, "decode": 0}
+
+    @classmethod
+    def validate(cls, request: Request, options: Options, device_count: int | None = None,
+                 configs: dict[str, dict] | None = None, *, shape_rules: bool = True) -> None:
+        super().validate(request, options, device_count, configs, shape_rules=shape_rules)
+        if request.guidance_2 is not None and (not math.isfinite(request.guidance_2) or request.guidance_2 < 0):
+            raise PipelineError(f"guidance_2={request.guidance_2} must be a finite number >= 0")
+        if request.guidance_2 is not None and configs is not None and len(family.experts(configs)) == 1:
+            raise PipelineError(f"guidance_2={request.guidance_2}: this checkpoint has one transformer (Wan 2.1); the "
+                                "low-noise guidance is for two-expert checkpoints (Wan 2.2 A14B)")
+        if request.vae_tiling:
+            raise PipelineError("vae_tiling=on: Wan's VAE decodes untiled here (one latent frame at a time; "
+                                "tiled decode is not implemented for Wan yet); use --vae-tiling off")
+
+    @classmethod
+    def settings_for(cls, source_label, configs, request, options, dtype, stage) -> dict:
+        return settings(stage, source_label, configs, request, dtype=str(dtype).removeprefix("torch."))
+
+    # -- stage 1 ---------------------------------------------------------------------------
+    def _encode_text(self, request: Request) -> tuple[dict, dict]:
+        """umT5 embeddings of the negative and the positive prompt, as `_get_t5_prompt_embeds`
+        computes them (the prompt cleaned, 512 tokens, zeros after the prompt's last token)."""
+        import jax
+        from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+        from transformers import AutoTokenizer
+
+        tokenizer = self.held("text", "tokenizer", lambda: AutoTokenizer.from_pretrained(self.source, subfolder="tokenizer"))
+        (program,) = self._text_programs(request)
+        compiled = self.held("text", "jit", lambda: jax.jit(program.fn, **program.jit_kwargs))
+        weights, buffers, ids_spec, mask_spec = program.args
+        results, times = {}, []
+        with self._precision():
+            for name, text in (("negative_prompt_embeds", request.negative_prompt), ("prompt_embeds", request.prompt)):
+                tokens = tokenizer([prompt_clean(text)], padding="max_length", max_length=family.TEXT_TOKENS,
+                                   truncation=True, add_special_tokens=True, return_attention_mask=True,
+                                   return_tensors="pt")
+                ids = jax.device_put(tokens.input_ids.numpy(), ids_spec.sharding)
+                mask = jax.device_put(tokens.attention_mask.numpy(), mask_spec.sharding)
+                out, seconds = common.timed(lambda: compiled(weights, buffers, ids, mask), jax.block_until_ready)
+                results[name] = common.to_torch(out).to(self.dtype)
+                times.append(seconds)
+        return results, {"first_s": times[0], "steady_s": times[1]}
+
+    def _text_programs(self, request: Request) -> list:  # noqa: ARG002 - every family's signature
+        """The umT5 encoder as the text stage compiles it: `(weights, buffers, ids, mask)`, 512
+        tokens, called for the negative and the positive prompt."""
+        import jax.numpy as jnp
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+        from transformers import UMT5EncoderModel
+
+        from tpupedia import aot, torchax_utils
+
+        replicated = NamedSharding(self.mesh, P())
+
+        def load():
+            encoder = self._load(UMT5EncoderModel, "text_encoder")
+            self._to_jax("text_encoder", encoder, self._text_rules("text_encoder"))
+            fm = torchax_utils.FunctionalModule(encoder, return_dict=False)
+
+            def embed(weights, buffers, ids, mask):
+                self.traces["text"] += 1
+                hidden = fm(weights, buffers, input_ids=ids, attention_mask=mask)[0]
+                return hidden * mask[..., None].astype(hidden.dtype)  # zeros after the prompt, as diffusers pads
+
+            return encoder, embed, self._state(fm, "text_encoder")
+
+        _, embed, (weights, buffers) = self.held("text", "umt5", load)
+        ids = aot.abstract((1, family.TEXT_TOKENS), jnp.int32, replicated)
+        mask = aot.abstract((1, family.TEXT_TOKENS), jnp.int32, replicated)
+        return [aot.Program("text", f"umT5 encoder, {family.TEXT_TOKENS} tokens", embed, (weights, buffers, ids, mask),
+                            jit_kwargs={"out_shardings": replicated}, weights_bytes=self.plans["text_encoder"].bytes_per_device,
+                            calls=2, component="text_encoder")]
+
+    # -- stage 2 ---------------------------------------------------------------------------
+    def _denoise(self, request: Request, embeds: dict, on_step: Callable[[int, Any], None] | None = None) -> tuple[dict, dict]:
+        """All steps through one compiled step per expert. Returns `{"latents": (1, C, T, h, w)}`
+        (float32, as `WanPipeline` keeps them). `on_step(i, latents)` is called after each step."""
+        import jax
+        import numpy as np
+        import torch
+
+        from tpupedia.pipelines import schedulers
+
+        request = resolve(request, self.configs)
+        setup = self._denoise_setup(request)
+        programs = self._denoise_programs(request, setup)
+        key = ("steps", request.steps, setup.guided)
+        compiled = self.held("denoise", key, lambda: [jax.jit(p.fn, **p.jit_kwargs) for p in programs])
+        states = [p.args[:2] for p in programs]  # each expert's (weights, buffers)
+        x_spec, text_spec = programs[0].args[2], programs[0].args[4]
+        text = (torch.cat([embeds["negative_prompt_embeds"], embeds["prompt_embeds"]]) if setup.guided
+                else embeds["prompt_embeds"])
+        text = jax.device_put(common.to_jax_array(text), text_spec.sharding)
+        x = jax.device_put(common.to_jax_array(setup.latents), x_spec.sharding)
+        state = tuple(jax.device_put(a, x_spec.sharding) for a in schedulers.unipc_state(x_spec.shape))
+        scales = (request.guidance, request.guidance if request.guidance_2 is None else request.guidance_2)
+
+        def step(i, carried):  # the state is (latents, UniPC's (last sample, last two predictions))
+            e = setup.expert[i]
+            return compiled[e](*states[e], *carried, text, np.int32(i), np.float32(scales[e]))
+
+        with programs[0].context(), self._precision():
+            (x, _), timings = common.denoise_loop(step, (x, state), request.steps, on_step,
+                                                  latents=lambda carried: carried[0])
+        experts = {name: int(sum(1 for e in setup.expert if e == k)) for k, name in enumerate(family.experts(self.configs))}
+        return {"latents": common.to_torch(x)}, timings | {"steps_per_expert": experts}
+
+    def _denoise_setup(self, request: Request):
+        """What the steps need from the host: UniPC's tables from the checkpoint's scheduler,
+        the initial latents drawn from `torch.Generator(seed)` in float32 as `WanPipeline` draws
+        them, which expert runs each step, and whether guidance is on."""
+        import types
+
+        import jax.numpy as jnp
+        import numpy as np
+        import torch
+        from diffusers import UniPCMultistepScheduler
+        from diffusers.utils.torch_utils import randn_tensor
+
+        from tpupedia.pipelines import schedulers
+
+        config = {k: v for k, v in self.configs["scheduler"].items() if not k.startswith("_")}
+        scheduler = UniPCMultistepScheduler.from_config(config)
+        scheduler.set_timesteps(request.steps)
+        tables = schedulers.unipc_tables(scheduler)
+        boundary = family.boundary_timestep(self.configs)
+        expert = np.array([0 if boundary is None or t >= boundary else 1 for t in scheduler.timesteps.tolist()])
+        shape = family.latent_shape(request.frames, request.height, request.width, self.shapes)
+        return types.SimpleNamespace(
+            tables={k: jnp.asarray(v) for k, v in tables.items()}, expert=expert, guided=request.guidance > 1.0,
+            expand=bool(self.configs.get("pipeline", {}).get("expand_timesteps")),
+            latents=randn_tensor(shape, generator=torch.Generator().manual_seed(request.seed), dtype=torch.float32))
+
+    def _denoise_programs(self, request: Request, setup) -> list:  # noqa: ARG002 - every family's signature
+        """The step as this stage compiles it, one per expert: the guidance pair as a batch on `dp`,
+        the transformer over `tp`, the guidance and the UniPC step, latents and solver state
+        donated. Arguments `(weights, buffers, latents, state, text, i, guidance)`."""
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+        from diffusers import WanTransformer3DModel
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        from tpupedia import aot, torchax_utils
+        from tpupedia.pipelines import schedulers
+
+        backend = common.attention_backend(self.options.attention, self.mesh)
+        tables, guided = setup.tables, setup.guided
+        replicated = NamedSharding(self.mesh, P())
+        batch = NamedSharding(self.mesh, P("dp")) if guided else replicated
+        n = 2 if guided else 1
+        shape = tuple(setup.latents.shape)
+        tokens = shape[2] * (shape[3] // self.shapes.patch) * (shape[4] // self.shapes.patch)
+        context = functools.partial(common.attention_installed, self.env, self.mesh, backend, self.block_sizes)
+        names = family.experts(self.configs)
+
+        def program(k: int, name: str):
+            def load():
+                transformer = self._load(WanTransformer3DModel, name)
+                self._to_jax(name, transformer, self._rules(self.options.sharding))
+                return transformer, torchax_utils.FunctionalModule(transformer, return_dict=False)
+
+            transformer, fm = self.held("denoise", name, load)
+            dtype = jnp.dtype(str(transformer.dtype).removeprefix("torch."))
+
+            def step(weights, buffers, latents, state, text, i, guidance):
+                self.traces["denoise"] += 1
+                x = latents.astype(dtype)  # `latents.to(transformer_dtype)`
+                x = jax.lax.with_sharding_constraint(jnp.concatenate([x] * n), batch)
+                t = tables["timesteps"][i]
+                timestep = jnp.full((n, tokens), t) if setup.expand else jnp.broadcast_to(t, (n,))
+                out = fm(weights, buffers, hidden_states=x, timestep=timestep, encoder_hidden_states=text)[0]
+                if guided:
+                    uncond, cond = out[:1], out[1:]
+                    out = uncond + guidance.astype(out.dtype) * (cond - uncond)
+                return schedulers.unipc_step(tables, i, latents, out, state)
+
+            text = (n, family.TEXT_TOKENS, self.configs[name]["text_dim"])
+            f32 = aot.abstract(shape, jnp.float32, replicated)
+            args = (*self._state(fm, name), f32, (f32, f32, f32), aot.abstract(text, self.dtype_jax, batch),
+                    aot.abstract((), np.int32, replicated), aot.abstract((), np.float32, replicated))
+            role = ("" if len(names) == 1 else ", high-noise expert" if k == 0 else ", low-noise expert")
+            calls = int(sum(1 for e in setup.expert if e == k))
+            return aot.Program("denoise", f"denoising step{role} ({'guidance pair, ' if guided else ''}"
+                               f"{shape[2]}x{shape[3]}x{shape[4]} latents)", step, args,
+                               jit_kwargs={"donate_argnums": (2, 3), "out_shardings": (replicated, (replicated,) * 3)},
+                               weights_bytes=self.plans[name].bytes_per_device, calls=calls, component=name,
+                               context=context)
+
+        return [program(k, name) for k, name in enumerate(names)]
+
+    @property
+    def dtype_jax(self):
+        import jax.numpy as jnp
+
+        return jnp.dtype(str(self.dtype).removeprefix("torch."))
+
+    # -- stage 3 ---------------------------------------------------------------------------
+    def _decode_programs(self, request: Request) -> list:
+        """The decode stage's programs: the VAE's first, second and later latent frames, each on
+        one chip with its causal cache (`decode_programs`)."""
+        return decode_programs(self.configs["vae"], self.shapes.latent_frames(request.frames), request.height,
+                               request.width, decoding.decode_mesh(self.mesh), dtype=str(self.dtype).removeprefix("torch."))
+
+    def _decode(self, request: Request, latents) -> tuple[dict, dict]:  # noqa: ARG002 - every family's signature
+        """Latents -> frames, float32 (F, H, W, 3) in [0, 1] (diffusers' `output_type="np"`)."""
+        import torch
+        from diffusers import AutoencoderKLWan
+        from diffusers.video_processor import VideoProcessor
+
+        chips = decoding.decode_mesh(self.mesh)
+
+        def load():
+            vae = family.make_vae_jit_friendly(AutoencoderKLWan.from_pretrained(
+                self.source, subfolder="vae", dtype=self.dtype, use_safetensors=True).eval())
+            self._to_jax("vae", vae, mesh=chips)  # a copy on each of the host's chips
+            return vae
+
+        vae = self.held("decode", "vae", load)
+        config = vae.config
+        mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(vae.dtype)
+        std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(vae.dtype)
+        z = latents.to(vae.dtype) / std + mean  # `WanPipeline`'s de-normalisation, on the host
+        start = time.perf_counter()
+        with self._precision():
+            video = decode_frames(vae, z, self.env, self.held("decode", "frames", lambda: {}), self.traces)
+        seconds = time.perf_counter() - start
+        frames = VideoProcessor(vae_scale_factor=self.shapes.spatial).postprocess_video(video.float(), output_type="np")[0]
+        return {"frames": torch.from_numpy(frames.astype("float32"))}, {"first_s": seconds}
+
+
+# --- the VAE, one latent frame at a time, its cache as arguments -----------------------------------
+
+def _frame(vae, z, tensors, markers, first, layouts):
+    """One latent frame through `post_quant_conv` and the decoder (`AutoencoderKLWan._decode`'s
+    loop body), the causal cache rebuilt from its `tensors` and static `markers` ("T" a tensor,
+    "N" `None`, "R" the string "Rep") and taken apart again after. `layouts` records the markers
+    the call leaves, by the markers it was given (they depend on nothing else)."""
+    import torch
+
+    it = iter(tensors)
+    cache = [next(it) if m == "T" else (None if m == "N" else "Rep") for m in markers]
+    out = vae.decoder(vae.post_quant_conv(z), feat_cache=cache, feat_idx=[0], first_chunk=first)
+    layouts[(markers, first)] = tuple("T" if torch.is_tensor(c) else ("N" if c is None else "R") for c in cache)
+    return out, [c for c in cache if torch.is_tensor(c)]
+
+
+def _frame_fn(vae, layouts: dict, traces: dict | None = None):
+    """`fn(weights, buffers, z, tensors, markers, first)` of `_frame`, a pure JAX function."""
+    from tpupedia import torchax_utils
+
+    fm = torchax_utils.FunctionalModule(vae, lambda m, *a: _frame(m, *a, layouts))
+
+    def fn(weights, buffers, z, tensors, markers, first):
+        if traces is not None:
+            traces["decode"] = traces.get("decode", 0) + 1
+        return fm(weights, buffers, z, tensors, markers, first)
+
+    return fm, fn
+
+
+def decode_frames(vae: Any, z: Any, env: Any, held: dict, traces: dict | None = None) -> Any:
+    """`AutoencoderKLWan.decode(z).sample` (z: de-normalised CPU torch latents, `vae` placed in
+    the torchax environment), each latent frame one call of a jitted program; three programs in
+    all (the first frame, the second, the rest: the cache's layout settles after two). `held`
+    keeps the jitted function between calls (a batch). Returns CPU torch, clamped to [-1, 1]
+    and unpatchified as diffusers returns it."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    if "fn" not in held:
+        layouts: dict = {}
+        fm, fn = _frame_fn(vae, layouts, traces)
+        held.update(fm=fm, layouts=layouts, fn=jax.jit(fn, static_argnums=(4, 5)))
+    fm, layouts, fn = held["fm"], held["layouts"], held["fn"]
+    weights, buffers = fm.state()
+    frames = common.to_jax_array(z)
+    markers, tensors, outs = ("N",) * vae._cached_conv_counts["decoder"], [], []
+    with env:
+        for i in range(frames.shape[2]):
+            first = i == 0
+            out, tensors = fn(weights, buffers, frames[:, :, i:i + 1], tensors, markers, first)
+            markers = layouts[(markers, first)]
+            outs.append(out)
+        video = jnp.clip(jnp.concatenate(outs, axis=2), -1.0, 1.0)
+    video = common.to_torch(jax.block_until_ready(video))
+    if vae.config.patch_size is not None:
+        from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
+
+        video = torch.clamp(unpatchify(video, patch_size=vae.config.patch_size), min=-1.0, max=1.0)
+    return video
+
+
+def decode_programs(vae_config: dict, latent_frames: int, height: int, width: int, mesh: Any, *,
+                    dtype: Any = "bfloat16") -> list:
+    """The decoder programs of Wan's `decode` stage for a `height` x `width` video decoded from
+    `latent_frames` latent frames, on the chips of `mesh` (a `decoding.decode_mesh`), a copy of the
+    VAE and of the latent frame on each: the first frame, the second, and the later frames (x
+    their count). The VAE is built on `meta` from `vae_config`; the cache's shapes come from
+    tracing the decoder on shapes only. Raises `PipelineError` for bad frames or sizes."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+    from diffusers import AutoencoderKLWan
+
+    from tpupedia import aot
+
+    with torch.device("meta"):
+        vae = AutoencoderKLWan.from_config({k: v for k, v in vae_config.items() if not k.startswith("_")})
+    ratio = vae.config.scale_factor_spatial or 8
+    decoding.check_decode("Wan", latent_frames, height, width, ratio)
+    dtype = jnp.dtype(dtype)
+    vae = family.make_vae_jit_friendly(vae.to(getattr(torch, dtype.name)).eval())
+    layouts: dict = {}
+    fm, fn = _frame_fn(vae, layouts)
+    state = decoding.replicated(mesh, fm.abstract_state())
+    z = decoding.replicated(mesh, jax.ShapeDtypeStruct((1, vae.config.z_dim, 1, height // ratio, width // ratio), dtype))
+    markers, tensors, programs = ("N",) * vae._cached_conv_counts["decoder"], [], []
+    for k in range(min(latent_frames, 3)):
+        first = k == 0
+        args = (*state, z, decoding.replicated(mesh, tensors), markers, first)
+        calls = 1 if k < 2 else latent_frames - 2
+        which = ("first latent frame", "second latent frame", "later latent frames")[k]
+        programs.append(aot.Program(decoding.STAGE, f"VAE decode, {which} ({decoding.where(mesh.size, *z.shape[-2:], z.shape[-2:])}, x {calls})",
+                                    lambda *a, _m=markers, _f=first: fn(*a, _m, _f), args[:-2],
+                                    weights_bytes=decoding.nbytes(state), calls=calls, component="vae"))
+        _, tensors = jax.eval_shape(lambda *a, _m=markers, _f=first: fn(*a, _m, _f), *args[:-2])
+        markers = layouts[(markers, first)]
+    return programs
+
+
+PIPELINE = Wan
+run = functools.partial(common.run, Wan)
+run.__doc__ = common.run.__doc__
+run_batch = functools.partial(common.run_batch, Wan)
+run_batch.__doc__ = common.run_batch.__doc__
