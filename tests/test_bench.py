@@ -53,3 +53,16 @@ def test_cli_bench_rejects_bad_sizes_before_building(args, message, tmp_path, ca
     err = capsys.readouterr().err
     assert err.startswith("tpupedia bench: ") and message in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "r.json").exists()
+
+
+def test_bench_dit_builds_the_family_transformer_and_agrees_with_eager():
+    """`bench dit` takes its transformer and inputs from the registry's family (`bench_step`):
+    the jitted step equals PyTorch eager and the FLOPs are the family's count."""
+    from tpupedia import bench
+    from tpupedia.models import cogvideox
+
+    record = bench.bench_dit(layers=1, heads=2, head_dim=16, frames=9, height=32, width=32, text_tokens=8, repeat=2,
+                             torch_compile=False)
+    assert record["bench"] == "dit" and record["max_abs_diff"] < 1e-4
+    assert record["approx_matmul_flops"] == cogvideox.step_flops(32, 32, 9, layers=1, heads=2, head_dim=16,
+                                                                 text_tokens=8)["total"]

@@ -18,7 +18,6 @@ ROOT = SRC.parent.parent
 # Code that names families on purpose, and why. Everything else reads the registry.
 CONTENT = {
     "figures.py": "the catalog of numbers the docs quote, each named after the record it comes from",
-    "bench.py": "`bench dit`: notebook 09's benchmark of one CogVideoX-shaped transformer step",
 }
 
 

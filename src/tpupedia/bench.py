@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tpupedia import results
-from tpupedia.models import cogvideox
 from tpupedia.results import machine
 
 __all__ = [
@@ -140,47 +139,36 @@ def bench_llama(layers: int = 8, hidden: int = 512, seq: int = 512, batch: int =
     })
 
 
-DIT_HELP = "one CogVideoX-shaped denoising step: torchax jit vs PyTorch eager and torch.compile"
+DIT_HELP = "one denoising step of a video family's transformer: torchax jit vs PyTorch eager and torch.compile"
 """`tpupedia bench dit`'s help line."""
+
+
+def _dit_family() -> Any:
+    """The video family whose module builds the benchmark's transformer (`bench_step`)."""
+    from tpupedia import families
+
+    return next(s for s in families.video() if hasattr(s.facts, "bench_step"))
 
 
 def bench_dit(layers: int = 2, heads: int = 8, head_dim: int = 64, frames: int = 9, height: int = 64,
               width: int = 64, text_tokens: int = 32, repeat: int = 5, torch_compile: bool = True,
               seed: int = 0) -> dict[str, Any]:
-    """One denoising step of a CogVideoX-shaped transformer (CFG batch 2), float32:
-    PyTorch eager, `torch.compile` (when it works here) and torchax jitted, same machine and run.
-
-    The architecture is CogVideoX1.5's (patch 2x2x2, 4x MLP, joint text-video attention) at
-    the given width and depth; the full model is `layers=42, heads=48, head_dim=64`.
-    """
+    """One denoising step of a video transformer (CFG batch 2), float32: PyTorch eager,
+    `torch.compile` (when it works here) and torchax jitted, same machine and run. The
+    transformer and its inputs come from the family module that has a `bench_step` (its
+    architecture at the given width and depth; see that function's docstring)."""
     import jax
     import torch
-    from diffusers import CogVideoXTransformer3DModel
 
     from tpupedia import torchax_utils
 
-    cogvideox.check_frames(frames)
-    cogvideox.check_size(width, height)
+    model, inputs, flops = _dit_family().facts.bench_step(layers, heads, head_dim, frames, height, width,
+                                                          text_tokens, seed)
     config = dict(layers=layers, heads=heads, head_dim=head_dim, frames=frames, height=height, width=width,
                   text_tokens=text_tokens, batch=2, dtype="float32")
-    full = cogvideox.full_transformer_config(layers)
-    full.update(num_attention_heads=heads, attention_head_dim=head_dim, text_embed_dim=4 * heads * head_dim // 3 or 64,
-                max_text_seq_length=text_tokens, sample_height=height // 8, sample_width=width // 8, sample_frames=frames)
-    torch.manual_seed(seed)
-    model = CogVideoXTransformer3DModel(**full).eval()
-    latent_frames, _ = cogvideox.padded_latent_frames(frames)
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(2, latent_frames, 16, height // 8, width // 8, generator=g)
-    text = torch.randn(2, text_tokens, full["text_embed_dim"], generator=g)
-    t = torch.tensor([500, 500])
-    from diffusers.models.embeddings import get_3d_rotary_pos_embed
-
-    grid = (height // 16, width // 16)
-    rope = get_3d_rotary_pos_embed(embed_dim=head_dim, crops_coords=None, grid_size=grid,
-                                   temporal_size=latent_frames // 2, grid_type="slice", max_size=grid)
 
     def eager_step():
-        return model(hidden_states=x, encoder_hidden_states=text, timestep=t, image_rotary_emb=rope, return_dict=False)[0]
+        return model(**inputs, return_dict=False)[0]
 
     with torch.no_grad():
         eager = time_call(eager_step, repeat=repeat)
@@ -189,8 +177,7 @@ def bench_dit(layers: int = 2, heads: int = 8, head_dim: int = 64, frames: int =
         if torch_compile:
             try:
                 compiled_model = torch.compile(model)
-                compiled = time_call(lambda: compiled_model(hidden_states=x, encoder_hidden_states=text, timestep=t,
-                                                            image_rotary_emb=rope, return_dict=False)[0], repeat=repeat)
+                compiled = time_call(lambda: compiled_model(**inputs, return_dict=False)[0], repeat=repeat)
             except Exception as err:  # noqa: BLE001 - recorded, not fatal: torch.compile needs a toolchain
                 compiled = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
 
@@ -198,17 +185,14 @@ def bench_dit(layers: int = 2, heads: int = 8, head_dim: int = 64, frames: int =
     torchax_utils.register_common_outputs()
     with env:
         model.to("jax")
-        xj, tj, cj = x.to("jax"), t.to("jax"), text.to("jax")
-        rj = tuple(r.to("jax") for r in rope)
+        on_device = {k: tuple(a.to("jax") for a in v) if isinstance(v, tuple) else v.to("jax") for k, v in inputs.items()}
         jitted = torchax_utils.JitModule(model)
 
         def jit_step():
-            return jitted(hidden_states=xj, encoder_hidden_states=cj, timestep=tj, image_rotary_emb=rj, return_dict=False)[0]
+            return jitted(**on_device, return_dict=False)[0]
 
         jit = time_call(jit_step, sync=lambda out: jax.block_until_ready(out.jax()), repeat=repeat)
         got = jit_step().to("cpu")
-    flops = cogvideox.step_flops(width, height, frames, layers=layers, heads=heads, head_dim=head_dim,
-                                        text_tokens=text_tokens)
     record = {
         "bench": "dit",
         "config": config,
@@ -237,8 +221,8 @@ def _pipeline_key(record: dict[str, Any]) -> tuple:
 def bench_generate(family: str, preset: Any, request: Any, options: Any, model: str | None = None) -> dict[str, Any]:
     """Run the three stages of `family` (`tpupedia.pipelines.<family>`) once, in a temporary work
     directory, and return a results record with each stage's first-call and steady timings, the
-    whole run's wall time and where it ran. Introduced with notebook 06 (CogVideoX), used for
-    HunyuanVideo-1.5 by notebook 07; `tpupedia bench generate FAMILY` writes the record."""
+    whole run's wall time and where it ran. Introduced with notebook 06, used by notebooks 07
+    and 11; `tpupedia bench generate FAMILY` writes the record."""
     import importlib
     import tempfile
 
@@ -274,7 +258,7 @@ def _pipeline_config(pipeline: Any, preset: Any, request: Any, options: Any, mod
 
 
 def bench_deepcache(family: str, preset: Any, request: Any, options: Any, model: str | None = None) -> dict[str, Any]:
-    """Video family `family` (one whose request takes a `deepcache` schedule: HunyuanVideo-1.5)
+    """Video family `family` (one whose request takes a `deepcache` schedule)
     twice from the same seed, without and with `request.deepcache`: the steps recomputed, the
     denoising time (steps that compiled left out, scaled to all steps) and PSNR/SSIM of the
     cached video against the uncached one. Notebook 07; `tpupedia bench deepcache FAMILY` writes

@@ -26,7 +26,7 @@ __all__ = [
     "SCHEDULER_CONFIG", "SHARDING", "SPEC", "ModelInputError",
     "full_transformer_config", "tiny_transformer_config", "tiny_vae_config", "tiny_text_encoder_config",
     "full_text_encoder_config", "default_request", "check_frames", "check_size", "latent_frames",
-    "padded_latent_frames", "video_tokens", "step_flops", "build", "step_inputs", "FunctionalRoPEAttnProcessor",
+    "padded_latent_frames", "video_tokens", "step_flops", "bench_step", "build", "step_inputs", "FunctionalRoPEAttnProcessor",
     "make_jit_friendly",
     "tiny_checkpoint", "model_source", "named_source", "component_configs", "load_scheduler", "rotary_embeddings",
 ]
@@ -223,6 +223,36 @@ def step_flops(width: int, height: int, frames: int, layers: int = FULL_LAYERS, 
     linear = batch * layers * 2 * s * 12 * d * d
     attention = batch * layers * 4 * s * s * d
     return {"tokens": s, "linear": float(linear), "attention": float(attention), "total": float(linear + attention)}
+
+
+def bench_step(layers: int, heads: int, head_dim: int, frames: int, height: int, width: int, text_tokens: int,
+               seed: int = 0) -> tuple[Any, dict, dict[str, float]]:
+    """A random CogVideoX1.5-shaped transformer (patch 2x2x2, 4x MLP, joint text-video attention)
+    at the given width and depth, float32, and one denoising step's inputs (CFG batch 2):
+    `(model, forward keyword arguments, step_flops)`, for `tpupedia bench dit` (notebook 09).
+    The full model is `layers=42, heads=48, head_dim=64`."""
+    import torch
+    from diffusers import CogVideoXTransformer3DModel
+    from diffusers.models.embeddings import get_3d_rotary_pos_embed
+
+    check_frames(frames)
+    check_size(width, height)
+    full = full_transformer_config(layers)
+    full.update(num_attention_heads=heads, attention_head_dim=head_dim, text_embed_dim=4 * heads * head_dim // 3 or 64,
+                max_text_seq_length=text_tokens, sample_height=height // 8, sample_width=width // 8, sample_frames=frames)
+    torch.manual_seed(seed)
+    model = CogVideoXTransformer3DModel(**full).eval()
+    latent_frames, _ = padded_latent_frames(frames)
+    g = torch.Generator().manual_seed(seed)
+    grid = (height // 16, width // 16)
+    inputs = dict(hidden_states=torch.randn(2, latent_frames, 16, height // 8, width // 8, generator=g),
+                  encoder_hidden_states=torch.randn(2, text_tokens, full["text_embed_dim"], generator=g),
+                  timestep=torch.tensor([500, 500]),
+                  image_rotary_emb=get_3d_rotary_pos_embed(embed_dim=head_dim, crops_coords=None, grid_size=grid,
+                                                           temporal_size=latent_frames // 2, grid_type="slice",
+                                                           max_size=grid))
+    flops = step_flops(width, height, frames, layers=layers, heads=heads, head_dim=head_dim, text_tokens=text_tokens)
+    return model, inputs, flops
 
 
 def build(layers: int | None = None, device: str = "meta", dtype: Any = None):

@@ -225,8 +225,7 @@ def step_inputs(width: int, height: int, frames: int, batch: int = 2) -> tuple[l
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
 
-    specs = [(latent_shape(frames, height, width)[1:], None, None)]
-    c, t, h, w = specs[0][0]
+    _, c, t, h, w = latent_shape(frames, height, width)
     specs = [((batch, c, t, h, w), jnp.bfloat16, P("dp")), ((batch,), jnp.float32, P("dp")),
              ((batch, TEXT_TOKENS, TEXT_DIM), jnp.bfloat16, P("dp"))]
 
