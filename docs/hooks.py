@@ -68,21 +68,46 @@ def _bench_table() -> str:
 
 
 def _pipeline_table() -> str:
-    records = [r for r in results.load(_PIPELINES) if "stages" in r]
+    records = [r for r in results.load(_PIPELINES) if "stages" in r and "--mesh" not in r["command"]]
     if not records:
         return "*No pipeline run has been recorded yet.*"
-    lines = ["| pipeline | request | measured on | text (first / steady) | denoise (first call / steady per step) | decode | whole run | date | command |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| pipeline | request | measured on | text (first / steady) | denoise (first call / steady per step) | "
+             "stock diffusers step (eager) | step / stock | decode | whole run (stock: the call, models loaded) | date | command |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         c, m, st = r["config"], r["machine"], r["stages"]
         request = (f"{c['frames']} frames, {c['width']}x{c['height']}, {c['steps']} steps, {c['dtype']}, "
                    f"{c['attention']} attention, {c['vae']} VAE, {c['source']}")
         where = f"{m['devices']} x {m['device_kind']} ({m['platform']}, {m['cpu_count']} CPUs), jax {m['versions']['jax']}"
+        stock = r.get("stock")
+        versus = (f"{_ms(stock['steady_s'])} | {r['ratio_step_over_stock']:.2f}" if stock else "not run | ")
+        whole = f"{r['total_s']:.1f} s" + (f" ({stock['total_s']:.1f} s)" if stock else "")
         lines.append(
             f"| {r['bench']} | {request} | {where} | {st['text']['first_s']:.2f} s / {_ms(st['text']['steady_s'])} | "
-            f"{st['denoise']['first_s']:.2f} s / {_ms(st['denoise']['steady_s'])} | {st['decode']['first_s']:.2f} s | "
-            f"{r['total_s']:.1f} s | {r['measured_at']} | `{r['command']}` |")
+            f"{st['denoise']['first_s']:.2f} s / {_ms(st['denoise']['steady_s'])} | {versus} | "
+            f"{st['decode']['first_s']:.2f} s | {whole} | {r['measured_at']} | `{r['command']}` |")
     return "\n".join(lines)
+
+
+def _mesh_table() -> str:
+    """The steady denoising step of each family's tiny-preset records, one column per simulated
+    device count and mesh (`tpupedia bench generate FAMILY --devices N [--mesh ...]`)."""
+    records = [r for r in results.load(_PIPELINES) if "stages" in r and r["config"]["source"] == "preset:tiny"
+               and "mesh" in r["config"]]
+    if not records:
+        return "*No mesh comparison has been recorded yet.*"
+    column = lambda r: (r["machine"]["devices"], r["config"]["mesh"])  # noqa: E731
+    columns = sorted({column(r) for r in records}, key=lambda c: (c[0], c[1]))
+    rows: dict[str, dict] = {}
+    for r in records:
+        rows.setdefault(r["bench"].removeprefix("generate-"), {})[column(r)] = r["stages"]["denoise"]["steady_s"]
+    where = {f"{r['machine']['device_kind']} ({r['machine']['cpu_count']} CPUs), {r['config']['steps']} steps, "
+             f"{r['measured_at']}" for r in records}
+    lines = ["| family | " + " | ".join(f"{n} device{'s' * (n > 1)}, {mesh}" for n, mesh in columns) + " |",
+             "|---|" + "---|" * len(columns)]
+    for family, steps in sorted(rows.items()):
+        lines.append(f"| {family} | " + " | ".join(_ms(steps[c]) if c in steps else "-" for c in columns) + " |")
+    return "\n".join(lines) + "\n\nMeasured on " + "; ".join(sorted(where)) + "."
 
 
 def _plans_table() -> str:
@@ -223,20 +248,11 @@ def _families_table() -> str:
 
 
 def on_page_markdown(markdown, page, config, files):  # noqa: ARG001 - mkdocs hook signature
-    if "{{ families_table }}" in markdown:
-        markdown = markdown.replace("{{ families_table }}", _families_table())
-    if "{{ hardware_table }}" in markdown:
-        markdown = markdown.replace("{{ hardware_table }}", _hardware_table())
-    if "{{ bench_table }}" in markdown:
-        markdown = markdown.replace("{{ bench_table }}", _bench_table())
-    if "{{ results_table }}" in markdown:
-        markdown = markdown.replace("{{ results_table }}", _results_table())
-    if "{{ deepcache_table }}" in markdown:
-        markdown = markdown.replace("{{ deepcache_table }}", _deepcache_table())
-    if "{{ pipeline_table }}" in markdown:
-        markdown = markdown.replace("{{ pipeline_table }}", _pipeline_table())
-    if "{{ plans_table }}" in markdown:
-        markdown = markdown.replace("{{ plans_table }}", _plans_table())
-    if "{{ results_chart }}" in markdown:
-        markdown = markdown.replace("{{ results_chart }}", _results_chart())
+    tables = {"families_table": _families_table, "hardware_table": _hardware_table, "bench_table": _bench_table,
+              "results_table": _results_table, "deepcache_table": _deepcache_table,
+              "pipeline_table": _pipeline_table, "mesh_table": _mesh_table, "plans_table": _plans_table,
+              "results_chart": _results_chart}
+    for name, render in tables.items():
+        if "{{ " + name + " }}" in markdown:
+            markdown = markdown.replace("{{ " + name + " }}", render())
     return figures.render(markdown, Path(__file__).resolve().parents[1])

@@ -200,6 +200,15 @@ print("5 latent frames ->", tuple(decoded["frames"].shape), "frames; decoder pro
 assert tuple(decoded["frames"].shape) == (17, 64, 64, 3) and pipe.traces["decode"] == 3
 
 # %% [markdown]
+# Wan 2.2 TI2V-5B takes the same code path with two differences, both read from its configs:
+# `expand_timesteps` in `model_index.json` (each latent token gets its own timestep, so the step
+# builds a per-token timestep tensor instead of one number) and a VAE with residual blocks that
+# packs 2x2 pixels into 12 channels and compresses 16x in space (its `vae/config.json`:
+# `is_residual`, `patch_size`, `scale_factor_spatial`). `decode_frames` unpatchifies as diffusers
+# does. `tests/test_wan.py` builds that layout at tiny size and checks its frames against stock
+# `WanPipeline` within 1e-4.
+
+# %% [markdown]
 # ## 5. The whole run against stock diffusers
 #
 # Text, denoise and decode through `pipeline.run`, then stock `WanPipeline(output_type="np")`

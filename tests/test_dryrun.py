@@ -6,7 +6,7 @@ import pytest
 import torch
 from test_devices import requires_libtpu
 
-from tpupedia import cli, devices, dryrun, hardware, torchax_utils
+from tpupedia import cli, devices, dryrun, families, hardware, torchax_utils
 from tpupedia.compat import import_torchax
 from tpupedia.models import cogvideox, hunyuan, llama
 
@@ -120,6 +120,14 @@ def test_summary_states_the_ici_bandwidth_it_assumed():
 def test_bad_requests_fail_before_building(kwargs, message):
     with pytest.raises(dryrun.DryRunError, match=re.escape(message)):
         dryrun.run(**({"model": "cogvideox"} | kwargs))
+
+
+@pytest.mark.parametrize("name", [s.name for s in families.all_specs() if s.kind != "llm"])
+def test_every_video_target_checks_its_frame_rule_before_building(name):
+    """Each registered video or VAE target reads its frame rule from its family's facts (a
+    family added to the registry cannot reach the dry-run without one)."""
+    with pytest.raises(dryrun.DryRunError, match=re.escape(f"frames=80: {name} needs 4n+1 frames")):
+        dryrun.run(name, frames=80)
 
 
 @requires_libtpu

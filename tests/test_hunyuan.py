@@ -161,3 +161,29 @@ def test_jit_friendly_vae_decodes_a_batch_as_its_samples_alone():
         alone = torch.cat([vae.decoder(z[:1]), vae.decoder(z[1:])])
         together = make_vae_jit_friendly(vae).decoder(z)
     assert torch.allclose(together, alone, atol=1e-5), float((together - alone).abs().max())
+
+
+def test_keeping_only_the_valid_text_tokens_leaves_the_output_unchanged():
+    """The blocks see the valid text tokens (most of any sample in the batch, here 3 + 3) and
+    nothing after them: the same video output as all 15 slots, and one token fewer changes it."""
+    from tpupedia.models import hunyuan
+
+    model = make_static(_tiny())
+    x, t, text, mask, text_2, mask_2, image = _inputs()
+    kwargs = dict(encoder_hidden_states_2=text_2, encoder_attention_mask_2=mask_2, image_embeds=image, return_dict=False)
+    most = int((mask.sum(1) + mask_2.sum(1)).max())
+    assert most == 7 and hunyuan.kept_text_tokens((mask.sum(1) + mask_2.sum(1)).tolist(), 15, multiple=1) == 7
+    with torch.no_grad():
+        every = model(x, t, text, mask, **kwargs)[0]
+        kept = model(x, t, text, mask, **kwargs, text_tokens=most)[0]
+        too_few = model(x, t, text, mask, **kwargs, text_tokens=most - 1)[0]
+    assert float((kept - every).abs().max()) < 1e-6
+    assert float((too_few - every).abs().max()) > 1e-4
+
+
+@pytest.mark.parametrize("counts, slots, kept", [([5, 7], 1985, 128), ([463, 470], 1985, 512), ([1985], 1985, 1985),
+                                                 ([1900, 3], 1985, 1920), ([0, 0], 1985, 128), ([130], 200, 200)])
+def test_kept_text_tokens_round_up_to_a_multiple_and_never_past_the_slots(counts, slots, kept):
+    from tpupedia.models import hunyuan
+
+    assert hunyuan.kept_text_tokens(counts, slots) == kept

@@ -3,8 +3,6 @@ steps, stage files that resume and refuse, bad input refused before any model is
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,16 +21,8 @@ REQUEST = pipeline.Request(prompt="a panda playing a guitar", negative_prompt="b
 
 
 def _stock_frames(checkpoint: Path, request: pipeline.Request) -> np.ndarray:
-    from diffusers import CogVideoXPipeline
-
-    pipe = CogVideoXPipeline.from_pretrained(checkpoint, use_safetensors=True)
-    pipe.set_progress_bar_config(disable=True)
-    pipe.vae.enable_tiling() if request.vae_tiling else pipe.vae.disable_tiling()
-    out = pipe(prompt=request.prompt, negative_prompt=request.negative_prompt, num_frames=request.frames,
-               height=request.height, width=request.width, num_inference_steps=request.steps,
-               guidance_scale=request.guidance, generator=torch.Generator().manual_seed(request.seed),
-               output_type="np", max_sequence_length=pipe.transformer.config.max_text_seq_length)
-    return out.frames[0]
+    pipe, call = pipeline.stock(str(checkpoint), request)
+    return pipe(**call).frames[0]
 
 
 @pytest.fixture(scope="module", params=[("dpm", 2), ("ddim", 2), ("ddim", None)], ids=["1.5-dpm", "1.5-ddim", "1.0-ddim"])
@@ -149,19 +139,13 @@ def test_mesh_must_match_the_devices(monkeypatch, tmp_path):
     assert pipeline.parse_mesh("dp=2,tp=4") == (2, 4)
 
 
-def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**__import__("os").environ, "TPUPEDIA_PRESET": "tiny", "JAX_PLATFORMS": "cpu", "TPUPEDIA_CACHE": str(cwd / "cache")}
-    return subprocess.run([sys.executable, "-m", "tpupedia.cli", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=600)
-
-
-def test_cli_generates_a_video_and_refuses_bad_frames_in_one_line(tmp_path):
-    done = _cli("generate", "cogvideox", "--preset", "tiny", "--prompt", "a panda", "--out", "panda.mp4",
+def test_cli_generates_a_video_and_refuses_bad_frames_in_one_line(tmp_path, run_cli):
+    done = run_cli("generate", "cogvideox", "--preset", "tiny", "--prompt", "a panda", "--out", "panda.mp4",
                 "--workdir", "w", "--quiet", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     video = tmp_path / "panda.mp4"
     assert video.stat().st_size > 1000 and video.read_bytes()[4:8] == b"ftyp"  # an ISO-BMFF (mp4) file
-    bad = _cli("generate", "cogvideox", "--preset", "tiny", "--prompt", "a panda", "--frames", "10", cwd=tmp_path)
+    bad = run_cli("generate", "cogvideox", "--preset", "tiny", "--prompt", "a panda", "--frames", "10", cwd=tmp_path)
     assert bad.returncode == 2
     lines = bad.stderr.strip().splitlines()
     assert len(lines) == 1 and "frames=10" in lines[0] and "Traceback" not in bad.stderr
@@ -183,15 +167,9 @@ def test_bfloat16_as_the_full_preset_runs_it(tmp_path):
 
 
 def _stock_frames_bf16(checkpoint: Path) -> np.ndarray:
-    from diffusers import CogVideoXPipeline
-
-    pipe = CogVideoXPipeline.from_pretrained(checkpoint, dtype=torch.bfloat16, use_safetensors=True)
-    pipe.set_progress_bar_config(disable=True)
+    pipe, call = pipeline.stock(str(checkpoint), REQUEST, dtype=torch.bfloat16)
     with torch.no_grad():
-        return pipe(prompt=REQUEST.prompt, negative_prompt=REQUEST.negative_prompt, num_frames=REQUEST.frames,
-                    height=REQUEST.height, width=REQUEST.width, num_inference_steps=REQUEST.steps,
-                    guidance_scale=REQUEST.guidance, generator=torch.Generator().manual_seed(REQUEST.seed),
-                    output_type="np", max_sequence_length=16).frames[0]
+        return pipe(**call).frames[0]
 
 
 def test_bench_generate_records_per_stage_timings(tmp_path):
@@ -201,6 +179,10 @@ def test_bench_generate_records_per_stage_timings(tmp_path):
     assert record["bench"] == "generate-cogvideox" and set(record["stages"]) == {"text", "denoise", "decode"}
     assert record["stages"]["denoise"]["steps"] == REQUEST.steps and record["total_s"] > 0
     assert record["config"]["attention"] == "reference"  # what `auto` meant on this CPU
+    assert record["config"]["mesh"] == "dp=2,tp=4"  # the guidance pair on dp, 8 simulated devices
+    stock = record["stock"]  # the stock pipeline, same request and checkpoint, in the same run
+    assert stock["steps"] == REQUEST.steps and len(stock["step_s"]) == REQUEST.steps and stock["steady_s"] > 0
+    assert record["ratio_step_over_stock"] == pytest.approx(record["stages"]["denoise"]["steady_s"] / stock["steady_s"])
     path = bench.merge_record(record, tmp_path / "pipelines.json", key=bench._pipeline_key)
     bench.merge_record(record, path, key=bench._pipeline_key)  # the same run again replaces its row
     assert len(results.load(path)) == 1
@@ -236,6 +218,21 @@ def test_bad_command_lines_get_one_line_naming_the_value_before_anything_loads(a
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("tpupedia generate: "), err
+    for name in names:
+        assert name in err[0], (name, err[0])
+
+
+@pytest.mark.parametrize("args, names", [
+    (["--preset", "full", "--devices", "1"], ["--devices 1", "full preset", "machine's devices"]),
+    (["--preset", "tiny", "--devices", "0"], ["--devices", "positive integer", "0"]),
+])
+def test_bench_devices_are_the_tiny_presets_simulated_ones(args, names, capsys, monkeypatch):
+    from tpupedia import cli, devices
+
+    monkeypatch.setattr(devices, "simulate_cpu_devices", lambda *a, **k: pytest.fail("started JAX"))
+    assert cli.main(["bench", "generate", "cogvideox", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("tpupedia bench: "), err
     for name in names:
         assert name in err[0], (name, err[0])
 

@@ -5,9 +5,6 @@ refused before any model is loaded, and the command line."""
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -30,19 +27,9 @@ def checkpoint(tmp_path_factory) -> Path:
     return family.tiny_checkpoint(tmp_path_factory.mktemp("hunyuan-ckpt"))
 
 
-def _stock_frames(checkpoint: Path, request: pipeline.Request, guidance: float | None = None) -> np.ndarray:
-    from diffusers import HunyuanVideo15Pipeline
-    from diffusers.guiders import ClassifierFreeGuidance
-
-    pipe = HunyuanVideo15Pipeline.from_pretrained(checkpoint, use_safetensors=True)
-    pipe.set_progress_bar_config(disable=True)
-    pipe.vae.enable_tiling() if request.vae_tiling else pipe.vae.disable_tiling()
-    if guidance is not None:
-        pipe.guider = ClassifierFreeGuidance(guidance_scale=guidance)
-    out = pipe(prompt=request.prompt, negative_prompt=request.negative_prompt, num_frames=request.frames,
-               height=request.height, width=request.width, num_inference_steps=request.steps,
-               generator=torch.Generator().manual_seed(request.seed), output_type="np")
-    return out.frames[0]
+def _stock_frames(checkpoint: Path, request: pipeline.Request) -> np.ndarray:
+    pipe, call = pipeline.stock(str(checkpoint), request)
+    return pipe(**call).frames[0]
 
 
 def _frames(workdir: Path, checkpoint: Path, request: pipeline.Request) -> np.ndarray:
@@ -66,6 +53,10 @@ def test_frames_match_stock_diffusers_with_glyph_text_and_guidance(checkpoint, t
         str(checkpoint), family.component_configs(str(checkpoint)), REQUEST, pipeline.Options(), torch.float32, "text"))
     assert text.tensors["prompt_embeds_mask_2"].sum() > 0  # the quoted text was encoded
     assert text.tensors["negative_prompt_embeds_mask_2"].sum() == 0  # the negative prompt quotes nothing
+    valid = max(int(text.tensors[f"{side}prompt_embeds_mask"].sum() + text.tensors[f"{side}prompt_embeds_mask_2"].sum())
+                for side in ("", "negative_"))
+    kept = {r.stage: r for r in reports}["denoise"].timings["text_tokens"]  # the blocks saw only these
+    assert valid <= kept < sum(n for n, _ in family.TEXT_SLOTS.values())
     frames = _frames(tmp_path, checkpoint, REQUEST)
     assert frames.dtype == np.float32 and frames.shape == expected.shape == (9, 64, 64, 3)
     error = float(np.abs(frames - expected).max())
@@ -93,7 +84,7 @@ def test_tiled_frames_match_stock_diffusers_tiled(checkpoint, tmp_path):
 def test_guidance_one_runs_a_single_forward_per_step(checkpoint, tmp_path):
     """Guidance 1 turns the guider off: no negative prompt is encoded, one batch-1 forward a step."""
     request = dataclasses.replace(REQUEST, prompt="a quiet lake at dawn", guidance=1.0, steps=2)
-    expected = _stock_frames(checkpoint, request, guidance=1.0)
+    expected = _stock_frames(checkpoint, request)
     _run(checkpoint, request, tmp_path)
     settings = pipeline.Hunyuan.settings_for(str(checkpoint), family.component_configs(str(checkpoint)), request,
                                              pipeline.Options(), torch.float32, "text")
@@ -180,19 +171,13 @@ def test_quality_metrics():
     assert metrics.ssim(noisy, a) < metrics.ssim(np.clip(a + rng.normal(0, 0.01, a.shape), 0, 1), a) < 1
 
 
-def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "TPUPEDIA_PRESET": "tiny", "JAX_PLATFORMS": "cpu", "TPUPEDIA_CACHE": str(cwd / "cache")}
-    return subprocess.run([sys.executable, "-m", "tpupedia.cli", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=600)
-
-
-def test_cli_generates_a_video_and_refuses_a_bad_schedule_in_one_line(tmp_path):
-    done = _cli("generate", "hunyuan", "--preset", "tiny", "--prompt", "a fox", "--out", "fox.mp4", "--workdir", "w",
+def test_cli_generates_a_video_and_refuses_a_bad_schedule_in_one_line(tmp_path, run_cli):
+    done = run_cli("generate", "hunyuan", "--preset", "tiny", "--prompt", "a fox", "--out", "fox.mp4", "--workdir", "w",
                 "--quiet", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     video = tmp_path / "fox.mp4"
     assert video.stat().st_size > 1000 and video.read_bytes()[4:8] == b"ftyp"  # an ISO-BMFF (mp4) file
-    bad = _cli("generate", "hunyuan", "--preset", "tiny", "--prompt", "a fox", "--deepcache", "2:9:1", cwd=tmp_path)
+    bad = run_cli("generate", "hunyuan", "--preset", "tiny", "--prompt", "a fox", "--deepcache", "2:9:1", cwd=tmp_path)
     assert bad.returncode == 2
     lines = bad.stderr.strip().splitlines()
     assert len(lines) == 1 and "2:9:1" in lines[0] and "steps=4" in lines[0], bad.stderr
@@ -211,8 +196,6 @@ def test_bench_deepcache_records_steps_quality_and_time(checkpoint, tmp_path):
 
 def test_bfloat16_as_the_full_preset_runs_it(checkpoint, tmp_path):
     """The released checkpoint runs in bf16: every stage on the tiny model, close to stock diffusers in bf16."""
-    from diffusers import HunyuanVideo15Pipeline
-
     request = dataclasses.replace(REQUEST, steps=2)
     pipeline.run(request, pipeline.Options(quiet=True, dtype="bfloat16"), preset=TINY, model=str(checkpoint),
                  workdir=tmp_path, log=lambda _: None)
@@ -222,10 +205,7 @@ def test_bfloat16_as_the_full_preset_runs_it(checkpoint, tmp_path):
     assert read("text")["prompt_embeds"].dtype == read("denoise")["latents"].dtype == torch.bfloat16
     frames = read("decode")["frames"]
     assert frames.dtype == torch.float32 and torch.isfinite(frames).all()
-    pipe = HunyuanVideo15Pipeline.from_pretrained(checkpoint, dtype=torch.bfloat16, use_safetensors=True)
-    pipe.set_progress_bar_config(disable=True)
+    pipe, call = pipeline.stock(str(checkpoint), request, dtype=torch.bfloat16)
     with torch.no_grad():
-        expected = pipe(prompt=request.prompt, negative_prompt=request.negative_prompt, num_frames=request.frames,
-                        height=request.height, width=request.width, num_inference_steps=request.steps,
-                        generator=torch.Generator().manual_seed(request.seed), output_type="np").frames[0]
+        expected = pipe(**call).frames[0]
     assert float((frames - torch.from_numpy(np.asarray(expected, np.float32))).abs().mean()) < 0.05

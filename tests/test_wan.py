@@ -1,12 +1,10 @@
 """Wan 2.1 / 2.2 (notebook 11): UniPC as a pure step equal to the stock scheduler step by step,
-parity of the whole pipeline with stock `WanPipeline` for one expert and for two, shape facts
-from the checkpoint, refusals before any model loads, and the command line."""
+parity of the whole pipeline with stock `WanPipeline` for one expert, for two and for the TI2V
+layout (expanded timesteps, the residual VAE), shape facts from the checkpoint, refusals before
+any model loads, and the command line."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -72,14 +70,8 @@ def checkpoint(request, tmp_path_factory) -> Path:
 
 
 def _stock_frames(checkpoint: Path, request: pipeline.Request) -> np.ndarray:
-    from diffusers import WanPipeline
-
-    pipe = WanPipeline.from_pretrained(checkpoint, dtype=torch.float32, use_safetensors=True)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe(prompt=request.prompt, negative_prompt=request.negative_prompt, num_frames=request.frames,
-                height=request.height, width=request.width, num_inference_steps=request.steps,
-                guidance_scale=request.guidance, guidance_scale_2=request.guidance_2,
-                generator=torch.Generator().manual_seed(request.seed), output_type="np").frames[0]
+    pipe, call = pipeline.stock(str(checkpoint), request)
+    return pipe(**call).frames[0]
 
 
 def test_frames_match_stock_wan_pipeline(checkpoint, tmp_path):
@@ -100,6 +92,27 @@ def test_frames_match_stock_wan_pipeline(checkpoint, tmp_path):
     assert frames.shape == expected.shape == (9, 64, 48, 3)
     error = float(np.abs(frames - expected).max())
     print(f"{'Wan 2.2' if two else 'Wan 2.1'}: max abs error vs stock WanPipeline {error:.2e}")
+    assert error <= 1e-4, error
+    assert frames.std() > 0.01
+
+
+def test_ti2v_expanded_timesteps_match_stock_wan_pipeline(tmp_path):
+    """Wan 2.2 TI2V-5B's layout: `expand_timesteps` (a timestep per latent token) and its VAE
+    (residual blocks, 2x2 pixel patches, 16x in space, read from the VAE's config). Same weights
+    and seed as stock `WanPipeline(output_type="np")`: frames within 1e-4 (fp32), at a size that
+    is not square."""
+    ckpt = family.tiny_checkpoint(tmp_path / "ti2v", vae=family.TI2V_VAE, expand_timesteps=True)
+    configs = family.component_configs(str(ckpt))
+    assert configs["pipeline"]["expand_timesteps"] and family.shape_facts(configs).spatial == 16
+    request = pipeline.Request(**{**REQUEST.__dict__, "width": 96, "steps": 3})
+    expected = _stock_frames(ckpt, request)
+    pipeline.run(request, pipeline.Options(quiet=True), preset=TINY, model=str(ckpt), workdir=tmp_path / "w",
+                 log=lambda _: None)
+    settings = pipeline.Wan.settings_for(str(ckpt), configs, request, pipeline.Options(), torch.float32, "decode")
+    frames = stages.read(tmp_path / "w", "decode", settings).tensors["frames"].numpy()
+    assert frames.shape == expected.shape == (9, 64, 96, 3)
+    error = float(np.abs(frames - expected).max())
+    print(f"Wan 2.2 TI2V layout: max abs error vs stock WanPipeline {error:.2e}")
     assert error <= 1e-4, error
     assert frames.std() > 0.01
 
@@ -147,16 +160,10 @@ def test_the_registry_knows_wan_and_its_two_experts():
     assert flops["tokens"] == 21 * 45 * 80  # 75,600 video tokens per sample at 720p, 81 frames
 
 
-def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "TPUPEDIA_PRESET": "tiny", "JAX_PLATFORMS": "cpu", "TPUPEDIA_CACHE": str(cwd / "cache")}
-    return subprocess.run([sys.executable, "-m", "tpupedia.cli", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=600)
-
-
-def test_generate_wan_writes_a_video(tmp_path):
-    done = _cli("generate", "wan", "--preset", "tiny", "--prompt", "a fox", "--out", "fox.mp4", "--workdir", "w",
+def test_generate_wan_writes_a_video(tmp_path, run_cli):
+    done = run_cli("generate", "wan", "--preset", "tiny", "--prompt", "a fox", "--out", "fox.mp4", "--workdir", "w",
                 "--quiet", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert (tmp_path / "fox.mp4").stat().st_size > 1000
-    refused = _cli("generate", "wan", "--preset", "tiny", "--prompt", "a fox", "--frames", "8", cwd=tmp_path)
+    refused = run_cli("generate", "wan", "--preset", "tiny", "--prompt", "a fox", "--frames", "8", cwd=tmp_path)
     assert refused.returncode == 2 and "frames=8: Wan generates 4n+1 frames" in refused.stderr

@@ -31,6 +31,7 @@ __all__ = [
     "bench_dit",
     "DEFAULT_PIPELINE_RESULTS",
     "bench_generate",
+    "stock_steps",
     "bench_deepcache",
 ]
 
@@ -218,32 +219,85 @@ def _pipeline_key(record: dict[str, Any]) -> tuple:
     return (record["bench"], json.dumps(record["config"], sort_keys=True), m["device_kind"], m["devices"])
 
 
-def bench_generate(family: str, preset: Any, request: Any, options: Any, model: str | None = None) -> dict[str, Any]:
+def bench_generate(family: str, preset: Any, request: Any, options: Any, model: str | None = None,
+                   stock: bool | None = None, command: str | None = None) -> dict[str, Any]:
     """Run the three stages of `family` (`tpupedia.pipelines.<family>`) once, in a temporary work
     directory, and return a results record with each stage's first-call and steady timings, the
-    whole run's wall time and where it ran. Introduced with notebook 06, used by notebooks 07
-    and 11; `tpupedia bench generate FAMILY` writes the record."""
+    whole run's wall time and where it ran. With `stock` (the default where the checkpoint is a
+    tiny one: a stock pipeline runs on the host), the family's stock diffusers pipeline then runs
+    the same request from the same checkpoint in the same process (`stock_steps`), and the record
+    gives the ratio of the two steady step times (below 1: the compiled step is faster).
+    `command` is recorded as the command that made the record. Introduced with notebook 06, used by notebooks 07 and 11; `tpupedia bench generate FAMILY`
+    writes the record."""
     import importlib
     import tempfile
 
     from tpupedia import families
 
-    pipeline = importlib.import_module(families.get(family, "video").pipeline)
+    spec = families.get(family, "video")
+    pipeline = importlib.import_module(spec.pipeline)
+    stock = (not preset.pretrained) if stock is None else stock
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="tpupedia-bench-") as workdir:
         reports = pipeline.run(request, options, preset=preset, model=model, workdir=workdir, force=True,
                                log=lambda _: None)
     total = time.perf_counter() - start
-    return {
+    timings = {r.stage: r.timings for r in reports}
+    source = spec.facts.model_source(preset, model)[0]
+    record = {
         "bench": f"generate-{family}",
-        "config": _pipeline_config(pipeline, preset, request, options, model),
+        "config": _pipeline_config(pipeline, preset, request, options, model) | {"mesh": _mesh(pipeline, source, request, options)},
         "machine": machine(),
-        "stages": {r.stage: r.timings for r in reports},
+        "stages": timings,
         "total_s": total,
         "measured_at": _dt.date.today().isoformat(),
-        "command": (f"tpupedia bench generate {family} --preset {preset.name}" if model is None
-                    else f"tpupedia bench generate {family} --model {model}"),
+        "command": command or (f"tpupedia bench generate {family} --preset {preset.name}" if model is None
+                               else f"tpupedia bench generate {family} --model {model}"),
     }
+    if stock:
+        from tpupedia.pipelines import common
+
+        record["stock"] = stock_steps(pipeline, source, request, common.torch_dtype(options, preset))
+        record["ratio_step_over_stock"] = timings["denoise"]["steady_s"] / record["stock"]["steady_s"]
+    return record
+
+
+def _mesh(pipeline: Any, source: str, request: Any, options: Any) -> str:
+    """The `dp=N,tp=M` mesh a run of `request` used on this process's devices."""
+    import jax
+
+    from tpupedia.pipelines import common
+
+    configs = pipeline.PIPELINE.family.component_configs(source)
+    dp, tp = common.mesh_shape(options, jax.device_count(), pipeline.PIPELINE.guidance_batch(request, configs))
+    return f"dp={dp},tp={tp}"
+
+
+def stock_steps(pipeline: Any, source: str, request: Any, dtype: Any) -> dict[str, Any]:
+    """The stock diffusers pipeline of a family (`pipeline.stock`) on `request`, eager on the host
+    as a new user runs it: its whole call's seconds and each denoising step's, timed between the
+    ends of consecutive scheduler steps (the first also holds the text encoding and set-up, so
+    `steady_s`, the median, leaves it out, as the compiled loop leaves out its compiling step)."""
+    import numpy as np
+    import torch
+
+    pipe, call = pipeline.stock(source, request, dtype=dtype)
+    ends, step = [], pipe.scheduler.step
+
+    def timed_step(*args, **kwargs):
+        out = step(*args, **kwargs)
+        ends.append(time.perf_counter())
+        return out
+
+    pipe.scheduler.step = timed_step
+    start = time.perf_counter()
+    with torch.no_grad():
+        pipe(**call)
+    total = time.perf_counter() - start
+    seconds = np.diff([start, *ends])
+    return {"total_s": total, "steady_s": float(np.median(seconds[1:])) if len(seconds) > 1 else float(seconds[0]),
+            "steps": len(seconds), "step_s": [round(float(t), 6) for t in seconds],
+            "torch_threads": torch.get_num_threads()}
 
 
 def _pipeline_config(pipeline: Any, preset: Any, request: Any, options: Any, model: str | None) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 
 from tpupedia import __version__
@@ -174,6 +175,11 @@ def _generate_setup(args: argparse.Namespace):
     pipeline = _pipeline_module(args.model_family)
     family = pipeline.PIPELINE.family
     preset = presets.get(args.preset) if args.preset else presets.current()
+    if getattr(args, "devices", None) is not None:
+        _positive(devices=args.devices)
+    if getattr(args, "devices", None) is not None and not preset.simulated_devices:
+        raise CommandLineError(f"--devices {args.devices} sets how many CPU devices the {preset.name} preset "
+                               "simulates; it has none (it uses the machine's devices)")
     fields = family.default_request(preset) | {k: v for k, v in (
         ("frames", args.frames), ("height", args.height), ("width", args.width), ("steps", args.steps),
         ("guidance", args.guidance), ("seed", args.seed), ("fps", args.fps)) if v is not None}
@@ -197,7 +203,7 @@ def _generate_setup(args: argparse.Namespace):
     if distributed.requested():  # one process of a `tpupedia launch` job (notebook 10)
         distributed.initialize()
     elif preset.simulated_devices:
-        devices.simulate_cpu_devices(preset.simulated_devices)
+        devices.simulate_cpu_devices(getattr(args, "devices", None) or preset.simulated_devices)
     else:
         distributed.initialize()  # joins the slice on a multi-host TPU VM; a no-op on one host
     cache = args.compilation_cache
@@ -245,7 +251,6 @@ def _preflight(args: argparse.Namespace, family, preset, options, configs):
 
 
 def _generate(args: argparse.Namespace) -> int:
-    import shlex
 
     if (args.prompt is None) == (args.prompts is None):
         raise CommandLineError("give either --prompt TEXT (one video) or --prompts FILE --outdir DIR (a batch)")
@@ -266,7 +271,9 @@ def _bench_generate(args: argparse.Namespace) -> int:
     from tpupedia import bench
 
     preset, pipeline, request, options, _ = _generate_setup(args)
-    record = bench.bench_generate(args.model_family, preset, request, options, model=args.model)
+    record = bench.bench_generate(args.model_family, preset, request, options, model=args.model,
+                                  stock={"auto": None, "on": True, "off": False}[args.stock],
+                                  command="tpupedia " + shlex.join(args.argv))
     path = bench.merge_record(record, args.output, key=bench._pipeline_key)
     m = record["machine"]
     print(f"generate {args.model_family} on {m['device_kind']} x{m['devices']} ({m['cpu_count']} CPUs): "
@@ -274,6 +281,10 @@ def _bench_generate(args: argparse.Namespace) -> int:
     for stage, t in record["stages"].items():
         steady = f", steady {t['steady_s'] * 1e3:.1f} ms" if "steady_s" in t else ""
         print(f"  {stage:8} first call {t['first_s']:.2f} s{steady}")
+    if "stock" in record:
+        print(f"  stock diffusers (eager, {record['stock']['torch_threads']} torch threads): "
+              f"{record['stock']['total_s']:.1f} s in all, step {record['stock']['steady_s'] * 1e3:.1f} ms; "
+              f"compiled step / stock step = {record['ratio_step_over_stock']:.2f}")
     print(f"  written to {path}")
     return 0
 
@@ -460,6 +471,11 @@ def build_parser() -> argparse.ArgumentParser:
         bgen = bgsub.add_parser(spec.name, help=f"{spec.name}: text, denoise and decode in a temporary work directory")
         _add_generate_arguments(bgen, spec, stages=False)
         bgen.add_argument("--output", default="docs/results/pipelines.json", help="results file to merge into")
+        bgen.add_argument("--devices", type=int, default=None,
+                          help="simulated CPU devices (the tiny preset; default its 8)")
+        bgen.add_argument("--stock", choices=["auto", "on", "off"], default="auto",
+                          help="also run the stock diffusers pipeline on the host and report the step ratio "
+                               "(auto: with the tiny preset, not with full)")
         bgen.set_defaults(func=_bench_generate)
     dc = bsub.add_parser("deepcache", help="a family with and without DeepCache: steps, PSNR/SSIM, time")
     dcsub = dc.add_subparsers(dest="model_family", required=True)

@@ -182,7 +182,7 @@ def _validate(spec: families.FamilySpec, frames: int | None, sharding: str, atte
     if attention not in ("reference", "splash"):
         raise DryRunError(f"attention {attention!r} is not one of reference, splash")
     if spec.kind != "llm":
-        rule = families.get(spec.defaults_from or spec.name).facts.TEMPORAL_COMPRESSION
+        rule = families.get(spec.defaults_from or spec.name).facts.DEFAULT_SHAPES.temporal
         if frames is None or frames < 1 or (frames - 1) % rule:
             raise DryRunError(f"frames={frames}: {spec.name} needs {rule}n+1 frames (the VAE compresses time by "
                               f"{rule}), e.g. {', '.join(str(rule * n + 1) for n in (12, 20, 30))}")

@@ -53,7 +53,7 @@ __all__ = ["FAMILY", "FULL_ID", "FULL_LAYERS", "TEMPORAL_COMPRESSION", "SPATIAL_
            "tiny_qwen_tokenizer", "default_request", "check_frames", "check_size", "latent_frames", "latent_shape",
            "video_tokens", "step_flops", "build", "step_inputs", "static_forward", "make_static",
            "PaddingAttnProcessor", "make_jit_friendly", "padded_forward", "conditioning", "blocks", "final", "deepcache_full",
-           "deepcache_cached", "mask_elements", "tiny_checkpoint", "model_source", "named_source", "component_configs"]
+           "deepcache_cached", "kept_text_tokens", "mask_elements", "tiny_checkpoint", "model_source", "named_source", "component_configs"]
 
 FAMILY = "hunyuan"
 FULL_ID = "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_t2v"
@@ -276,10 +276,11 @@ def step_inputs(width: int, height: int, frames: int, batch: int = 2) -> tuple[l
 # --- the forward: jit-friendly, split where DeepCache cuts it --------------------------------------
 
 def conditioning(self, hidden_states, timestep, encoder_hidden_states, encoder_attention_mask, timestep_r=None,
-                 encoder_hidden_states_2=None, encoder_attention_mask_2=None, image_embeds=None):
+                 encoder_hidden_states_2=None, encoder_attention_mask_2=None, image_embeds=None, text_tokens=None):
     """Everything before the first block: `(video tokens, text tokens, text mask, temb, rope)`.
     The text tokens are ordered valid-first (image, ByT5, Qwen), the padding zeroed, as diffusers
-    orders them, but with a stable argsort instead of boolean indexing."""
+    orders them, but with a stable argsort instead of boolean indexing. With `text_tokens`, only
+    the first `text_tokens` of them go on (`kept_text_tokens`)."""
     import torch
 
     image_rotary_emb = self.rope(hidden_states)
@@ -296,20 +297,36 @@ def conditioning(self, hidden_states, timestep, encoder_hidden_states, encoder_a
     image = image + self.cond_type_embed(2 * torch.ones_like(image[:, :, 0], dtype=torch.long))
     mask_1, mask_2 = encoder_attention_mask.bool(), encoder_attention_mask_2.bool()
     tokens = torch.cat([image, text_2 * mask_2[..., None], text * mask_1[..., None]], dim=1)
-    order, mask = _token_order(encoder_attention_mask, encoder_attention_mask_2, image_embeds)
-    text = torch.gather(tokens, 1, order[..., None].expand_as(tokens))
+    order, mask = _token_order(encoder_attention_mask, encoder_attention_mask_2, image_embeds, text_tokens)
+    text = torch.gather(tokens, 1, order[..., None].expand(*order.shape, tokens.shape[-1]))
     return hidden_states, text, mask, temb, image_rotary_emb
 
 
-def _token_order(encoder_attention_mask, encoder_attention_mask_2, image_embeds):
+def kept_text_tokens(valid_counts, slots: int, multiple: int = 128) -> int:
+    """How many of a step's `slots` text tokens (image, ByT5 and Qwen slots together) to keep
+    once they are ordered valid-first: the most valid tokens of any sample in the batch
+    (`valid_counts`, read on the host from the text stage's masks), rounded up to `multiple`.
+
+    The tokens cut are padding: every query masks them out, and the output reads only video
+    tokens, so the video is unchanged (up to the order of a softmax's sum). At full size the
+    text is a small part of the sequence (1,985 slots beside 111,600 video tokens at 720p and 121
+    frames), so the saving is small there; on the tiny model, where text dominates the
+    sequence, it is most of the step. One compiled step serves every prompt of the same rounded
+    length; `tpupedia plan` compiles the step with all the slots, the most any prompt needs."""
+    most = int(max(valid_counts))
+    return min(slots, max(multiple, -(-most // multiple) * multiple))
+
+
+def _token_order(encoder_attention_mask, encoder_attention_mask_2, image_embeds, text_tokens=None):
     """`(order, mask)`: the permutation that puts valid text tokens first, order kept, and the
-    mask in that order (what diffusers' boolean-indexing reorder computes)."""
+    mask in that order (what diffusers' boolean-indexing reorder computes); the first
+    `text_tokens` of each when given."""
     import torch
 
     is_t2v = torch.all(image_embeds == 0)
     image_mask = (~is_t2v).expand(image_embeds.shape[0], image_embeds.shape[1])
     valid = torch.cat([image_mask, encoder_attention_mask_2.bool(), encoder_attention_mask.bool()], dim=1)
-    order = torch.argsort((~valid).to(torch.int32), dim=1, stable=True)  # valid first, order kept
+    order = torch.argsort((~valid).to(torch.int32), dim=1, stable=True)[:, :text_tokens]  # valid first, order kept
     return order, torch.gather(valid, 1, order)
 
 
@@ -331,15 +348,15 @@ def final(self, hidden_states, temb, shape):
 
 def static_forward(self, hidden_states, timestep, encoder_hidden_states, encoder_attention_mask,
                    timestep_r=None, encoder_hidden_states_2=None, encoder_attention_mask_2=None,
-                   image_embeds=None, attention_kwargs=None, return_dict=True):  # noqa: ARG001 - the stock signature
+                   image_embeds=None, attention_kwargs=None, return_dict=True, text_tokens=None):  # noqa: ARG001 - the stock signature
     """`HunyuanVideo15Transformer3DModel.forward` without its two untraceable constructs (see the
-    module docstring); the same signature and outputs."""
+    module docstring); the same signature and outputs, plus `text_tokens` (`kept_text_tokens`)."""
     from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
     shape = hidden_states.shape
     x, text, mask, temb, rope = conditioning(self, hidden_states, timestep, encoder_hidden_states,
                                              encoder_attention_mask, timestep_r, encoder_hidden_states_2,
-                                             encoder_attention_mask_2, image_embeds)
+                                             encoder_attention_mask_2, image_embeds, text_tokens)
     x, _ = blocks(self, x, text, mask, temb, rope)
     out = final(self, x, temb, shape)
     return (out,) if not return_dict else Transformer2DModelOutput(sample=out)
@@ -352,13 +369,13 @@ def make_static(module):
 
 
 def deepcache_full(self, tail: int, hidden_states, timestep, encoder_hidden_states, encoder_attention_mask,
-                   encoder_hidden_states_2, encoder_attention_mask_2, image_embeds):
+                   encoder_hidden_states_2, encoder_attention_mask_2, image_embeds, text_tokens=None):
     """`(output, cache)`: the full forward, and the `(video, text)` tokens entering the last
     `tail` blocks, which a cached step starts from."""
     shape = hidden_states.shape
     x, text, mask, temb, rope = conditioning(self, hidden_states, timestep, encoder_hidden_states,
                                              encoder_attention_mask, None, encoder_hidden_states_2,
-                                             encoder_attention_mask_2, image_embeds)
+                                             encoder_attention_mask_2, image_embeds, text_tokens)
     cut = len(self.transformer_blocks) - tail
     x, text = blocks(self, x, text, mask, temb, rope, 0, cut)
     cache = (x, text)
@@ -367,11 +384,11 @@ def deepcache_full(self, tail: int, hidden_states, timestep, encoder_hidden_stat
 
 
 def deepcache_cached(self, tail: int, cache, hidden_states, timestep, encoder_attention_mask,
-                     encoder_attention_mask_2, image_embeds):
+                     encoder_attention_mask_2, image_embeds, text_tokens=None):
     """The output from a cached state: the timestep embedding and RoPE of this step, the last
     `tail` blocks, the final layer. The text refiner and the first blocks do not run."""
     x, text = cache
-    _, mask = _token_order(encoder_attention_mask, encoder_attention_mask_2, image_embeds)
+    _, mask = _token_order(encoder_attention_mask, encoder_attention_mask_2, image_embeds, text_tokens)
     temb = self.time_embed(timestep, timestep_r=None)
     rope = self.rope(hidden_states)
     x, _ = blocks(self, x, text, mask, temb, rope, len(self.transformer_blocks) - tail)

@@ -31,7 +31,7 @@ from tpupedia.models.spec import FamilySpec
 __all__ = ["FAMILY", "FULL_ID", "FULL_ID_22", "FULL_LAYERS", "DEFAULT_SHAPES", "TEXT_TOKENS", "TEXT_DIM",
            "SPLASH_BLOCK_SIZES", "SCHEDULER_CONFIG", "SHARDING", "SPEC", "ENV_MODEL", "ModelInputError",
            "full_transformer_config", "full_configs", "tiny_transformer_config", "tiny_vae_config",
-           "tiny_text_encoder_config", "default_request", "shape_facts", "check_frames", "check_size",
+           "tiny_text_encoder_config", "TI2V_VAE", "default_request", "shape_facts", "check_frames", "check_size",
            "latent_shape", "video_tokens", "step_flops", "build", "step_inputs", "tiny_checkpoint",
            "model_source", "named_source", "component_configs", "experts", "boundary_timestep", "make_vae_jit_friendly"]
 
@@ -135,6 +135,13 @@ def tiny_vae_config() -> dict[str, Any]:
     channels, with per-channel latent statistics that are not 0 and 1, so the de-normalisation shows."""
     return dict(base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1, temperal_downsample=[False, True, True],
                 latents_mean=[-0.25, 0.5, 0.1, -0.7], latents_std=[2.0, 1.5, 0.8, 2.5])
+
+
+TI2V_VAE = dict(is_residual=True, in_channels=12, out_channels=12, patch_size=2, decoder_base_dim=16,
+                scale_factor_spatial=16)
+"""What Wan 2.2 TI2V-5B's VAE changes (its config in Wan-AI/Wan2.2-TI2V-5B-Diffusers): residual
+blocks, pixels patchified 2x2 into 12 channels, a wider decoder, 16x in space in all; the tiny
+checkpoint's `vae` override for that layout."""
 
 
 def tiny_text_encoder_config() -> dict[str, Any]:
@@ -281,18 +288,20 @@ def boundary_timestep(configs: dict[str, dict]) -> float | None:
 # --- weights: tiny checkpoints and loading -------------------------------------------------------
 
 def tiny_checkpoint(directory: "str | os.PathLike | None" = None, seed: int = 0, experts: int = 1,
-                    vae: dict | None = None, transformer: dict | None = None) -> Path:
+                    vae: dict | None = None, transformer: dict | None = None, expand_timesteps: bool = False) -> Path:
     """Write a whole random `WanPipeline` (umT5 encoder with a SentencePiece tokenizer in the
     diffusers checkpoints' layout, `tokenizer_files.write_t5_fast`; transformer, VAE, UniPC
     scheduler) with `save_pretrained` (safetensors) and return its directory (cached, named by its
     configs, written atomically). `experts=2` writes Wan 2.2's layout: a second transformer and
-    the boundary in `model_index.json`. `vae` and `transformer` override config entries."""
+    the boundary in `model_index.json`. `vae` and `transformer` override config entries;
+    `expand_timesteps` writes Wan 2.2 TI2V's flag (a timestep per latent token; with
+    `TI2V_VAE` for that checkpoint's residual, patchified VAE)."""
     if experts not in (1, 2):
         raise ModelInputError(f"experts={experts}: Wan checkpoints have 1 (2.1) or 2 (2.2 A14B) transformers")
     transformer_config = tiny_transformer_config() | (transformer or {})
     vae_config = tiny_vae_config() | (vae or {})
     spec = [transformer_config, vae_config, tiny_text_encoder_config(), SCHEDULER_CONFIG, seed, experts, "t5-fast",
-            tokenizer_files.T5_CORPUS]
+            tokenizer_files.T5_CORPUS] + (["expand_timesteps"] if expand_timesteps else [])
 
     def write_tokenizer(folder):
         return tokenizer_files.write_t5_fast(folder, max_length=TEXT_TOKENS)
@@ -312,9 +321,10 @@ def tiny_checkpoint(directory: "str | os.PathLike | None" = None, seed: int = 0,
                      scheduler=UniPCMultistepScheduler(**SCHEDULER_CONFIG))
         if experts == 2:
             parts |= dict(transformer_2=WanTransformer3DModel(**transformer_config).eval(), boundary_ratio=BOUNDARY_RATIO)
-        return WanPipeline(**parts)
+        return WanPipeline(**parts, expand_timesteps=expand_timesteps)
 
-    return checkpoints.cached_pipeline(f"wan{'22' if experts == 2 else '21'}-tiny", spec, build, directory,
+    name = "wan22-ti2v" if expand_timesteps else f"wan{'22' if experts == 2 else '21'}"
+    return checkpoints.cached_pipeline(f"{name}-tiny", spec, build, directory,
                                        finish=lambda path: write_tokenizer(path / "tokenizer"))
 
 

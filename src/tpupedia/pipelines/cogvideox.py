@@ -40,7 +40,7 @@ from tpupedia.pipelines.common import (  # this family's public names, shared by
 )
 
 __all__ = ["PipelineError", "Request", "Options", "validate", "parse_mesh", "default_mesh_shape", "settings",
-           "CogVideoX", "run", "run_batch", "StageReport", "attention_backend", "torch_dtype"]
+           "CogVideoX", "run", "run_batch", "stock", "StageReport", "attention_backend", "torch_dtype"]
 
 VAES = ("flax", "torchax")
 
@@ -435,6 +435,21 @@ def decode_programs(vae_config: dict, latent_frames: int, height: int, width: in
                         (state, *arguments(chunk, cache, split)), weights_bytes=weights, calls=n, component="vae")
             for n, chunk, cache, split in calls.values()]
 
+
+
+def stock(source: str, request: Request, dtype: Any = None) -> tuple[Any, dict[str, Any]]:
+    """Stock diffusers `CogVideoXPipeline` loaded from `source` (float32 unless `dtype`) and the
+    keyword arguments of the call that makes `request`'s video from the same seed, frames as
+    `output_type="np"`: what the parity tests compare with and `tpupedia bench generate` times."""
+    import torch
+    from diffusers import CogVideoXPipeline
+
+    pipe = common.load_stock(CogVideoXPipeline, source, dtype)
+    pipe.vae.enable_tiling() if request.vae_tiling else pipe.vae.disable_tiling()
+    return pipe, dict(prompt=request.prompt, negative_prompt=request.negative_prompt, num_frames=request.frames,
+                      height=request.height, width=request.width, num_inference_steps=request.steps,
+                      guidance_scale=request.guidance, generator=torch.Generator().manual_seed(request.seed),
+                      output_type="np", max_sequence_length=pipe.transformer.config.max_text_seq_length)
 
 PIPELINE = CogVideoX
 run = functools.partial(common.run, CogVideoX)

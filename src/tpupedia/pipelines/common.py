@@ -31,7 +31,7 @@ from tpupedia.pipelines import stages
 
 __all__ = ["PipelineError", "Request", "Options", "validate", "mesh_shape", "check_workdir", "SEED_LIMIT", "parse_mesh", "default_mesh_shape", "StageReport",
            "StagedPipeline", "run", "run_batch", "attention_backend", "torch_dtype", "to_jax_array", "to_torch",
-           "timed", "denoise_loop", "config_fingerprint", "ATTENTION", "DTYPES", "SHARDINGS"]
+           "timed", "load_stock", "denoise_loop", "config_fingerprint", "ATTENTION", "DTYPES", "SHARDINGS"]
 
 ATTENTION = ("auto", "splash", "reference")
 DTYPES = ("auto", "bfloat16", "float32")
@@ -182,6 +182,17 @@ def timed(fn: Callable[[], Any], sync: Callable[[Any], Any]) -> tuple[Any, float
     out = fn()
     sync(out)
     return out, time.perf_counter() - start
+
+
+def load_stock(pipeline_class: Any, source: str, dtype: Any = None) -> Any:
+    """Stock diffusers `pipeline_class` from `source` (safetensors only; float32 unless `dtype`),
+    progress bar off: what each family's `stock` (the parity tests' and `tpupedia bench
+    generate`'s reference) starts from."""
+    import torch
+
+    pipe = pipeline_class.from_pretrained(source, dtype=dtype or torch.float32, use_safetensors=True)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
 
 
 def denoise_loop(step: Callable[[int, Any], Any], state: Any, steps: int,

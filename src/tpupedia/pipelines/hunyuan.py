@@ -39,7 +39,7 @@ from tpupedia.pipelines.deepcache import UPSTREAM_DEFAULT, Schedule
 from tpupedia.pipelines.deepcache import parse as parse_schedule
 
 __all__ = ["Request", "Options", "PipelineError", "Hunyuan", "validate", "resolve", "settings", "text_settings",
-           "run", "run_batch", "StageReport"]
+           "run", "run_batch", "stock", "StageReport"]
 
 
 @dataclass(frozen=True)
@@ -262,14 +262,18 @@ class Hunyuan(common.StagedPipeline):
 
         request = resolve(request, self.configs)
         setup = self._denoise_setup(request)
-        programs = self._denoise_programs(request, setup)
-        # What the programs close over: the schedule (steps, shift), guidance on or off, DeepCache's tail.
-        schedule = request.deepcache
-        key = ("steps", request.steps, request.shift, setup.guided, schedule.tail if schedule else None)
-        compiled = self.held("denoise", key, lambda: [jax.jit(p.fn, **p.jit_kwargs) for p in programs])
-        weights, buffers, x_spec, text_specs, image_spec = programs[0].args[:5]
         keys = ("prompt_embeds", "prompt_embeds_mask", "prompt_embeds_2", "prompt_embeds_mask_2")
         text = [torch.cat([embeds[f"negative_{k}"], embeds[k]]) if setup.guided else embeds[k] for k in keys]
+        # t2v: the image slot is all padding, so the valid tokens are the two text encoders'
+        kept = family.kept_text_tokens((text[1].bool().sum(1) + text[3].bool().sum(1)).tolist(),
+                                       sum(n for n, _ in family.TEXT_SLOTS.values()))
+        programs = self._denoise_programs(request, setup, text_tokens=kept)
+        # What the programs close over: the schedule (steps, shift), guidance on or off, the text
+        # tokens kept, DeepCache's tail.
+        schedule = request.deepcache
+        key = ("steps", request.steps, request.shift, setup.guided, kept, schedule.tail if schedule else None)
+        compiled = self.held("denoise", key, lambda: [jax.jit(p.fn, **p.jit_kwargs) for p in programs])
+        weights, buffers, x_spec, text_specs, image_spec = programs[0].args[:5]
         text = [jax.device_put(common.to_jax_array(t), spec.sharding) for t, spec in zip(text, text_specs)]
         image = jax.device_put(np.zeros(image_spec.shape, image_spec.dtype), image_spec.sharding)
         x = jax.device_put(common.to_jax_array(setup.latents), x_spec.sharding)
@@ -287,7 +291,8 @@ class Hunyuan(common.StagedPipeline):
         with programs[0].context(), self._precision():  # the token refiner's small masked attention
             (x, _), timings = common.denoise_loop(step, (x, None), request.steps, on_step,
                                                   latents=lambda state: state[0])
-        return {"latents": common.to_torch(x).to(self.dtype)}, timings | {"full_steps": len(full_steps)}
+        return {"latents": common.to_torch(x).to(self.dtype)}, timings | {"full_steps": len(full_steps),
+                                                                          "text_tokens": kept}
 
     def _denoise_setup(self, request: Request):
         """What the steps need from the host (`request` resolved): the flow-matching schedule as
@@ -318,12 +323,14 @@ class Hunyuan(common.StagedPipeline):
             guided=_guidance_on(request, self.configs), original=bool(guider.get("use_original_formulation", False)),
             latents=randn_tensor(shape, generator=torch.Generator().manual_seed(request.seed), dtype=self.dtype))
 
-    def _denoise_programs(self, request: Request, setup) -> list:
+    def _denoise_programs(self, request: Request, setup, text_tokens: int | None = None) -> list:
         """The step as this stage compiles it (`request` resolved): the guidance pair as a batch on
         `dp`, the transformer over `tp` with the exact padded attention, the guider and the Euler
         step, latents donated. One program, or with DeepCache two: the full step (which also returns
         the cache) and the cached step. Arguments `(weights, buffers, latents, [cache,] text, image,
-        i, guidance, cfg_on)`, `text` the four conditioning tensors."""
+        i, guidance, cfg_on)`, `text` the four conditioning tensors. `text_tokens`: how many text
+        tokens the blocks see (`family.kept_text_tokens`; all of them when `None`, as a plan
+        compiles the step: the most any prompt needs)."""
         import jax
         import jax.numpy as jnp
         import numpy as np
@@ -372,7 +379,8 @@ class Hunyuan(common.StagedPipeline):
         def plain(weights, buffers, latents, text, image, i, guidance, cfg_flag):
             self.traces["denoise"] += 1
             x, t = model_input(latents, i)
-            out = fm_plain(weights, buffers, x, t, text[0], text[1], None, text[2], text[3], image)[0]
+            out = fm_plain(weights, buffers, x, t, text[0], text[1], None, text[2], text[3], image,
+                           text_tokens=text_tokens)[0]
             return guide_and_step(latents, out, i, guidance, cfg_flag)
 
         def full(weights, buffers, latents, text, image, i, guidance, cfg_flag):
@@ -390,8 +398,10 @@ class Hunyuan(common.StagedPipeline):
         fm_plain = torchax_utils.FunctionalModule(transformer, return_dict=False)
         if schedule is not None:
             tail = schedule.tail
-            fm_full = torchax_utils.FunctionalModule(transformer, lambda m, *a: family.deepcache_full(m, tail, *a))
-            fm_cached = torchax_utils.FunctionalModule(transformer, lambda m, *a: family.deepcache_cached(m, tail, *a))
+            fm_full = torchax_utils.FunctionalModule(
+                transformer, lambda m, *a: family.deepcache_full(m, tail, *a, text_tokens=text_tokens))
+            fm_cached = torchax_utils.FunctionalModule(
+                transformer, lambda m, *a: family.deepcache_cached(m, tail, *a, text_tokens=text_tokens))
 
         cfg = self.configs["transformer"]
         (qwen, _), (byt5, _), (image, _) = family.TEXT_SLOTS.values()
@@ -603,6 +613,25 @@ def meta_decoder(vae_config: dict) -> Any:
         vae = AutoencoderKLHunyuanVideo15.from_config({k: v for k, v in vae_config.items() if not k.startswith("_")})
     return family.make_vae_jit_friendly(vae).decoder.eval()
 
+
+
+def stock(source: str, request: Request, dtype: Any = None) -> tuple[Any, dict[str, Any]]:
+    """Stock diffusers `HunyuanVideo15Pipeline` loaded from `source` (float32 unless `dtype`),
+    its guider's scale and its scheduler's shift set to `request`'s (resolved against the
+    checkpoint's configs), and the keyword arguments of the call that makes `request`'s video from
+    the same seed, frames as `output_type="np"`: what the parity tests compare with and
+    `tpupedia bench generate` times."""
+    import torch
+    from diffusers import HunyuanVideo15Pipeline
+
+    pipe = common.load_stock(HunyuanVideo15Pipeline, source, dtype)
+    request = resolve(request, family.component_configs(source))
+    pipe.guider = pipe.guider.new(guidance_scale=request.guidance)
+    pipe.scheduler = pipe.scheduler.from_config(pipe.scheduler.config, shift=request.shift)
+    pipe.vae.enable_tiling() if request.vae_tiling else pipe.vae.disable_tiling()
+    return pipe, dict(prompt=request.prompt, negative_prompt=request.negative_prompt, num_frames=request.frames,
+                      height=request.height, width=request.width, num_inference_steps=request.steps,
+                      generator=torch.Generator().manual_seed(request.seed), output_type="np")
 
 PIPELINE = Hunyuan
 run = functools.partial(common.run, Hunyuan)

@@ -36,7 +36,7 @@ from tpupedia.pipelines import common, decoding
 from tpupedia.pipelines.common import Options, PipelineError, StageReport
 
 __all__ = ["PipelineError", "Request", "Options", "validate", "resolve", "settings", "Wan", "run", "run_batch",
-           "StageReport", "decode_frames", "decode_programs"]
+           "StageReport", "decode_frames", "decode_programs", "stock"]
 
 
 @dataclass(frozen=True)
@@ -426,6 +426,21 @@ def decode_programs(vae_config: dict, latent_frames: int, height: int, width: in
         markers = layouts[(markers, first)]
     return programs
 
+
+
+def stock(source: str, request: Request, dtype: Any = None) -> tuple[Any, dict[str, Any]]:
+    """Stock diffusers `WanPipeline` loaded from `source` (float32 unless `dtype`) and the keyword
+    arguments of the call that makes `request`'s video from the same seed (both experts' scales),
+    frames as `output_type="np"`: what the parity tests compare with and `tpupedia bench generate`
+    times."""
+    import torch
+    from diffusers import WanPipeline
+
+    pipe = common.load_stock(WanPipeline, source, dtype)
+    return pipe, dict(prompt=request.prompt, negative_prompt=request.negative_prompt, num_frames=request.frames,
+                      height=request.height, width=request.width, num_inference_steps=request.steps,
+                      guidance_scale=request.guidance, guidance_scale_2=request.guidance_2,
+                      generator=torch.Generator().manual_seed(request.seed), output_type="np")
 
 PIPELINE = Wan
 run = functools.partial(common.run, Wan)
