@@ -37,14 +37,14 @@
 #
 # | preset | loads | memory | compute time |
 # |---|---|---|---|
-# | `tiny` (CPU, CI) | a random 2-layer CogVideoX checkpoint written with `save_pretrained`, 8 simulated devices | about 1 GB of host RAM | about 30 s, measured here on a 2-core CPU |
+# | `tiny` (CPU, CI) | a random 2-layer CogVideoX checkpoint written with `save_pretrained`, 8 simulated devices | about 1 GB of host RAM | about 80 s, measured here on a 2-core CPU |
 # | `full` (TPU v6e-8) | `zai-org/CogVideoX1.5-5B`: about 21 GB of bf16 weights (T5-XXL 9.5 GB, transformer 11.2 GB, VAE 0.4 GB, from their parameter counts); on the host CPU too, for section 6's one-step parity check | per chip: T5-XXL 2.2 GiB while encoding (9.5 GB split over `tp`, AOT here); the transformer step at 1360x768, 81 frames, 3.8 GiB of arguments + 1.8 GiB of temporaries (AOT here, the `tp` table on the 2×4 mesh, splash); the VAE decode at 1360x768 split over a host's chips, under 19 GiB per chip (AOT here, 4 chips; about 22 GiB on one) | about 107 s for 50 steps at 720p once compiled (reported upstream, TPU v6e-8), plus section 8's live compile of the step, a few minutes on the host |
 #
 # The full preset downloads `zai-org/CogVideoX1.5-5B`, released under the **CogVideoX LICENSE**
 # (linked from its model card on the Hugging Face Hub; the CogVideoX code is Apache-2.0, the
 # weights are not): read it before you run the full preset.
 #
-# *Reading time: about 12 minutes.*
+# *Reading time: about 13 minutes.*
 
 # %%
 # %xmode Minimal
@@ -564,6 +564,78 @@ print(f"reported upstream, TPU v6e-8: 106.47 s / 50 = 2.13 s per step -> MFU of 
 assert 0.3 < floor < 0.35
 
 # %% [markdown]
+# ## 9. From a picture: image-to-video
+#
+# CogVideoX1.5-5B-I2V is the same transformer with one change at its input. The picture, encoded
+# by the VAE into one latent frame and padded with zero frames to the video's length, enters
+# *beside* the noisy latents, as extra channels: the patch embedding reads twice the latent
+# channels, and the sequence the attention sees keeps its length. The 1.5 release also adds an
+# `ofs` embedding to the timestep's (the stock pipeline passes the constant 2.0). Everything else
+# (text, the denoising loop, the scheduler, the decode) is this notebook's.
+#
+# The pipeline adds one stage between text and denoise, `image`, whose file holds the picture's
+# latents and is tied to the picture's bytes (a SHA-256 in its settings). Its randomness follows
+# the stock order: the VAE's posterior is sampled with the first draws of `torch.Generator(seed)`,
+# and the denoise stage skips those draws before drawing the noise. The picture is read as
+# `diffusers.utils.load_image` reads it and resized by diffusers' own `VideoProcessor`, so a
+# picture of any size and aspect (here 96x64, for a square video) is prepared exactly as stock.
+
+# %%
+from PIL import Image, ImageDraw
+
+picture_path = scratch / "start.png"
+picture = Image.new("RGB", (96, 64), (40, 70, 140))
+ImageDraw.Draw(picture).ellipse((30, 12, 66, 48), fill=(230, 180, 40))
+picture.save(picture_path)
+i2v_source, i2v_label = family.model_source(preset, image_to_video=True)
+i2v_configs = family.component_configs(i2v_source)
+print("transformer input channels: text-to-video", t["in_channels"], "| image-to-video",
+      i2v_configs["transformer"]["in_channels"], "| the VAE's latent channels", i2v_configs["vae"]["latent_channels"])
+print("ofs embedding width:", i2v_configs["transformer"]["ofs_embed_dim"])
+
+# %% [markdown]
+# The four stages through `pipeline.run`, then the picture's latents beside the noise's shape:
+
+# %%
+i2v_request = dataclasses.replace(request, image=str(picture_path))
+i2v_reports = pipeline.run(i2v_request, options, preset=preset, workdir=scratch / "i2v", log=lambda _: None)
+
+
+def read(stage):  # a stage file of this run, checked against the settings it was made with
+    settings = pipeline.CogVideoX.settings_for(i2v_label, i2v_configs, i2v_request, options, dtype, stage)
+    return stages.read(scratch / "i2v", stage, settings).tensors
+
+
+image_latents, i2v_latents = read("image")["image_latents"], read("denoise")["latents"]
+i2v_frames = read("decode")["frames"].numpy()
+print("stages:", ", ".join(r.stage for r in i2v_reports))
+print("image latents", tuple(image_latents.shape), "| denoised latents", tuple(i2v_latents.shape),
+      "| latent frames after the first that are zero:", int((image_latents[0, 1:] == 0).all(dim=(1, 2, 3)).sum()))
+video.show_frames(i2v_frames, f"{label} image-to-video: a 96x64 picture -> {request.frames} frames at "
+                  f"{request.width}x{request.height}", picture=np.asarray(picture))
+
+# %% [markdown]
+# The stock `CogVideoXImageToVideoPipeline`, same checkpoint, picture, prompt and seed
+# (`pipeline.stock` builds it and its call; on the full preset the host cannot run the whole
+# video, as in section 6):
+
+# %%
+if preset.host_runs_whole_models:
+    stock_i2v, stock_call = pipeline.stock(i2v_source, i2v_request)
+    with torch.no_grad():
+        expected_i2v = stock_i2v(**stock_call).frames[0]
+    i2v_error = float(np.abs(i2v_frames - expected_i2v).max())
+    print("image-to-video frames: max abs difference from stock diffusers", results.error_text(i2v_error, 1e-4))
+    del stock_i2v
+
+# %%
+assert [r.stage for r in i2v_reports] == ["text", "image", "denoise", "decode"]
+assert i2v_configs["transformer"]["in_channels"] == 2 * i2v_configs["vae"]["latent_channels"]
+assert image_latents.shape == i2v_latents.shape and (image_latents[0, 1:] == 0).all()
+if preset.host_runs_whole_models:
+    assert expected_i2v.shape == i2v_frames.shape and i2v_error <= 1e-4
+
+# %% [markdown]
 # ## Takeaways
 #
 # - A diffusers pipeline becomes three compiled programs with files between them. The
@@ -577,5 +649,7 @@ assert 0.3 < floor < 0.35
 #   installs a processor that concatenates instead (`family.make_jit_friendly`).
 # - Stage files make a long job restartable and auditable: written atomically, refused when
 #   they belong to another request, checked against a checksum.
+# - Image-to-video is a fourth stage, not a second pipeline: the picture's latents enter as
+#   channels beside the noise, drawn from the same generator in the stock order (section 9).
 # - `tpupedia generate cogvideox` runs all of this from the command line, and the
 #   [CogVideoX on a TPU VM](../guides/cogvideox-tpu-vm.md) guide gives the full-size commands.

@@ -64,7 +64,7 @@ LAYERS = (
     ("tpupedia.models",),
     ("tpupedia.sharding", "tpupedia.attention", "tpupedia.torchax_utils", "tpupedia.compat", "tpupedia.aot",
      "tpupedia.devices", "tpupedia.hardware", "tpupedia.presets", "tpupedia.session", "tpupedia.results",
-     "tpupedia.batch", "tpupedia.video", "tpupedia.image", "tpupedia.notebooks", "tpupedia.distributed",
+     "tpupedia.batch", "tpupedia.video", "tpupedia.image", "tpupedia.pictures", "tpupedia.notebooks", "tpupedia.distributed",
      "tpupedia.files", "tpupedia.metrics", "tpupedia.errors"),
 )
 """The package's layers, top first (DESIGN.md's module map): the command line; the tools built on

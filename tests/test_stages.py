@@ -191,7 +191,7 @@ def test_bad_stage_names_and_tensors(tmp_path):
                  lambda: stages.read(tmp_path, "vae", SETTINGS),
                  lambda: stages.status(tmp_path, "vae", SETTINGS),
                  lambda: stages.done(tmp_path, "vae", SETTINGS)):
-        with pytest.raises(stages.StageError, match="'vae' is not one of text, denoise, decode"):
+        with pytest.raises(stages.StageError, match="'vae' is not one of text, image, denoise, decode"):
             call()
     with pytest.raises(stages.StageError, match=r"not tensors: x \(list\)"):
         stages.write(tmp_path, "text", {"x": [1, 2], "y": torch.zeros(1)}, SETTINGS)

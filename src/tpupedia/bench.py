@@ -305,7 +305,8 @@ def _pipeline_config(pipeline: Any, preset: Any, request: Any, options: Any, mod
     from tpupedia.pipelines import common
 
     config = {k: (str(getattr(request, k)) if k == "deepcache" and v is not None else v)
-              for k, v in asdict(request).items() if k not in ("prompt", "negative_prompt")}
+              for k, v in asdict(request).items()
+              if k not in ("prompt", "negative_prompt") and not (k == "image" and v is None)}
     return config | {"source": model or f"preset:{preset.name}", "attention": common.attention_backend(options.attention),
                      "vae": pipeline.PIPELINE.vae_choice(options), "sharding": options.sharding,
                      "dtype": str(common.torch_dtype(options, preset)).removeprefix("torch.")}

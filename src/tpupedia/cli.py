@@ -120,13 +120,13 @@ def _plan(args: argparse.Namespace) -> int:
         from tpupedia import dryrun
 
         fields["width"], fields["height"] = dryrun.parse_resolution(args.resolution, 16)
-    request = pipeline.Request(prompt=args.prompt, **fields)
+    request = pipeline.Request(prompt=args.prompt, image=getattr(args, "image", None), **fields)
     options = common.Options(mesh=common.parse_mesh(args.mesh) if args.mesh else None, sharding=args.sharding,
                              attention=args.attention, block_sizes=_block_sizes(args.block_sizes))
     configs = family.component_configs(family.model_source(presets.get("full"), args.model)[0]) if args.model else None
     result = plan.make(args.model_family, request, options, configs=configs, topology=args.topology,
                        layers=args.layers, vae_tiling=args.vae_tiling, resident=args.batch,
-                       stages=tuple(s.strip() for s in args.stages.split(",")))
+                       stages=tuple(s.strip() for s in args.stages.split(",")) if args.stages else plan.STAGES)
     print(result.summary())
     if args.json:
         print(f"  written to {results.write_json_atomic(args.json, result.as_dict())}")
@@ -188,7 +188,9 @@ def _generate_setup(args: argparse.Namespace):
         parse = f.metadata.get("parse")
         fields[f.name] = parse(value) if parse and value is not None else value
     request = pipeline.Request(prompt=args.prompt or "(from --prompts)", negative_prompt=args.negative_prompt,
-                               vae_tiling=args.vae_tiling == "on", **fields)
+                               vae_tiling=args.vae_tiling == "on", image=getattr(args, "image", None), **fields)
+    if getattr(args, "prompts", None):
+        common.check_batch_base(request)
     options = common.Options(mesh=common.parse_mesh(args.mesh) if args.mesh else None, sharding=args.sharding,
                              attention=args.attention, block_sizes=_block_sizes(args.block_sizes), vae=args.vae, quiet=args.quiet,
                              dtype=args.dtype)
@@ -236,14 +238,15 @@ def _preflight(args: argparse.Namespace, family, preset, options, configs):
     from tpupedia.models import checkpoints
     from tpupedia.pipelines import common
 
-    if configs is None:
-        configs = family.component_configs(family.model_source(preset, args.model)[0])
     batch = bool(getattr(args, "prompts", None))
     chips = jax.local_devices() if batch else jax.devices()
     dtype = str(common.torch_dtype(options, preset)).removeprefix("torch.")
+    pipeline_cls = _pipeline_module(args.model_family).PIPELINE
 
-    def check(request):
-        return plan.preflight(args.model_family, request, options, configs, chips,
+    def check(request):  # the configs of the checkpoint this request loads (image-to-video picks its own)
+        the_configs = configs if configs is not None else family.component_configs(
+            pipeline_cls.source(preset, args.model, request)[0])
+        return plan.preflight(args.model_family, request, options, the_configs, chips,
                               cache_dir=checkpoints.cache_dir() / "plans", tiling=args.vae_tiling, resident=batch,
                               dtype=dtype, log=(lambda _: None) if args.quiet else print)
 
@@ -331,8 +334,15 @@ def _add_generate_arguments(p: argparse.ArgumentParser, spec, *, stages: bool) -
     source.add_argument("--model", default=None, help=f"a diffusers-format {family} checkpoint directory or hub id")
     p.add_argument("--prompt", default=None if stages else "A panda plays an acoustic guitar in a bamboo forest.")
     p.add_argument("--negative-prompt", default="")
+    i2v = _pipeline_module(family).PIPELINE.image_to_video
+    if i2v:
+        from tpupedia import pictures
+
+        p.add_argument("--image", default=None, metavar="PICTURE",
+                       help="image-to-video: the picture the video starts from (PNG, JPEG, WebP; at most "
+                            f"{pictures.MAX_SIDE} px a side), with the family's image-to-video checkpoint")
     if stages:
-        p.add_argument("--stage", choices=["all", "text", "denoise", "decode"], default="all")
+        p.add_argument("--stage", choices=["all", "text", *(["image"] if i2v else []), "denoise", "decode"], default="all")
         p.add_argument("--workdir", default=None, help=f"where stage files live (default tpupedia-runs/{family})")
         p.add_argument("--out", default=None, help="write the video to this .mp4 (needs the decode stage)")
         p.add_argument("--force", action="store_true", help="rerun stages whose files are up to date")
@@ -430,8 +440,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="auto: tiled only when the untiled decode does not fit one chip")
         q.add_argument("--layers", type=int, default=None, help="compile N layers per model, add the rest's weights")
         q.add_argument("--batch", action="store_true", help="plan a batch: every stage's models stay resident")
-        q.add_argument("--stages", default="text,denoise,decode",
-                       help="plan only these stages, comma-separated (default: all three)")
+        q.add_argument("--stages", default=None,
+                       help="plan only these stages, comma-separated: text, image, denoise, decode "
+                            "(default: all the request runs)")
+        if _pipeline_module(spec.name).PIPELINE.image_to_video:
+            q.add_argument("--image", default=None, metavar="PICTURE",
+                           help="plan image-to-video (the release's image-to-video checkpoint; the picture "
+                                "is only checked, its size does not matter)")
         q.add_argument("--json", default=None, help="also write the plan as JSON to this file")
         q.add_argument("--record", default=None, nargs="?", const="docs/results/plans.json",
                        help="merge the plan into a results file (default docs/results/plans.json)")
@@ -459,7 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
     dit.add_argument("--no-torch-compile", action="store_true", help="skip torch.compile (it needs a C++ toolchain)")
     dit.add_argument("--output", default="docs/results/benchmarks.json", help="results file to merge into")
     dit.set_defaults(func=_bench_dit)
-    g = sub.add_parser("generate", help="text-to-video in stages (text, denoise, decode), with resumable stage files")
+    g = sub.add_parser("generate", help="text-to-video (or image-to-video) in stages (text, [image,] denoise, decode), with resumable stage files")
     gsub = g.add_subparsers(dest="model_family", required=True)
     for spec in families.video():
         gen = gsub.add_parser(spec.name, help=spec.title)

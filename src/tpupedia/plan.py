@@ -37,7 +37,7 @@ __all__ = ["PlanError", "ProgramCost", "StageCost", "Plan", "make", "preflight",
            "DEFAULT_RECORDS", "PREFLIGHT_LAYERS"]
 
 TILING = ("auto", "on", "off")
-STAGES = ("text", "denoise", "decode")
+STAGES = ("text", "image", "denoise", "decode")  # `image`: image-to-video requests only
 DEFAULT_RECORDS = "docs/results/plans.json"
 PREFLIGHT_LAYERS = 1
 """Layers per model `preflight` compiles: the weights of all layers are counted, temporaries are a
@@ -225,7 +225,7 @@ def make(family: str, request: Any, options: Any, *, configs: dict[str, dict] | 
     if not stages or any(s not in STAGES for s in stages):
         raise PlanError(f"stages={','.join(stages)!r}: choose one or more of {', '.join(STAGES)}")
     pipe_cls = module.PIPELINE
-    configs = configs if configs is not None else pipe_cls.family.full_configs()
+    configs = configs if configs is not None else pipe_cls.release_configs(request)
     if run_devices is None:
         try:
             topo = hardware.parse_topology(topology)
@@ -250,6 +250,8 @@ def make(family: str, request: Any, options: Any, *, configs: dict[str, dict] | 
     programs = {}
     if "text" in stages:
         programs["text"] = pipe._text_programs(request)
+    if "image" in stages and request.image is not None:  # image-to-video: the picture's encoder
+        programs["image"] = pipe._image_programs(request)
     if "denoise" in stages:
         programs["denoise"] = pipe._denoise_programs(request, pipe._denoise_setup(request))
     extra = _missing_layers(pipe, layers)
@@ -278,7 +280,7 @@ def make(family: str, request: Any, options: Any, *, configs: dict[str, dict] | 
     attention = backend + (f" {'/'.join(map(str, pipe.block_sizes))}" if backend == "splash" else "")
     return Plan(family=family, topology=name, chips=chips, mesh=dict(mesh.shape),
                 request={"width": r.width, "height": r.height, "frames": r.frames, "steps": r.steps,
-                         "guidance": r.guidance},
+                         "guidance": r.guidance} | ({"image": True} if r.image is not None else {}),
                 layers=layers, resident=resident, hbm=hbm, stages=planned, vae_tiling=tiling, notes=notes,
                 attention=attention)
 
@@ -335,7 +337,9 @@ def _preflight_key(family: str, request: Any, options: Any, configs: dict, run_d
     from tpupedia.pipelines import common, stages
 
     fields = {k: v for k, v in dataclasses.asdict(request).items()
-              if k not in ("prompt", "negative_prompt", "seed", "fps", "vae_tiling")}
+              if k not in ("prompt", "negative_prompt", "seed", "fps", "vae_tiling", "image")}
+    if request.image is not None:  # the picture's size does not matter (it is resized): only that there is one
+        fields["image"] = True
     quotes = any(q in p for p in (request.prompt, request.negative_prompt) for q in "\"'\u201c\u201d\u2018\u2019")
     return stages.fingerprint({
         "family": family, "request": fields, "quotes": quotes, "options": dataclasses.asdict(options) | {"quiet": None},

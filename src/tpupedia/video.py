@@ -56,16 +56,18 @@ def write_mp4(frames: np.ndarray, path: str | os.PathLike, fps: int = 16) -> Pat
     return files.write_atomic(path, encode, suffix=path.suffix)
 
 
-def show_frames(frames: np.ndarray, title: str, count: int = 5) -> None:
+def show_frames(frames: np.ndarray, title: str, count: int = 5, picture: np.ndarray | None = None) -> None:
     """Plot `count` frames spread evenly over the video in one row, with `title` above them
-    (matplotlib; in a notebook the figure is stored as a PNG output). Notebooks 06 and 07."""
+    (matplotlib; in a notebook the figure is stored as a PNG output); `picture` (image-to-video's
+    input, any size) first, at its own aspect. Notebooks 06 and 07."""
     import matplotlib.pyplot as plt
 
     picks = np.linspace(0, len(frames) - 1, count).astype(int)
-    fig, axes = plt.subplots(1, len(picks), figsize=(2 * len(picks), 2.2))
-    for ax, k in zip(np.atleast_1d(axes), picks):
-        ax.imshow(frames[k])
-        ax.set_title(f"frame {k}", fontsize=9)
+    panels = ([("the picture", picture)] if picture is not None else []) + [(f"frame {k}", frames[k]) for k in picks]
+    fig, axes = plt.subplots(1, len(panels), figsize=(2 * len(panels), 2.2))
+    for ax, (name, image) in zip(np.atleast_1d(axes), panels):
+        ax.imshow(image)
+        ax.set_title(name, fontsize=9)
         ax.axis("off")
     fig.suptitle(title, fontsize=10)
     plt.tight_layout()

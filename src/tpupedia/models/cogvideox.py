@@ -21,10 +21,11 @@ from tpupedia.models.shapes import ShapeFacts
 from tpupedia.models.spec import FamilySpec
 
 __all__ = [
-    "FAMILY", "FULL_ID", "FULL_LAYERS", "TEMPORAL_COMPRESSION", "SPATIAL_COMPRESSION", "PATCH_SIZE",
+    "FAMILY", "FULL_ID", "FULL_ID_I2V", "FULL_LAYERS", "TEMPORAL_COMPRESSION", "SPATIAL_COMPRESSION", "PATCH_SIZE",
     "PATCH_SIZE_T", "LATENT_CHANNELS", "DEFAULT_SHAPES", "shape_facts", "TEXT_TOKENS", "CFG_BATCH", "SPLASH_BLOCK_SIZES",
     "SCHEDULER_CONFIG", "SHARDING", "SPEC", "ModelInputError",
-    "full_transformer_config", "tiny_transformer_config", "tiny_vae_config", "tiny_text_encoder_config",
+    "full_transformer_config", "tiny_transformer_config", "i2v_transformer_config", "image_to_video",
+    "tiny_vae_config", "tiny_text_encoder_config",
     "full_text_encoder_config", "default_request", "check_frames", "check_size", "latent_frames",
     "padded_latent_frames", "video_tokens", "step_flops", "bench_step", "build", "step_inputs", "FunctionalRoPEAttnProcessor",
     "make_jit_friendly",
@@ -33,6 +34,7 @@ __all__ = [
 
 FAMILY = "cogvideox"
 FULL_ID = "zai-org/CogVideoX1.5-5B"
+FULL_ID_I2V = "zai-org/CogVideoX1.5-5B-I2V"
 FULL_LAYERS = 42
 TEMPORAL_COMPRESSION = 4  # the VAE keeps the first frame and compresses the rest 4x in time
 SPATIAL_COMPRESSION = 8  # and 8x in height and width
@@ -111,18 +113,22 @@ def full_text_encoder_config() -> dict[str, Any]:
                 feed_forward_proj="gated-gelu", relative_attention_num_buckets=32)
 
 
-def full_configs() -> dict[str, dict]:
+def full_configs(image_to_video: bool = False) -> dict[str, dict]:
     """The released checkpoint's component configs, as `component_configs` reads them from a
     download, for planning without one (`tpupedia plan`): the transformer and T5 above, the VAE at
     diffusers' defaults (CogVideoX1.5's shapes; its scaling factor, 0.7, changes no shape), and the
-    DPM scheduler by class (its values change the schedule, not a shape)."""
+    DPM scheduler by class (its values change the schedule, not a shape). `image_to_video`: the
+    I2V release's (`i2v_transformer_config`)."""
     import torch
     from diffusers import AutoencoderKLCogVideoX
     from transformers import T5Config
 
     with torch.device("meta"):
         vae = dict(AutoencoderKLCogVideoX().config)
-    return {"transformer": {"_class_name": "CogVideoXTransformer3DModel"} | full_transformer_config(),
+    transformer = full_transformer_config()
+    if image_to_video:
+        transformer = i2v_transformer_config(transformer, vae["latent_channels"])
+    return {"transformer": {"_class_name": "CogVideoXTransformer3DModel"} | transformer,
             "text_encoder": T5Config(**full_text_encoder_config()).to_dict(),
             "vae": vae | {"scaling_factor": 0.7},
             "scheduler": {"_class_name": "CogVideoXDPMScheduler", "prediction_type": "v_prediction",
@@ -138,6 +144,23 @@ def tiny_transformer_config() -> dict[str, Any]:
         patch_size=PATCH_SIZE, patch_size_t=PATCH_SIZE_T, temporal_compression_ratio=TEMPORAL_COMPRESSION,
         max_text_seq_length=16, use_rotary_positional_embeddings=True, use_learned_positional_embeddings=False,
     )
+
+
+def i2v_transformer_config(config: dict[str, Any], latent_channels: int) -> dict[str, Any]:
+    """`config` (a text-to-video transformer's) in the image-to-video layout of CogVideoX1.5-5B-I2V
+    (its `transformer/config.json` on the Hugging Face Hub): the picture's latents enter beside the
+    noisy latents, so the input has twice the VAE's latent channels (32 for 16); the 1.5 layout
+    adds an `ofs` embedding as wide as the timestep's (512 there)."""
+    out = config | {"in_channels": 2 * latent_channels}
+    if config.get("patch_size_t") is not None:
+        out["ofs_embed_dim"] = config["time_embed_dim"]
+    return out
+
+
+def image_to_video(configs: dict[str, dict]) -> bool:
+    """Whether a checkpoint (its component configs) generates from a picture: its transformer
+    takes the picture's latents beside the noisy ones, twice the VAE's latent channels."""
+    return configs["transformer"]["in_channels"] == 2 * configs["vae"]["latent_channels"]
 
 
 def tiny_vae_config() -> dict[str, Any]:
@@ -166,11 +189,13 @@ def default_request(preset: Any) -> dict[str, Any]:
 def shape_facts(configs: dict[str, dict]) -> ShapeFacts:
     """A checkpoint's shape facts from its component configs, as `CogVideoXPipeline` reads them:
     spatial compression 2^(VAE blocks - 1), the VAE's `temporal_compression_ratio`, the
-    transformer's `patch_size`/`patch_size_t` and `in_channels` (the latents it denoises)."""
+    transformer's `patch_size`/`patch_size_t` and `in_channels` (the latents it denoises; half of
+    them for an image-to-video checkpoint, as `CogVideoXImageToVideoPipeline` reads them)."""
     vae, transformer = configs["vae"], configs["transformer"]
+    channels = int(transformer["in_channels"])
     return ShapeFacts(spatial=2 ** (len(vae["block_out_channels"]) - 1), temporal=int(vae["temporal_compression_ratio"]),
                       patch=int(transformer["patch_size"]), patch_t=transformer.get("patch_size_t"),
-                      latent_channels=int(transformer["in_channels"]))
+                      latent_channels=channels // 2 if image_to_video(configs) else channels)
 
 
 def check_frames(frames: int, facts: ShapeFacts = DEFAULT_SHAPES) -> None:
@@ -350,13 +375,15 @@ ENV_MODEL = "TPUPEDIA_COGVIDEOX"
 SCHEDULERS = ("CogVideoXDPMScheduler", "CogVideoXDDIMScheduler")
 def tiny_checkpoint(directory: "str | os.PathLike | None" = None, seed: int = 0, scheduler: str = "dpm",
                     patch_size_t: int | None = PATCH_SIZE_T, vae: dict | None = None,
-                    transformer: dict | None = None) -> "Path":
+                    transformer: dict | None = None, image_to_video: bool = False) -> "Path":
     """Write a whole random CogVideoX pipeline (T5 encoder with a SentencePiece tokenizer in the
     Hub's file layout, trained offline: `tokenizer_files.write_t5_spiece`; transformer, VAE,
     scheduler) with `save_pretrained` (safetensors) and return its directory
     (`tpupedia.models.checkpoints.cached_pipeline`: cached, named by its configs, written
     atomically). `patch_size_t=None` gives the CogVideoX 1.0 layout, 2 the 1.5 layout; `vae` and
     `transformer` override config entries (a checkpoint with other shape facts, for the tests).
+    `image_to_video` writes a `CogVideoXImageToVideoPipeline` in CogVideoX1.5-5B-I2V's layout
+    (`i2v_transformer_config`: the picture's latents as extra input channels, the `ofs` embedding).
     """
     classes = ("dpm", "ddim")
     if scheduler not in classes:
@@ -364,8 +391,10 @@ def tiny_checkpoint(directory: "str | os.PathLike | None" = None, seed: int = 0,
     text_length = tiny_transformer_config()["max_text_seq_length"]
     transformer_config = tiny_transformer_config() | {"patch_size_t": patch_size_t} | (transformer or {})
     vae_config = tiny_vae_config() | (vae or {})
+    if image_to_video:
+        transformer_config = i2v_transformer_config(transformer_config, vae_config["latent_channels"])
     spec = [transformer_config, vae_config, tiny_text_encoder_config(), SCHEDULER_CONFIG, scheduler, seed, "spiece",
-            tokenizer_files.T5_CORPUS]
+            tokenizer_files.T5_CORPUS] + (["i2v"] if image_to_video else [])
 
     def write_tokenizer(folder):
         return tokenizer_files.write_t5_spiece(folder, max_length=text_length)
@@ -374,13 +403,20 @@ def tiny_checkpoint(directory: "str | os.PathLike | None" = None, seed: int = 0,
         import tempfile
 
         import torch
-        from diffusers import AutoencoderKLCogVideoX, CogVideoXDDIMScheduler, CogVideoXDPMScheduler, CogVideoXPipeline, CogVideoXTransformer3DModel
+        from diffusers import (
+            AutoencoderKLCogVideoX,
+            CogVideoXDDIMScheduler,
+            CogVideoXDPMScheduler,
+            CogVideoXImageToVideoPipeline,
+            CogVideoXPipeline,
+            CogVideoXTransformer3DModel,
+        )
         from transformers import AutoTokenizer, T5Config, T5EncoderModel
 
         with tempfile.TemporaryDirectory() as tmp:
             tokenizer = AutoTokenizer.from_pretrained(write_tokenizer(tmp))
         torch.manual_seed(seed)
-        return CogVideoXPipeline(
+        return (CogVideoXImageToVideoPipeline if image_to_video else CogVideoXPipeline)(
             tokenizer=tokenizer,
             text_encoder=T5EncoderModel(T5Config(**tiny_text_encoder_config())).eval(),
             vae=AutoencoderKLCogVideoX(**vae_config).eval(),
@@ -388,13 +424,19 @@ def tiny_checkpoint(directory: "str | os.PathLike | None" = None, seed: int = 0,
             scheduler={"dpm": CogVideoXDPMScheduler, "ddim": CogVideoXDDIMScheduler}[scheduler](**SCHEDULER_CONFIG),
         )
 
-    return checkpoints.cached_pipeline("cogvideox-tiny", spec, build, directory,
+    return checkpoints.cached_pipeline("cogvideox-i2v-tiny" if image_to_video else "cogvideox-tiny", spec, build, directory,
                                        finish=lambda path: write_tokenizer(path / "tokenizer"))
 
 
-def model_source(preset: Any, model: "str | os.PathLike | None" = None) -> tuple[str, str]:
+def model_source(preset: Any, model: "str | os.PathLike | None" = None,
+                 image_to_video: bool = False) -> tuple[str, str]:
     """`(where to load from, label for stage files)`: `model` if given, else `$TPUPEDIA_COGVIDEOX`,
-    else the preset's (`FULL_ID` for full; the tiny checkpoint, labelled `preset:tiny`)."""
+    else the preset's (`FULL_ID` for full, `FULL_ID_I2V` with `image_to_video`; the tiny
+    checkpoint of that kind, labelled `preset:tiny` or `preset:tiny-i2v`)."""
+    if image_to_video:
+        source, label = checkpoints.choose_source(preset, model, ENV_MODEL, FULL_ID_I2V,
+                                                  lambda: tiny_checkpoint(image_to_video=True))
+        return source, (label + "-i2v" if label.startswith("preset:") else label)
     return checkpoints.choose_source(preset, model, ENV_MODEL, FULL_ID, tiny_checkpoint)
 
 

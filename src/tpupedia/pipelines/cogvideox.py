@@ -16,6 +16,16 @@ compiled core and a stage file between them (`tpupedia.pipelines.stages`):
    per-frame-batch decoder jitted (`vae="torchax"`) -> `decode.safetensors` holding `frames`,
    float32 (F, H, W, 3) in [0, 1], what diffusers returns with `output_type="np"`.
 
+Image-to-video (CogVideoX1.5-5B-I2V, `Request.image`) adds a stage between text and denoise:
+
+* `encode_image`: the picture resized and normalised by diffusers' own `VideoProcessor` (what
+  the stock `CogVideoXImageToVideoPipeline` calls), the VAE's encoder jitted on one frame, the
+  posterior sampled on the host from `torch.Generator(seed)` (the stock pipeline's first draw),
+  scaled and padded with zero frames -> `image.safetensors` holding `image_latents`, shaped like
+  the latents. The denoise stage skips that first draw, so its noise is the stock pipeline's,
+  and feeds the image latents beside the noisy latents (twice the channels) with the `ofs`
+  embedding the 1.5 release adds.
+
 Introduced in notebook 06 (CogVideoX text-to-video in three stages); `tpupedia generate
 cogvideox` runs the same functions.
 """
@@ -60,9 +70,15 @@ def settings(stage: str, source_label: str, configs: dict[str, dict], request: R
     `scheduler`, `vae`); their fingerprints stand for the model, `source_label` for where the
     weights came from. Attention backend, sharding and mesh change speed, not the video.
     """
-    out = {"model": family.FAMILY, "source": source_label, "dtype": dtype,
-           "text_encoder": common.config_fingerprint(configs["text_encoder"]),
-           "prompt": request.prompt, "negative_prompt": request.negative_prompt}
+    out = {"model": family.FAMILY, "source": source_label, "dtype": dtype}
+    if stage != "image":
+        out |= {"text_encoder": common.config_fingerprint(configs["text_encoder"]),
+                "prompt": request.prompt, "negative_prompt": request.negative_prompt}
+    if request.image is not None and stage != "text":  # the picture, and what its latents depend on
+        from tpupedia import pictures
+
+        out |= {"image": pictures.fingerprint(request.image), "vae_config": common.config_fingerprint(configs["vae"]),
+                "frames": request.frames, "height": request.height, "width": request.width, "seed": request.seed}
     if stage in ("denoise", "decode"):
         out |= {"transformer": common.config_fingerprint(configs["transformer"]),
                 "scheduler": common.config_fingerprint(configs["scheduler"]),
@@ -80,10 +96,36 @@ class CogVideoX(common.StagedPipeline):
 
     family = family
     vaes = VAES
+    image_to_video = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.traces = {"text": 0, "denoise": 0}
+        self.traces = {"text": 0, "image": 0, "denoise": 0}
+
+    @classmethod
+    def source(cls, preset, model, request) -> tuple[str, str]:
+        return family.model_source(preset, model, image_to_video=request.image is not None)
+
+    @classmethod
+    def release_configs(cls, request: Request) -> dict[str, dict]:
+        return family.full_configs(image_to_video=request.image is not None)
+
+    @classmethod
+    def validate(cls, request: Request, options: Options, device_count: int | None = None,
+                 configs: dict[str, dict] | None = None, *, shape_rules: bool = True) -> None:
+        """The common rules, then (with the checkpoint's `configs`) that the request and the
+        checkpoint agree: a picture for an image-to-video checkpoint, none for a text-to-video one."""
+        super().validate(request, options, device_count, configs, shape_rules=shape_rules)
+        if configs is None:
+            return
+        channels, latent = configs["transformer"]["in_channels"], configs["vae"]["latent_channels"]
+        if request.image is not None and not family.image_to_video(configs):
+            raise PipelineError(f"--image {request.image}: this checkpoint is text-to-video (its transformer takes "
+                                f"{channels} input channels, the VAE's {latent}); an image-to-video one takes "
+                                f"{2 * latent}, e.g. {family.FULL_ID_I2V}")
+        if request.image is None and family.image_to_video(configs):
+            raise PipelineError(f"this checkpoint is image-to-video (its transformer takes {channels} input channels: "
+                                f"the picture's {latent} latent channels beside the noise's): give --image PICTURE")
 
     @classmethod
     def settings_for(cls, source_label, configs, request, options, dtype, stage) -> dict:
@@ -145,6 +187,69 @@ class CogVideoX(common.StagedPipeline):
                             weights_bytes=self.plans["text_encoder"].bytes_per_device, calls=2,
                             component="text_encoder")]
 
+    # -- image-to-video: the picture's latents --------------------------------------------
+    def _encode_image(self, request: Request) -> tuple[dict, dict]:
+        """The picture as the denoiser's condition, `{"image_latents": (1, F', C, h, w)}`, as
+        `CogVideoXImageToVideoPipeline.prepare_latents` makes it: diffusers' `VideoProcessor`
+        resize and normalisation, the VAE's encoder (`_image_programs`) on that one frame, the
+        posterior sampled with the first draws of `torch.Generator(seed)`, scaled, then zero
+        latent frames up to the video's padded length."""
+        import jax
+        import torch
+        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+        from diffusers.video_processor import VideoProcessor
+
+        from tpupedia import pictures
+
+        (program,) = self._image_programs(request)
+        encode = self.held("image", "jit", lambda: jax.jit(program.fn, **program.jit_kwargs))
+        weights, buffers, pixels_spec = program.args
+        pixels = VideoProcessor(vae_scale_factor=self.shapes.spatial).preprocess(
+            pictures.read(request.image), height=request.height, width=request.width).to(self.dtype)
+        start = time.perf_counter()
+        with self._precision():
+            frame = jax.device_put(common.to_jax_array(pixels[:, :, None]), pixels_spec.sharding)  # (1, 3, 1, H, W)
+            moments = common.to_torch(jax.block_until_ready(encode(weights, buffers, frame)))
+        seconds = time.perf_counter() - start
+        sample = DiagonalGaussianDistribution(moments).sample(torch.Generator().manual_seed(request.seed))  # the first draw
+        config = self.configs["vae"]
+        scale = config.get("scaling_factor", 1.0)
+        latents = sample.to(self.dtype).permute(0, 2, 1, 3, 4)  # (1, 1, C, h, w)
+        latents = latents / scale if config.get("invert_scale_latents") else latents * scale
+        frames, _ = family.padded_latent_frames(request.frames, self.shapes)
+        zeros = torch.zeros((1, frames - 1, *latents.shape[2:]), dtype=self.dtype)
+        return {"image_latents": torch.cat([latents, zeros], dim=1)}, {"first_s": seconds}
+
+    def _image_programs(self, request: Request) -> list:
+        """The VAE's encoder on the picture's one frame, as the image stage compiles it:
+        `(weights, buffers, pixels)` with pixels `(1, 3, 1, H, W)`, the VAE a copy on each of the
+        host's chips; returns the posterior's moments (mean and log-variance)."""
+        import jax.numpy as jnp
+        from diffusers import AutoencoderKLCogVideoX
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        from tpupedia import aot, torchax_utils
+
+        chips = decoding.decode_mesh(self.mesh)
+
+        def load():  # the encoder as a pure function of the VAE's weights
+            vae = self._to_jax("vae", self._load(AutoencoderKLCogVideoX, "vae"), mesh=chips)
+            fm = torchax_utils.FunctionalModule(vae, lambda m, x: m._encode(x))
+
+            def encode(weights, buffers, pixels):
+                self.traces["image"] += 1
+                return fm(weights, buffers, pixels)
+
+            return vae, encode, self._state(fm, "vae")
+
+        _, encode, (weights, buffers) = self.held("image", "vae", load)
+        dtype = jnp.dtype(str(self.dtype).removeprefix("torch."))
+        pixels = aot.abstract((1, 3, 1, request.height, request.width), dtype, NamedSharding(chips, P()))
+        return [aot.Program("image", f"VAE encoder, the picture at {request.width}x{request.height}", encode,
+                            (weights, buffers, pixels), weights_bytes=self.plans["vae"].bytes_per_device, calls=1,
+                            component="vae")]
+
     # -- stage 2 ---------------------------------------------------------------------------
     def _denoise(self, request: Request, embeds: dict, on_step: Callable[[int, Any], None] | None = None) -> tuple[dict, dict]:
         """All denoising steps through one compiled step. Returns `{"latents": (1, F', C, h, w)}`
@@ -164,6 +269,8 @@ class CogVideoX(common.StagedPipeline):
         compiled = self.held("denoise", ("step", request.steps, setup.guided),
                              lambda: jax.jit(program.fn, **program.jit_kwargs))
         weights, buffers, x_spec, old_spec, text_spec, cos_spec, sin_spec = program.args[:7]
+        image = () if request.image is None else (jax.device_put(common.to_jax_array(embeds["image_latents"]),
+                                                                 program.args[10].sharding),)
         text = (torch.cat([embeds["negative_prompt_embeds"], embeds["prompt_embeds"]]) if setup.guided
                 else embeds["prompt_embeds"])
         text = jax.device_put(common.to_jax_array(text), text_spec.sharding)
@@ -176,7 +283,8 @@ class CogVideoX(common.StagedPipeline):
             noise = (schedulers.dpm_noise(setup.generator, x_spec.shape, self.dtype, setup.host_tables, i)
                      if setup.dpm else np.zeros((), np.float32))  # DDIM draws no noise
             # host scalars and noise: replicated inputs on every process
-            return compiled(weights, buffers, *state, text, cos, sin, np.int32(i), np.float32(request.guidance), noise)
+            return compiled(weights, buffers, *state, text, cos, sin, np.int32(i), np.float32(request.guidance), noise,
+                            *image)
 
         with program.context(), self._precision():
             (x, _), timings = common.denoise_loop(step, (x, old), len(setup.timesteps), on_step,
@@ -203,6 +311,8 @@ class CogVideoX(common.StagedPipeline):
         facts = self.shapes
         frames, padding = family.padded_latent_frames(request.frames, facts)
         shape = (1, frames, facts.latent_channels, *facts.latent_size(request.height, request.width))
+        if request.image is not None:  # the image stage drew the posterior's noise first: skip those draws
+            randn_tensor((1, facts.latent_channels, 1, *shape[3:]), generator=generator, dtype=self.dtype)
         latents = randn_tensor(shape, generator=generator, dtype=self.dtype) * scheduler.init_noise_sigma
         cos, sin = family.rotary_embeddings(self.configs["transformer"], request.height, request.width, frames, facts)
         return types.SimpleNamespace(
@@ -221,7 +331,7 @@ class CogVideoX(common.StagedPipeline):
         config = self.configs["scheduler"]
         return getattr(diffusers, config["_class_name"]).from_config(config)
 
-    def _denoise_programs(self, request: Request, setup) -> list:  # noqa: ARG002 - every family's signature
+    def _denoise_programs(self, request: Request, setup) -> list:
         """The one denoising step every step runs, as this stage compiles it: the guidance pair as a
         batch on `dp`, the transformer over `tp`, the scheduler step, latents and solver state donated.
         Arguments `(weights, buffers, latents, old_pred, text, cos, sin, i, guidance, noise)`."""
@@ -248,13 +358,18 @@ class CogVideoX(common.StagedPipeline):
         replicated = NamedSharding(self.mesh, P())
         dtype = common.to_jax_array(setup.latents[:0]).dtype
 
-        def step(weights, buffers, latents, old_pred, text, cos, sin, i, guidance, noise):
+        i2v = request.image is not None
+        ofs = self.configs["transformer"].get("ofs_embed_dim") is not None  # the 1.5 release's image-to-video input
+
+        def step(weights, buffers, latents, old_pred, text, cos, sin, i, guidance, noise, image=None):
             self.traces["denoise"] += 1
-            x = jnp.concatenate([latents, latents]) if guided else latents
+            x = jnp.concatenate([latents, image], axis=2) if i2v else latents  # the picture's latents as channels
+            x = jnp.concatenate([x, x]) if guided else x
             x = jax.lax.with_sharding_constraint(x, batch)
             t = jnp.broadcast_to(tables["timesteps"][i], (x.shape[0],))
+            extra = {"ofs": jnp.full((1,), 2.0, x.dtype)} if i2v and ofs else {}  # as the stock pipeline passes it
             out = fm(weights, buffers, hidden_states=x, encoder_hidden_states=text, timestep=t,
-                     image_rotary_emb=(cos, sin))[0]
+                     image_rotary_emb=(cos, sin), **extra)[0]
             pred = out.astype(jnp.float32)
             if guided:
                 uncond, cond = pred[:1], pred[1:]
@@ -274,7 +389,8 @@ class CogVideoX(common.StagedPipeline):
                 aot.abstract(tuple(setup.cos.shape), common.to_jax_array(setup.cos[:0]).dtype, replicated),
                 aot.abstract(tuple(setup.sin.shape), common.to_jax_array(setup.sin[:0]).dtype, replicated),
                 aot.abstract((), np.int32, replicated), aot.abstract((), np.float32, replicated),
-                aot.abstract(shape if dpm else (), np.float32, replicated))
+                aot.abstract(shape if dpm else (), np.float32, replicated),
+                *([aot.abstract(shape, dtype, replicated)] if i2v else []))
         # Latents and the solver state keep one (replicated) sharding in and out, so every step
         # reuses the first step's program; they are donated, so XLA updates them in place.
         return [aot.Program("denoise", f"denoising step ({'guidance pair, ' if guided else ''}"
@@ -438,15 +554,21 @@ def decode_programs(vae_config: dict, latent_frames: int, height: int, width: in
 
 
 def stock(source: str, request: Request, dtype: Any = None) -> tuple[Any, dict[str, Any]]:
-    """Stock diffusers `CogVideoXPipeline` loaded from `source` (float32 unless `dtype`) and the
-    keyword arguments of the call that makes `request`'s video from the same seed, frames as
-    `output_type="np"`: what the parity tests compare with and `tpupedia bench generate` times."""
+    """Stock diffusers `CogVideoXPipeline` (`CogVideoXImageToVideoPipeline` for a request with a
+    picture, read as `diffusers.utils.load_image` reads it) loaded from `source` (float32 unless
+    `dtype`) and the keyword arguments of the call that makes `request`'s video from the same
+    seed, frames as `output_type="np"`: what the parity tests compare with and `tpupedia bench
+    generate` times."""
     import torch
-    from diffusers import CogVideoXPipeline
+    from diffusers import CogVideoXImageToVideoPipeline, CogVideoXPipeline
 
-    pipe = common.load_stock(CogVideoXPipeline, source, dtype)
+    from tpupedia import pictures
+
+    i2v = request.image is not None
+    pipe = common.load_stock(CogVideoXImageToVideoPipeline if i2v else CogVideoXPipeline, source, dtype)
     pipe.vae.enable_tiling() if request.vae_tiling else pipe.vae.disable_tiling()
-    return pipe, dict(prompt=request.prompt, negative_prompt=request.negative_prompt, num_frames=request.frames,
+    picture = {"image": pictures.read(request.image)} if i2v else {}
+    return pipe, picture | dict(prompt=request.prompt, negative_prompt=request.negative_prompt, num_frames=request.frames,
                       height=request.height, width=request.width, num_inference_steps=request.steps,
                       guidance_scale=request.guidance, generator=torch.Generator().manual_seed(request.seed),
                       output_type="np", max_sequence_length=pipe.transformer.config.max_text_seq_length)

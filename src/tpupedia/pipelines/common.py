@@ -31,7 +31,7 @@ from tpupedia.pipelines import stages
 
 __all__ = ["PipelineError", "Request", "Options", "validate", "mesh_shape", "check_workdir", "SEED_LIMIT", "parse_mesh", "default_mesh_shape", "StageReport",
            "StagedPipeline", "run", "run_batch", "attention_backend", "torch_dtype", "to_jax_array", "to_torch",
-           "timed", "load_stock", "denoise_loop", "config_fingerprint", "ATTENTION", "DTYPES", "SHARDINGS"]
+           "timed", "load_stock", "denoise_loop", "STAGE_INPUTS", "request_stages", "check_batch_base", "config_fingerprint", "ATTENTION", "DTYPES", "SHARDINGS"]
 
 ATTENTION = ("auto", "splash", "reference")
 DTYPES = ("auto", "bfloat16", "float32")
@@ -58,6 +58,9 @@ class Request:
     vae_tiling: bool = False
     """Decode in overlapping spatial tiles (diffusers' `enable_tiling`): what fits a large frame into
     one chip's memory (`tpupedia plan` says when); the blend changes pixels slightly."""
+    image: str | None = None
+    """Image-to-video: the path of the picture the video starts from (`tpupedia.pictures`), for a
+    family and checkpoint that take one; `None` for text-to-video."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,10 @@ def validate(request: Request, options: Options, device_count: int | None = None
         from tpupedia import attention
 
         attention.check_block_rules(options.block_sizes)
+    if request.image is not None:  # the picture itself: readable, a picture, not too large
+        from tpupedia import pictures
+
+        pictures.check(request.image)
     if options.mesh is not None and device_count is not None and math.prod(options.mesh) != device_count:
         dp, tp = options.mesh
         raise PipelineError(f"mesh dp={dp},tp={tp} needs {dp * tp} devices, but {device_count} are available; "
@@ -228,6 +235,8 @@ class StagedPipeline:
 
     family: ClassVar[Any]
     vaes: ClassVar[tuple[str, ...]] = ("torchax",)
+    image_to_video: ClassVar[bool] = False
+    """Whether the family generates from a picture (`Request.image`, the `image` stage)."""
 
     def __init__(self, source: str, source_label: str, dtype: Any, mesh: Any, options: Options,
                  configs: dict[str, dict] | None = None):
@@ -291,6 +300,9 @@ class StagedPipeline:
         size rules with the checkpoint's shape facts (`configs`; without them, the released
         checkpoint's, unless `shape_rules=False`: a checkpoint whose configs are not read yet), and
         the mesh against the guidance batch."""
+        if request.image is not None and not cls.image_to_video:
+            raise PipelineError(f"--image {request.image}: image-to-video is not implemented for "
+                                f"{cls.family.FAMILY} yet; its pipeline generates from text only")
         validate(request, options, device_count, vaes=cls.vaes)
         if shape_rules or configs is not None:
             facts = cls.family.shape_facts(configs) if configs is not None else cls.family.DEFAULT_SHAPES
@@ -387,8 +399,26 @@ class StagedPipeline:
         with self._freeing("text"):
             return self._encode_text(request)
 
+    @classmethod
+    def release_configs(cls, request: Request) -> dict[str, dict]:
+        """The released checkpoint's component configs for `request` (`family.full_configs`: what
+        `tpupedia.plan` plans without a download)."""
+        return cls.family.full_configs()
+
+    @classmethod
+    def source(cls, preset: Any, model: str | None, request: Request) -> tuple[str, str]:
+        """`(where to load from, label)` for `request`: the family's `model_source` (a family
+        with image-to-video picks its image-to-video checkpoint for a request with a picture)."""
+        return cls.family.model_source(preset, model)
+
+    def encode_image(self, request: Request) -> tuple[dict, dict]:
+        """Image-to-video's stage: the picture encoded as the denoiser's condition, `(tensors, timings)`."""
+        with self._freeing("image"):
+            return self._encode_image(request)
+
     def denoise(self, request: Request, embeds: dict, on_step=None) -> tuple[dict, dict]:
-        """Stage 2: the denoised latents from stage 1's embeddings, `(tensors, timings)`."""
+        """Stage 2: the denoised latents from stage 1's embeddings (and the `image` stage's
+        condition, for image-to-video), `(tensors, timings)`."""
         with self._freeing("denoise"):
             return self._denoise(request, embeds, on_step)
 
@@ -405,6 +435,9 @@ class StagedPipeline:
             self.release(stage)
 
     def _encode_text(self, request: Request) -> tuple[dict, dict]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _encode_image(self, request: Request) -> tuple[dict, dict]:  # pragma: no cover - image-to-video families
         raise NotImplementedError
 
     def _denoise(self, request: Request, embeds: dict, on_step=None) -> tuple[dict, dict]:  # pragma: no cover
@@ -515,7 +548,14 @@ def torch_dtype(options: Options, preset: Any):
     return getattr(torch, preset.dtype if options.dtype == "auto" else options.dtype)
 
 
-STAGE_ORDER = stages.STAGES  # text -> denoise -> decode
+STAGE_ORDER = stages.STAGES  # text -> image -> denoise -> decode
+STAGE_INPUTS = {"text": (), "image": (), "denoise": ("text", "image"), "decode": ("denoise",)}
+"""The stages whose tensors each stage takes (those the request runs)."""
+
+
+def request_stages(request: Request) -> tuple[str, ...]:
+    """The stages `request` runs, in order: the `image` stage only with a picture."""
+    return tuple(s for s in STAGE_ORDER if s != "image" or request.image is not None)
 
 
 def run(pipeline_cls: type[StagedPipeline], request: Request, options: Options, *, preset: Any,
@@ -543,13 +583,14 @@ def run(pipeline_cls: type[StagedPipeline], request: Request, options: Options, 
     from tpupedia import devices
 
     family = pipeline_cls.family
-    if stage != "all" and stage not in STAGE_ORDER:
-        raise PipelineError(f"stage={stage!r} is not one of all, {', '.join(STAGE_ORDER)}")
+    if stage != "all" and stage not in request_stages(request):
+        raise PipelineError(f"stage={stage!r} is not one of all, {', '.join(request_stages(request))}"
+                            + (" (the image stage needs a picture: --image)" if stage == "image" else ""))
     mesh_devices = jax.devices() if collective else jax.local_devices()  # every process's devices, or ours
     # A checkpoint of our own choosing has the released shape facts; a named one is checked below.
     pipeline_cls.validate(request, options, len(mesh_devices), shape_rules=not family.named_source(model))
     workdir = check_workdir(workdir or f"tpupedia-runs/{family.FAMILY}")
-    source, label = family.model_source(preset, model)
+    source, label = pipeline_cls.source(preset, model, request)
     configs = family.component_configs(source)  # JSON only: the rules below use the checkpoint's facts
     pipeline_cls.validate(request, options, len(mesh_devices), configs)
     shape = mesh_shape(options, len(mesh_devices), pipeline_cls.guidance_batch(request, configs))
@@ -575,31 +616,34 @@ def run_stages(pipe: StagedPipeline, request: Request, *, stage: str = "all", wo
     from tpupedia import distributed, results
 
     options, mesh = pipe.options, pipe.mesh
-    wanted = STAGE_ORDER if stage == "all" else (stage,)
+    runs = request_stages(request)
+    wanted = runs if stage == "all" else (stage,)
     leader = distributed.is_leader() or not collective
     once = _on_leader(collective)
     if not leader:
         log = lambda _: None  # noqa: E731 - one voice per job
-    reports, held = [], {}  # held: the tensors of the stage that just ran, by stage
+    reports, held = [], {}  # held: the tensors of the stages that ran in this call, by stage
     for name, skipped in zip(wanted, _skipped(pipe, request, wanted, workdir, force, collective)):
         wanted_settings = pipe.settings(name, request)
         if skipped:
             reports.append(StageReport(name, False, stages.path(workdir, name), reason="up to date"))
             log(f"{name}: up to date ({stages.path(workdir, name)}), skipped; --force reruns it")
             continue
+        inputs = {}  # the tensors of the stages this one takes: in memory if they ran here, else their files
+        for previous in (s for s in STAGE_INPUTS[name] if s in runs):
+            inputs |= held[previous] if previous in held else _stage_tensors(
+                workdir, previous, pipe.settings(previous, request), collective)
         if name == "text":
             tensors, timings = pipe.encode_text(request)
+        elif name == "image":
+            tensors, timings = pipe.encode_image(request)
+        elif name == "denoise":
+            bar = _progress(request.steps, options.quiet or not leader)
+            tensors, timings = pipe.denoise(request, inputs, on_step=lambda i, x: bar.update(1))
+            bar.close()
         else:
-            previous = STAGE_ORDER[STAGE_ORDER.index(name) - 1]
-            inputs = held[previous] if previous in held else _stage_tensors(
-                workdir, previous, pipe.settings(previous, request), collective)
-            if name == "denoise":
-                bar = _progress(request.steps, options.quiet or not leader)
-                tensors, timings = pipe.denoise(request, inputs, on_step=lambda i, x: bar.update(1))
-                bar.close()
-            else:
-                tensors, timings = pipe.decode(request, inputs["latents"])
-        held = {name: tensors}
+            tensors, timings = pipe.decode(request, inputs["latents"])
+        held[name] = tensors
         extra = {"command": command, "machine": results.machine(), "timings": timings,
                  "options": dataclasses.asdict(options), "mesh": dict(mesh.shape)}
         path = once(lambda: stages.write(workdir, name, tensors, wanted_settings, extra=extra))
@@ -658,6 +702,13 @@ def _write_video(pipe: StagedPipeline, request: Request, workdir: Path, out: str
     return video.write_mp4(decoded["frames"].numpy(), out, fps=request.fps)
 
 
+def check_batch_base(base: Request) -> None:
+    """Refuse what a batch's shared request cannot hold (a picture: a batch is text-to-video)."""
+    if base.image is not None:
+        raise PipelineError(f"--image {base.image} with --prompts: a batch generates from text; "
+                            "image-to-video runs one picture at a time (no --prompts)")
+
+
 def run_batch(pipeline_cls: type[StagedPipeline], prompts: str | Path, base: Request, options: Options, *,
               preset: Any, outdir: str | Path, model: str | None = None, force: bool = False,
               prepare: Callable[[Request], Request] | None = None, log: Callable[[str], None] = print) -> list[str]:
@@ -677,6 +728,7 @@ def run_batch(pipeline_cls: type[StagedPipeline], prompts: str | Path, base: Req
 
     from tpupedia import batch, devices, distributed, results, video
 
+    check_batch_base(base)
     items = batch.read_prompts(prompts)
     requests = {item.index: batch.item_request(item, base) for item in items}
     family = pipeline_cls.family

@@ -41,7 +41,7 @@ from tpupedia.errors import TpupediaError
 __all__ = ["STAGES", "FORMAT", "StageError", "StageFile", "fingerprint", "path", "write", "read", "status",
            "done"]
 
-STAGES = ("text", "denoise", "decode")
+STAGES = ("text", "image", "denoise", "decode")
 FORMAT = "tpupedia-stage/1"
 
 # safetensors' dtype codes, spelled as torch spells them (what the JSON twin records).
