@@ -115,8 +115,9 @@ def _plans_table() -> str:
     if not records:
         return "*No plan has been recorded yet.*"
     gib = 2**30
-    lines = ["| model | request | slice, mesh | depth compiled | text | denoise | decode | binding | verdict | libtpu, date | command |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | request | slice, mesh | depth compiled | text | image | denoise | decode | binding | verdict | "
+             "libtpu, date | command |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         q = r["request"]
         peaks = {s["stage"]: ("does not compile" if s["peak"] is None else f"{s['peak'] / gib:.2f} GiB")
@@ -128,9 +129,11 @@ def _plans_table() -> str:
             mesh += f", {r['attention']} attention"
         depth = "full" if r["layers"] is None else f"{r['layers']} layer(s), the rest's weights added"
         verdict = "fits" if r["fits"] else f"does not fit: {r['advice']}"
-        lines.append(f"| {r['family']}{' (batch)' if r['resident'] else ''} | {q['width']}x{q['height']}, "
+        kind = " image-to-video" if q.get("image") else ""
+        lines.append(f"| {r['family']}{kind}{' (batch)' if r['resident'] else ''} | {q['width']}x{q['height']}, "
                      f"{q['frames']} frames, {q['steps']} steps | {r['topology']} ({r['chips']} chips), {mesh} | {depth} | "
-                     + " | ".join(peaks.get(s, "not planned") for s in ("text", "denoise", "decode"))
+                     + " | ".join(peaks.get(s, "not planned" if s != "image" or kind else "—")
+                                  for s in ("text", "image", "denoise", "decode"))
                      + f" | {r['binding']} | {verdict} | {r['libtpu']}, {r['compiled_at']} | `{r['command']}` |")
     return "\n".join(lines)
 
