@@ -9,7 +9,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from tpupedia import batch, devices, presets, sharding
+from tpupedia import batch, devices, presets, sharding, torchax_utils
 from tpupedia.models import cogvideox as cog_family
 from tpupedia.models import hunyuan as hy_family
 from tpupedia.pipelines import cogvideox, hunyuan
@@ -123,6 +123,7 @@ def test_a_batch_loads_once_reuses_the_step_and_stays_flat(cog_checkpoint, tmp_p
         return record(*args, **kwargs)
 
     monkeypatch.setattr(batch, "record", recording)
+    torchax_utils.default_env()  # the process's torchax environment (and its PRNG key) outlives any batch
     before = _total()
     lines = []
     base = cogvideox.Request(prompt="-", negative_prompt="blurry", frames=9, height=32, width=32, steps=3, seed=3)
@@ -130,7 +131,7 @@ def test_a_batch_loads_once_reuses_the_step_and_stays_flat(cog_checkpoint, tmp_p
                                outdir=tmp_path / "out", log=lines.append)
     assert len(made) == 3 and len(built) == 1
     assert loads == {"t5": 1, "transformer": 1}
-    assert built[0].traces == {"text": 1, "denoise": 1}  # one trace each, reused by prompts 2 and 3
+    assert built[0].traces == {"text": 1, "image": 0, "denoise": 1}  # one trace each, reused by prompts 2 and 3
     assert live[0] > before and live[0] == live[1] == live[2], live  # resident, and flat across prompts
     assert _total() == before  # the batch's end frees everything
     assert lines[-1].startswith("prompt 1: ") and "prompts 2..3: mean" in lines[-1]
