@@ -31,9 +31,17 @@
 # Stages let you rerun only what changed, run each stage on the machine that suits it, and
 # survive a crash: a stage file is written atomically and checked when read.
 #
-# 1. the model's facts and rules; 2. stage 1, text; 3. the scheduler as a pure function;
-# 4. stage 2, denoise on a mesh; 5. stage 3, decode and look at the video; 6. parity with stock
-# diffusers; 7. the stage-file contract; 8. the full model planned without a TPU.
+# The sections:
+#
+# 1. the model's facts and rules;
+# 2. stage 1, text;
+# 3. the scheduler as a pure function;
+# 4. stage 2, denoise on a mesh;
+# 5. stage 3, decode and look at the video;
+# 6. parity with stock diffusers;
+# 7. the stage-file contract;
+# 8. the full model planned without a TPU;
+# 9. image-to-video, a fourth stage.
 #
 # | preset | loads | memory | compute time |
 # |---|---|---|---|

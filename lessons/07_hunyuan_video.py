@@ -29,10 +29,18 @@
 # 3. at 50 steps it is slow, and **DeepCache** (reuse deep features between steps) needs a
 #    different program on cached steps, which `jax.jit` cannot branch between cheaply.
 #
-# Sections: 1. the model's facts; 2. a forward jit can trace; 3. masks without the S x S matrix;
-# 4. stage 1, two text encoders; 5. flow matching as a pure step; 6. stage 2, denoise;
-# 7. stage 3, decode, and parity with stock diffusers; 8. DeepCache; 9. three sharding tables
-# planned for a v6e-8; 10. the GPU reference numbers.
+# The sections:
+#
+# 1. the model's facts;
+# 2. a forward jit can trace;
+# 3. masks without the S x S matrix;
+# 4. stage 1, two text encoders;
+# 5. flow matching as a pure step;
+# 6. stage 2, denoise;
+# 7. stage 3, decode, and parity with stock diffusers;
+# 8. DeepCache;
+# 9. three sharding tables planned for a v6e-8;
+# 10. the GPU reference numbers.
 #
 # | preset | loads | memory | compute time |
 # |---|---|---|---|

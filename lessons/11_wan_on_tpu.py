@@ -27,16 +27,17 @@
 # 2. **UniPC**, a multistep predictor-corrector whose `step` keeps Python state, as a pure step;
 # 3. **two experts** (Wan 2.2 A14B): two transformers, one compiled step each, switched on the host;
 # 4. **a VAE whose cache is a Python list** of tensors, `None` and a string, compiled anyway;
-# 5. the whole run against stock `WanPipeline`, and the full size planned for a v6e-8.
+# 5. the whole run against stock `WanPipeline`, and the full size planned for a v6e-8 (sections 5, 6);
+# 6. **image-to-video** (section 7): the picture as channels beside the noise and as tokens beside the text.
 #
 # | preset | loads | memory | compute time |
 # |---|---|---|---|
-# | `tiny` (CPU, CI) | random 2-block Wan 2.1 and Wan 2.2 (two experts) checkpoints written with `save_pretrained`, 8 simulated devices | about 2 GB of host RAM | about 45 s, measured here on a 2-core CPU (building the two tiny checkpoints the first time adds about 40 s) |
+# | `tiny` (CPU, CI) | random 2-block Wan 2.1, Wan 2.2 (two experts) and Wan 2.1 I2V checkpoints written with `save_pretrained`, 8 simulated devices | about 2 GB of host RAM | about 65 s, measured here on a 2-core CPU (building the three tiny checkpoints the first time adds about 7 s) |
 # | `full` (TPU v6e-8) | `Wan-AI/Wan2.1-T2V-14B-Diffusers`: a 14.3B-parameter transformer (28.6 GB in bf16, counted below), umT5-XXL (about 11 GB), the VAE | per chip: section 6 reads the plan compiled here for a v6e-8 | not measured here; none reported by the upstream project |
 #
-# On the full preset, sections 2 to 4 run the same checks at the tiny sizes (the facts they
+# On the full preset, sections 2 to 4 and section 7's run use the tiny sizes (the facts they
 # teach do not depend on the checkpoint), and section 5 loads the release from the Hub: a TPU
-# VM with about 100 GB of disk. *Reading time: about 6 minutes.*
+# VM with about 100 GB of disk. *Reading time: about 9 minutes.*
 
 # %%
 # %xmode Minimal
@@ -261,10 +262,130 @@ if preset.pretrained:
     full_request = pipeline.Request(prompt="a video", **family.default_request(preset))
     wan_plan = plan.make("wan", full_request, pipeline.Options(), topology="v6e:2x4", layers=1).as_dict()
 else:
-    wan_plan = next(r for r in results.load(Path("..") / plan.DEFAULT_RECORDS) if r.get("family") == "wan")
+    wan_plan = next(r for r in results.load(Path("..") / plan.DEFAULT_RECORDS)
+                    if r.get("family") == "wan" and not r["request"].get("image"))  # text-to-video's
 for stage in wan_plan["stages"]:
     print(f"{stage['stage']:8} peak {stage['peak'] / 2**30:6.2f} GiB per chip (weights {stage['weights'] / 2**30:.2f} GiB)")
 print("binding stage:", wan_plan["binding"], "| fits:", wan_plan["fits"])
 
 # %%
 assert wan_plan["fits"] and all(s["peak"] <= wan_plan["hbm"] for s in wan_plan["stages"])
+
+# %% [markdown]
+# ## 7. From a picture: image-to-video
+#
+# Wan's image-to-video releases (Wan2.1-I2V-14B, Wan2.2-I2V-A14B) are the same transformer with a
+# wider input. Beside its 16 noisy channels, each latent frame gets 4 *mask* channels and the 16
+# channels of the picture's latents. Those latents come from the VAE encoding the picture
+# followed by black frames, the whole video's length; the mask says which pixel frames were
+# given. The VAE folds the first frame alone into latent frame 0 and 4 frames into each later
+# one, so the mask repeats the first frame 4 times: 4 channels per latent frame, all ones in
+# frame 0, zeros after. The sequence the self-attention sees keeps its length: 36 channels in,
+# 16 out.
+#
+# Wan 2.1's I2V also looks at the picture through CLIP, a ViT-H/14 vision tower: its penultimate
+# hidden states (257 tokens at 224 px) are projected and put in front of the 512 text tokens
+# that every block's cross-attention reads, with key and value projections of their own. Wan
+# 2.2's I2V has no image encoder. Nothing random is drawn for the picture (the stock pipeline
+# takes the VAE posterior's mean), so the noise is the text-to-video run's.
+
+# %%
+i2v_checkpoint = family.tiny_checkpoint(image_to_video=True)
+i2v_configs = family.component_configs(str(i2v_checkpoint))
+facts = family.shape_facts(i2v_configs)
+for name, configs in (("tiny", i2v_configs), ("Wan2.1-I2V-14B", family.full_configs(image_to_video=True))):
+    t, clip = configs["transformer"], configs["image_encoder"]
+    clip_tokens = (clip["image_size"] // clip["patch_size"]) ** 2 + 1  # patches and the class token
+    print(f"{name:15} input channels {t['in_channels']} = {configs['vae']['z_dim']} noisy + {facts.temporal} mask + "
+          f"{configs['vae']['z_dim']} picture, out {t['out_channels']}; cross-attention keys {clip_tokens} picture "
+          f"+ {family.TEXT_TOKENS} text tokens")
+mask = family.condition_mask(request.frames, 1, 1, facts)[0, :, :, 0, 0]
+print(f"mask for {request.frames} frames (channel x latent frame):\n{mask.int().numpy()}")
+
+# %% [markdown]
+# The pipeline adds an `image` stage between text and denoise, as CogVideoX's does (notebook 06
+# §9). Its file holds the condition (mask and picture latents) and the CLIP features, and its
+# settings hold the picture's SHA-256, so another picture at the same path reruns it. The VAE's
+# encoder runs as its decoder does in section 4: the first frame, then 4 frames at a time, the
+# causal cache carried between three compiled programs. A 96x64 picture, for a 64x64 video:
+
+# %%
+from PIL import Image, ImageDraw
+
+from tpupedia import video
+from tpupedia.pipelines import stages
+
+scratch = Path(tempfile.mkdtemp())
+picture = Image.new("RGB", (96, 64), (40, 70, 140))
+ImageDraw.Draw(picture).ellipse((30, 12, 66, 48), fill=(230, 180, 40))
+picture.save(scratch / "start.png")
+i2v_request = dataclasses.replace(request, image=str(scratch / "start.png"), guidance_2=None)  # one expert
+i2v_reports = pipeline.run(i2v_request, pipeline.Options(quiet=True), preset=preset, model=str(i2v_checkpoint),
+                           workdir=scratch / "i2v", log=lambda _: None)
+
+
+def read(stage):  # a stage file of this run, checked against the settings it was made with
+    settings = pipeline.Wan.settings_for(str(i2v_checkpoint), i2v_configs, i2v_request, pipeline.Options(),
+                                         torch.float32, stage)
+    return stages.read(scratch / "i2v", stage, settings).tensors
+
+
+image_stage, i2v_frames = read("image"), read("decode")["frames"].numpy()
+print("stages:", ", ".join(r.stage for r in i2v_reports))
+print("condition", tuple(image_stage["condition"].shape), "| CLIP features", tuple(image_stage["image_embeds"].shape))
+video.show_frames(i2v_frames, f"tiny Wan 2.1 I2V: a 96x64 picture -> {request.frames} frames at 64x64",
+                  picture=np.asarray(picture))
+
+# %% [markdown]
+# The weights are random, so the frames are noise around the picture's colours; what counts is
+# that they are the stock pipeline's. The stock `WanImageToVideoPipeline`, same checkpoint,
+# picture, prompt and seed (`pipeline.stock` builds it and its call; on the full preset the host
+# cannot run the whole video):
+
+# %%
+if preset.host_runs_whole_models:
+    stock_i2v, stock_call = pipeline.stock(str(i2v_checkpoint), i2v_request)
+    with torch.no_grad():
+        expected_i2v = stock_i2v(**stock_call).frames[0]
+    i2v_error = float(np.abs(i2v_frames - expected_i2v).max())
+    print("image-to-video frames: max abs difference from stock diffusers", results.error_text(i2v_error, 1e-4))
+    del stock_i2v
+
+# %%
+assert [r.stage for r in i2v_reports] == ["text", "image", "denoise", "decode"]
+assert i2v_configs["transformer"]["in_channels"] == 2 * facts.latent_channels + facts.temporal
+assert mask[:, 0].min() == 1 and mask[:, 1:].max() == 0
+assert image_stage["condition"].shape[1] == facts.temporal + facts.latent_channels
+if preset.host_runs_whole_models:
+    assert expected_i2v.shape == i2v_frames.shape and i2v_error <= 1e-4
+
+# %% [markdown]
+# At full size the image stage adds the CLIP tower (one 224 px picture) and the VAE's encoder
+# over all 81 frames at 720p to the plan; `tpupedia plan wan --image PICTURE` compiles them with
+# the other stages. The record, read as in section 6:
+
+# %%
+if preset.pretrained:
+    full_i2v = dataclasses.replace(full_request, image=str(scratch / "start.png"))
+    i2v_plan = plan.make("wan", full_i2v, pipeline.Options(), topology="v6e:2x4", layers=1).as_dict()
+else:
+    i2v_plan = next(r for r in results.load(Path("..") / plan.DEFAULT_RECORDS)
+                    if r.get("family") == "wan" and r["request"].get("image"))
+for stage in i2v_plan["stages"]:
+    print(f"{stage['stage']:8} peak {stage['peak'] / 2**30:6.2f} GiB per chip (weights {stage['weights'] / 2**30:.2f} GiB)")
+print("binding stage:", i2v_plan["binding"], "| fits:", i2v_plan["fits"])
+
+# %%
+assert i2v_plan["fits"] and [s["stage"] for s in i2v_plan["stages"]] == ["text", "image", "denoise", "decode"]
+
+# %% [markdown]
+# ## Takeaways
+#
+# - A third family is a model module, a pipeline module and a scheduler step; the registry
+#   gives it a command (section 1).
+# - A solver with Python state (UniPC) becomes a pure step by carrying that state as arguments
+#   (section 2); two experts are two compiled steps picked on the host (section 3).
+# - A cache held in a Python list of tensors, `None` and strings compiles once its tensors are
+#   arguments and its markers static (section 4); the encoder's cache works the same way (section 7).
+# - Image-to-video is a stage, not a second pipeline: the picture enters as channels beside the
+#   noise and, for Wan 2.1, as tokens beside the text (section 7).

@@ -98,15 +98,21 @@ def _bad_command(tmp_path: Path, case: str) -> tuple[list[str], list[str]]:
     if case == "no picture for an image-to-video checkpoint":
         return ["--model", str(family.tiny_checkpoint(tmp_path / "i2v", image_to_video=True))], \
             ["this checkpoint is image-to-video", "give --image PICTURE"]
-    if case == "a batch":
-        (tmp_path / "prompts.txt").write_text("a panda\n")
-        return ["--image", picture, "--prompts", str(tmp_path / "prompts.txt"), "--outdir", str(tmp_path / "out")], \
-            ["--image", "with --prompts", "one picture at a time"]
+    if case == "a batch mixing pictures and none":
+        (tmp_path / "prompts.jsonl").write_text('{"prompt": "a panda", "image": "ok.png"}\n{"prompt": "a cat"}\n')
+        return ["--prompts", str(tmp_path / "prompts.jsonl"), "--outdir", str(tmp_path / "out")], \
+            ["prompt 1 has no picture", "1 of the batch's 2", "a batch runs one checkpoint"]
+    if case == "a bad picture in a batch":
+        (tmp_path / "prompts.jsonl").write_text('{"prompt": "a panda", "image": "ok.png"}\n'
+                                                '{"prompt": "a cat", "image": "gone.png"}\n')
+        return ["--prompts", str(tmp_path / "prompts.jsonl"), "--outdir", str(tmp_path / "out")], \
+            ["prompt 1 ('a cat')", "gone.png", "no such file"]
     raise AssertionError(case)
 
 
 @pytest.mark.parametrize("case", ["not a picture", "missing", "too large", "text-to-video checkpoint",
-                                  "no picture for an image-to-video checkpoint", "a batch"])
+                                  "no picture for an image-to-video checkpoint", "a batch mixing pictures and none",
+                                  "a bad picture in a batch"])
 def test_bad_pictures_and_mismatched_checkpoints_are_refused_before_anything_loads(case, tmp_path, capsys,
                                                                                     monkeypatch):
     from tpupedia import cli, devices

@@ -1,12 +1,14 @@
 """Batch generation that survives failures: prompts file in, one checked output per prompt out.
 
 A batch is a prompts file (one prompt a line, or JSONL with `prompt` and optional `seed`,
-`frames`, `height`, `width`, `negative_prompt`) and an output folder. Each prompt becomes
+`frames`, `height`, `width`, `negative_prompt`, and `image`: image-to-video's picture, a path
+relative to the JSONL file) and an output folder. Each prompt becomes
 `OUTDIR/NNNN-slug.mp4` and its JSON record; both are written atomically (temporary file, then
 rename; the JSON last), and a prompt counts as done only when its JSON parses, names this
 prompt's settings fingerprint and the mp4's checksum matches. So a job killed at any moment
 loses at most the prompts in flight, and a rerun redoes exactly those. `OUTDIR/index.jsonl`
-gets one line per finished prompt (prompt, seed, file, timings, which process made it),
+gets one line per finished prompt (prompt, seed, file, timings, which process made it, its
+picture if any),
 appended as one write per line, never duplicated by a rerun.
 
 With several processes (`tpupedia launch`, or the hosts of a TPU slice), each process takes
@@ -33,7 +35,8 @@ from tpupedia.errors import TpupediaError
 __all__ = ["BatchError", "Item", "read_prompts", "slug", "share", "item_request", "is_done", "record", "relist",
            "manifest"]
 
-_FIELDS = {"prompt": str, "negative_prompt": str, "seed": int, "frames": int, "height": int, "width": int}
+_FIELDS = {"prompt": str, "negative_prompt": str, "seed": int, "frames": int, "height": int, "width": int,
+           "image": str}
 MANIFEST = "index.jsonl"
 
 
@@ -62,7 +65,9 @@ def slug(text: str, limit: int = 40) -> str:
 
 
 def read_prompts(path: str | os.PathLike) -> list[Item]:
-    """The prompts of a text or JSONL file (`.jsonl`), in order; blank and `#` lines skipped."""
+    """The prompts of a text or JSONL file (`.jsonl`), in order; blank and `#` lines skipped. An
+    `image` is resolved against the JSONL file's folder (an absolute path stays as it is); the
+    picture itself is checked with the rest of each request (`tpupedia.pictures.check`)."""
     path = Path(path)
     if not path.is_file():
         raise BatchError(f"prompts file {str(path)!r} not found")
@@ -86,6 +91,8 @@ def read_prompts(path: str | os.PathLike) -> list[Item]:
                 raise BatchError(f"{path.name} line {number}: unknown field {key!r}; allowed: {', '.join(_FIELDS)}")
             if not isinstance(value, _FIELDS[key]) or isinstance(value, bool):
                 raise BatchError(f"{path.name} line {number}: {key}={value!r} must be {_FIELDS[key].__name__}")
+        if "image" in entry:
+            entry["image"] = str(path.parent / entry["image"])
         overrides = tuple(sorted((k, v) for k, v in entry.items() if k != "prompt"))
         items.append(Item(len(items), entry["prompt"].strip(), overrides))
     if not items:
@@ -132,8 +139,8 @@ def record(outdir: str | os.PathLike, item: Item, fingerprint: str, write_video:
 
 
 def _append(outdir: Path, meta: Mapping[str, Any]) -> None:
-    line = json.dumps({k: meta.get(k) for k in ("index", "prompt", "file", "seed", "timings", "process")},
-                      default=str) + "\n"
+    keys = ("index", "prompt", "file", "seed", "timings", "process") + (("image",) if meta.get("image") else ())
+    line = json.dumps({k: meta.get(k) for k in keys}, default=str) + "\n"
     fd = os.open(outdir / MANIFEST, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
         os.write(fd, line.encode())  # one write per line: lines from several processes never interleave

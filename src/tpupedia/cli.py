@@ -189,15 +189,20 @@ def _generate_setup(args: argparse.Namespace):
         fields[f.name] = parse(value) if parse and value is not None else value
     request = pipeline.Request(prompt=args.prompt or "(from --prompts)", negative_prompt=args.negative_prompt,
                                vae_tiling=args.vae_tiling == "on", image=getattr(args, "image", None), **fields)
-    if getattr(args, "prompts", None):
-        common.check_batch_base(request)
     options = common.Options(mesh=common.parse_mesh(args.mesh) if args.mesh else None, sharding=args.sharding,
                              attention=args.attention, block_sizes=_block_sizes(args.block_sizes), vae=args.vae, quiet=args.quiet,
                              dtype=args.dtype)
     configs = None  # a checkpoint named on the command line: its configs' rules (JSON only, no weights)
     if family.named_source(args.model):
         configs = family.component_configs(family.model_source(preset, args.model)[0])
-    pipeline.validate(request, options, configs=configs)
+    if getattr(args, "prompts", None):  # every line of the batch, its picture included
+        from tpupedia import batch
+
+        pipeline.PIPELINE.validate(request, options, None, configs, kind=False)
+        common.batch_requests(pipeline.PIPELINE, batch.read_prompts(args.prompts), request, options, None, configs,
+                              model=args.model)
+    else:
+        pipeline.validate(request, options, configs=configs)
     if getattr(args, "prompts", None) and args.outdir:
         common.check_workdir(args.outdir, "--outdir")
     elif getattr(args, "workdir", None):
@@ -346,7 +351,8 @@ def _add_generate_arguments(p: argparse.ArgumentParser, spec, *, stages: bool) -
         p.add_argument("--workdir", default=None, help=f"where stage files live (default tpupedia-runs/{family})")
         p.add_argument("--out", default=None, help="write the video to this .mp4 (needs the decode stage)")
         p.add_argument("--force", action="store_true", help="rerun stages whose files are up to date")
-        p.add_argument("--prompts", default=None, help="a batch: one prompt a line, or JSONL with prompt/seed/frames/height/width")
+        p.add_argument("--prompts", default=None, help="a batch: one prompt a line, or JSONL with prompt/seed/frames/height/width/image "
+                            "(image: a picture, relative to the JSONL file)")
         p.add_argument("--outdir", default=None, help="with --prompts: where NNNN-slug.mp4, its JSON and index.jsonl go")
     for flag, kind in (("--frames", int), ("--height", int), ("--width", int), ("--steps", int),
                        ("--guidance", float), ("--seed", int), ("--fps", int)):

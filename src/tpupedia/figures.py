@@ -107,10 +107,6 @@ def _record(file: str, **match: Any) -> Callable[[Path], dict]:
     return find
 
 
-def _stage_peak(find: Callable[[Path], dict], stage: str) -> Callable[[Path], float]:
-    return lambda root: next(s["peak"] for s in find(root)["stages"] if s["stage"] == stage) / _GIB
-
-
 def _hardware(fn: Callable[[Any], float]) -> Callable[[Path], float]:
     def value(root: Path) -> float:  # noqa: ARG001 - the table lives in code
         from tpupedia import hardware
@@ -120,22 +116,29 @@ def _hardware(fn: Callable[[Any], float]) -> Callable[[Path], float]:
     return value
 
 
-def _upstream_step(name: str) -> Callable[[Path], float]:
-    return lambda root: _record("upstream.json", name=name)(root)["step_s"]
+def _quoted(q: Any) -> Figure:
+    """A family's `QuotedFigure` (`tpupedia.models.spec`) as a `Figure`: its record found by its
+    `match` (`stages`: the plan's stage names), the value its `read` names."""
+    file = {"plan_peak": "plans.json", "plan_oom": "plans.json", "dryrun_peak": "dryruns.json",
+            "upstream_step": "upstream.json"}[q.read]
+    match = {k: (lambda s, want=v: [x["stage"] for x in s] == list(want)) if k == "stages" else v
+             for k, v in q.match.items()}
+    find = _record(file, **match)
+    value = {
+        "plan_peak": lambda root: next(s["peak"] for s in find(root)["stages"] if s["stage"] == q.stage) / _GIB,
+        "plan_oom": lambda root: max(p["oom_required"] or 0 for s in find(root)["stages"] for p in s["programs"]) / _GIB,
+        "dryrun_peak": lambda root: (lambda r: (r["arguments_bytes"] + r["temporaries_bytes"]) / _GIB)(find(root)),
+        "upstream_step": lambda root: find(root)["step_s"],
+    }[q.read]
+    return Figure(q.name, value, lambda v: f"{v:.{q.decimals}f}", q.source, quotes=q.quotes)
 
 
-def _decode_plan(family: str, tiled: bool) -> Callable[[Path], dict]:
-    return _record("plans.json", family=family, topology="v6e:2x4", layers=None, vae_tiling=tiled,
-                   stages=lambda s: [x["stage"] for x in s] == ["decode"])
+def _family_figures() -> list[Figure]:
+    """Every registered family's quoted figures (`FamilySpec.figures`)."""
+    from tpupedia import families
 
+    return [_quoted(q) for spec in families.all_specs() for q in spec.figures]
 
-def _oom_gib(find: Callable[[Path], dict]) -> Callable[[Path], float]:
-    """What the compiler asked for, in GiB of temporaries, of a plan's program that did not fit."""
-    return lambda root: max(p["oom_required"] or 0 for s in find(root)["stages"] for p in s["programs"]) / _GIB
-
-
-_COG_DECODE = _decode_plan("cogvideox", tiled=False)
-_HY_DECODE = _decode_plan("hunyuan", tiled=True)
 
 FIGURES: dict[str, Figure] = {f.name: f for f in [
     Figure("v6e.hbm_gb_per_s", _hardware(lambda c: c.hbm_bytes_per_s / 1e9), lambda v: f"{v:,.0f}",
@@ -144,23 +147,7 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
     Figure("v6e.ridge", _hardware(lambda c: c.ridge_flops_per_byte), lambda v: f"{v:.0f}",
            "tpupedia.hardware: peak bf16 FLOP/s / HBM bandwidth",
            quotes=(("docs/kb/*.md", r"(\d{3}) FLOP/byte for a v6e"), ("docs/kb/*.md", r"v6e ridge point[^\d]{0,20}(\d{3})"))),
-    Figure("upstream.hunyuan.step_s.tp_fc2", _upstream_step("HunyuanVideo-1.5 720p t2v, TP + fc2 replicated"),
-           lambda v: f"{v:.2f}", "docs/results/upstream.json (reported upstream, TPU v6e-8)",
-           quotes=(("docs/**/*.md", r"(\d\.\d\d) s/step with the library splash kernel"),
-                   ("docs/**/*.md", r"TP \+ fc2 replicated: (\d\.\d\d) s/step"),
-                   ("lessons/*.py", r"reports the same direction on a v6e-8: (\d\.\d\d) s/step"))),
-    Figure("upstream.hunyuan.step_s.exp2", _upstream_step("HunyuanVideo-1.5 720p t2v, custom exp2 splash"),
-           lambda v: f"{v:.2f}", "docs/results/upstream.json (reported upstream, TPU v6e-8)",
-           quotes=(("docs/**/*.md", r"(\d\.\d\d) s/step with the custom exp2 kernel"),)),
-    Figure("plan.cogvideox.decode_gib", _stage_peak(_COG_DECODE, "decode"), lambda v: f"{v:.2f}",
-           "docs/results/plans.json: tpupedia plan cogvideox --stages decode (AOT here, a v6e host's 4 chips)"),
-    Figure("dryrun.cogvideox_vae_gib", lambda root: (lambda r: (r["arguments_bytes"] + r["temporaries_bytes"]) / _GIB)(
-               _record("dryruns.json", model="cogvideox-vae", width=1360, height=768)(root)), lambda v: f"{v:.1f}",
-           "docs/results/dryruns.json: tpupedia dryrun cogvideox-vae (AOT here, one chip, one frame batch)"),
-    Figure("plan.hunyuan.decode_gib", _stage_peak(_HY_DECODE, "decode"), lambda v: f"{v:.2f}",
-           "docs/results/plans.json: tpupedia plan hunyuan --stages decode --vae-tiling on (AOT here, 4 chips)"),
-    Figure("plan.hunyuan.decode_untiled_gib", _oom_gib(_decode_plan("hunyuan", tiled=False)), lambda v: f"{v:.0f}",
-           "docs/results/plans.json: tpupedia plan hunyuan --stages decode --vae-tiling off (AOT here, does not fit)"),
+    *_family_figures(),
     *[Figure(f"nb10.{slice_}.{what}", _printed("10_beyond_one_host", rf"{topology} mesh [^\n]*?{pattern}"), fmt,
              f"notebook 10, section 4: CogVideoX 720p step compiled for {slice_} (AOT here, printed by the notebook)",
              quotes=quotes)

@@ -16,6 +16,7 @@ whose pipeline has an `image` stage).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import os
@@ -72,7 +73,17 @@ def _bytes(path: str | os.PathLike, flag: str) -> bytes:
 
 
 def fingerprint(path: str | os.PathLike) -> str:
-    """The SHA-256 of the picture file's bytes (hex)."""
+    """The SHA-256 of the picture file's bytes (hex). Read once per version of the file (its
+    inode, size and modification time in ns), though every stage's settings ask for it."""
+    try:
+        st = Path(path).stat()
+    except OSError:
+        return hashlib.sha256(_bytes(path, "picture")).hexdigest()  # raises the one-line error
+    return _fingerprint(str(Path(path).resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _fingerprint(path: str, inode: int, size: int, mtime_ns: int) -> str:  # noqa: ARG001 - the cache key
     return hashlib.sha256(_bytes(path, "picture")).hexdigest()
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from tpupedia.models import ModelInputError, checkpoints, tokenizer_files
 from tpupedia.models.shapes import ShapeFacts
-from tpupedia.models.spec import FamilySpec
+from tpupedia.models.spec import FamilySpec, QuotedFigure
 
 __all__ = [
     "FAMILY", "FULL_ID", "FULL_ID_I2V", "FULL_LAYERS", "TEMPORAL_COMPRESSION", "SPATIAL_COMPRESSION", "PATCH_SIZE",
@@ -80,6 +80,11 @@ SHARDING: dict[str, list] = {
 SPEC = FamilySpec(
     name=FAMILY, module=__name__, full_id=FULL_ID, sharding=SHARDING, mask="padding",
     title="CogVideoX (1.5-5B on the full preset): T5 -> transformer -> VAE",
+    figures=(QuotedFigure("plan.cogvideox.decode_gib", "plan_peak", stage="decode", decimals=2,
+                          match={"family": FAMILY, "topology": "v6e:2x4", "layers": None, "vae_tiling": False,
+                                 "stages": ("decode",)},
+                          source="docs/results/plans.json: tpupedia plan cogvideox --stages decode (AOT here, a v6e "
+                                 "host's 4 chips)"),),
 )
 """This family in the registry (`tpupedia.families`)."""
 

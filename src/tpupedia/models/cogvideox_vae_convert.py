@@ -33,7 +33,7 @@ from flax import nnx
 from tpupedia.errors import TpupediaError
 from tpupedia.models import cogvideox_vae as vae_mod
 from tpupedia.models.cogvideox_vae import AutoencoderKLCogVideoX, CogVideoXVAEConfig
-from tpupedia.models.spec import FamilySpec
+from tpupedia.models.spec import FamilySpec, QuotedFigure
 
 __all__ = [
     "WeightRule",
@@ -151,7 +151,11 @@ def dryrun_decoder(width: int, height: int, placement: Any) -> tuple[Any, tuple,
 
 
 SPEC = FamilySpec(name="cogvideox-vae", module=__name__, kind="vae", defaults_from="cogvideox", layer_prefix="",
-                  title="CogVideoX's VAE decoder in Flax NNX (notebook 05): one frame batch on one chip")
+                  title="CogVideoX's VAE decoder in Flax NNX (notebook 05): one frame batch on one chip",
+                  figures=(QuotedFigure("dryrun.cogvideox_vae_gib", "dryrun_peak", decimals=1,
+                                        match={"model": "cogvideox-vae", "width": 1360, "height": 768},
+                                        source="docs/results/dryruns.json: tpupedia dryrun cogvideox-vae (AOT here, "
+                                               "one chip, one frame batch)"),))
 """This dry-run target in the registry (`tpupedia.families`): the frame and size rules and the
 default request are CogVideoX's."""
 

@@ -45,7 +45,7 @@ from typing import Any
 
 from tpupedia.models import ModelInputError, checkpoints, tokenizer_files
 from tpupedia.models.shapes import ShapeFacts
-from tpupedia.models.spec import FamilySpec
+from tpupedia.models.spec import FamilySpec, QuotedFigure
 
 __all__ = ["FAMILY", "FULL_ID", "FULL_LAYERS", "TEMPORAL_COMPRESSION", "SPATIAL_COMPRESSION", "PATCH_SIZE",
            "LATENT_CHANNELS", "DEFAULT_SHAPES", "SHARDING", "SPEC", "shape_facts", "TEXT_SLOTS", "SPLASH_BLOCK_SIZES", "ENV_MODEL", "ModelInputError",
@@ -538,6 +538,28 @@ SPEC = FamilySpec(
     name=FAMILY, module=__name__, full_id=FULL_ID, sharding=SHARDING, mask="padding",
     dryrun_masks=("vector", "matrix"),
     title="HunyuanVideo-1.5 (720p t2v on the full preset): Qwen2.5-VL + ByT5 -> transformer -> VAE",
+    figures=(
+        QuotedFigure("upstream.hunyuan.step_s.tp_fc2", "upstream_step",
+                     match={"name": "HunyuanVideo-1.5 720p t2v, TP + fc2 replicated"}, decimals=2,
+                     source="docs/results/upstream.json (reported upstream, TPU v6e-8)",
+                     quotes=(("docs/**/*.md", r"(\d\.\d\d) s/step with the library splash kernel"),
+                             ("docs/**/*.md", r"TP \+ fc2 replicated: (\d\.\d\d) s/step"),
+                             ("lessons/*.py", r"reports the same direction on a v6e-8: (\d\.\d\d) s/step"))),
+        QuotedFigure("upstream.hunyuan.step_s.exp2", "upstream_step",
+                     match={"name": "HunyuanVideo-1.5 720p t2v, custom exp2 splash"}, decimals=2,
+                     source="docs/results/upstream.json (reported upstream, TPU v6e-8)",
+                     quotes=(("docs/**/*.md", r"(\d\.\d\d) s/step with the custom exp2 kernel"),)),
+        QuotedFigure("plan.hunyuan.decode_gib", "plan_peak", stage="decode", decimals=2,
+                     match={"family": FAMILY, "topology": "v6e:2x4", "layers": None, "vae_tiling": True,
+                            "stages": ("decode",)},
+                     source="docs/results/plans.json: tpupedia plan hunyuan --stages decode --vae-tiling on "
+                            "(AOT here, 4 chips)"),
+        QuotedFigure("plan.hunyuan.decode_untiled_gib", "plan_oom", decimals=0,
+                     match={"family": FAMILY, "topology": "v6e:2x4", "layers": None, "vae_tiling": False,
+                            "stages": ("decode",)},
+                     source="docs/results/plans.json: tpupedia plan hunyuan --stages decode --vae-tiling off "
+                            "(AOT here, does not fit)"),
+    ),
 )
 """This family in the registry (`tpupedia.families`)."""
 

@@ -3,7 +3,8 @@
 Each family module (`tpupedia.models.<name>`) exports `SPEC`; `tpupedia.families` collects them,
 and the command line, the dry-run, the plan, the docs and the tests read the registry instead of
 naming a family. The spec holds what is *data*: names, the checkpoint's hub id, the sharding
-tables, the attention mask's structure, the prefix of one layer's weights. Everything computed
+tables, the attention mask's structure, the prefix of one layer's weights, the numbers the docs
+quote about it (`QuotedFigure`: which results record, which value). Everything computed
 (configs, shape facts read from a checkpoint, frame and size rules, FLOPs, builders) stays a
 function of the family module, which `FamilySpec.facts` imports; a family whose `kind` is
 `"video"` also has a pipeline, `tpupedia.pipelines.<name>` by convention.
@@ -27,12 +28,43 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-__all__ = ["FamilySpec", "KINDS", "MASKS"]
+__all__ = ["FamilySpec", "QuotedFigure", "KINDS", "MASKS", "FIGURE_READS"]
 
 KINDS = ("video", "llm", "vae")
 MASKS = ("padding", "causal_padding")
 """The attention mask's structure a family hands to SDPA (`tpupedia.attention`'s `mask_structure`):
 text padding only (valid(q) & valid(k)), or causal on top of it (an LLM)."""
+
+
+FIGURE_READS = ("plan_peak", "plan_oom", "dryrun_peak", "upstream_step")
+"""What a `QuotedFigure` reads from its record: a plan stage's peak per chip, what a plan's
+program that did not fit asked for, a dry-run's arguments + temporaries (GiB each), or a
+reported step time (s)."""
+
+
+@dataclass(frozen=True)
+class QuotedFigure:
+    """A number the docs quote about a family, read from one record of a results file
+    (`tpupedia.figures` turns it into a checked `Figure`, `{{ figure:NAME }}` in the docs)."""
+
+    name: str
+    read: str
+    """One of `FIGURE_READS`."""
+    match: Mapping[str, Any]
+    """The fields of the one record it reads (`plan_*`: of `plans.json`, where `stages` is the
+    tuple of the record's stage names; `dryrun_peak`: `dryruns.json`; `upstream_step`:
+    `upstream.json`)."""
+    decimals: int
+    source: str
+    """Where the number comes from and how it was obtained, for the docs."""
+    stage: str | None = None
+    """`plan_peak`: the stage whose peak it is."""
+    quotes: tuple[tuple[str, str], ...] = ()
+    """`(glob, regex)` pairs: prose that quotes the number (the consistency test checks each)."""
+
+    def __post_init__(self):
+        if self.read not in FIGURE_READS:
+            raise ValueError(f"{self.name}: read {self.read!r} is not one of {', '.join(FIGURE_READS)}")
 
 
 @dataclass(frozen=True)
@@ -60,6 +92,8 @@ class FamilySpec:
     pipelines run) and, where the stock processor differs, `matrix` (its (B, 1, S, S) matrix)."""
     defaults_from: str | None = None
     """A `"vae"` target: the video family whose default request and frame rule it uses."""
+    figures: tuple[QuotedFigure, ...] = ()
+    """The numbers about this family that the docs quote, each from a results record."""
 
     def __post_init__(self):
         if self.kind not in KINDS:

@@ -12,6 +12,13 @@ Wan 2.2 A14B is two such transformers, *experts*: `transformer` denoises the hig
 `model_index.json`), each with its own guidance scale. Wan 2.2 TI2V-5B gives every video token
 its own timestep (`expand_timesteps`).
 
+Image-to-video (Wan2.1-I2V, Wan2.2-I2V-A14B; diffusers' `WanImageToVideoPipeline`) feeds the
+transformer more input channels than it predicts: beside the 16 noisy latent channels, a mask
+(4 channels: which of the 4 frames folded into each latent frame are given) and the VAE's
+latents of the picture followed by black frames (16): 36 in, 16 out (`i2v_transformer_config`).
+Wan 2.1's I2V also cross-attends to the picture's CLIP ViT-H/14 features (`image_dim`, an
+`image_encoder` component); Wan 2.2's does not.
+
 Shape facts come from the checkpoint's configs as diffusers reads them (`shape_facts`: the VAE's
 `scale_factor_spatial` and `scale_factor_temporal`, the transformer's `patch_size`, the VAE's
 `z_dim`); the constants here are the 14B releases' and only defaults. Introduced in notebook 11
@@ -33,12 +40,18 @@ __all__ = ["FAMILY", "FULL_ID", "FULL_ID_22", "FULL_LAYERS", "DEFAULT_SHAPES", "
            "full_transformer_config", "full_configs", "tiny_transformer_config", "tiny_vae_config",
            "tiny_text_encoder_config", "TI2V_VAE", "default_request", "shape_facts", "check_frames", "check_size",
            "latent_shape", "video_tokens", "step_flops", "build", "step_inputs", "tiny_checkpoint",
-           "model_source", "named_source", "component_configs", "experts", "boundary_timestep", "make_vae_jit_friendly"]
+           "model_source", "named_source", "component_configs", "experts", "boundary_timestep", "make_vae_jit_friendly",
+           "FULL_ID_I2V", "FULL_ID_22_I2V", "i2v_transformer_config", "image_to_video", "full_image_encoder_config",
+           "tiny_image_encoder_config", "tiny_image_processor", "condition_mask"]
 
 FAMILY = "wan"
 FULL_ID = "Wan-AI/Wan2.1-T2V-14B-Diffusers"
 FULL_ID_22 = "Wan-AI/Wan2.2-T2V-A14B-Diffusers"
 """Wan 2.2's two-expert text-to-video release (`--model`); the full preset loads Wan 2.1."""
+FULL_ID_I2V = "Wan-AI/Wan2.1-I2V-14B-720P-Diffusers"
+"""The image-to-video release the full preset loads for a request with a picture."""
+FULL_ID_22_I2V = "Wan-AI/Wan2.2-I2V-A14B-Diffusers"
+"""Wan 2.2's two-expert image-to-video release (`--model`); no image encoder."""
 FULL_LAYERS = 40
 TEXT_TOKENS = 512  # the pipeline's max_sequence_length: umT5 tokens, zero-padded after the prompt
 TEXT_DIM = 4096  # umT5-XXL's width
@@ -60,11 +73,16 @@ SCHEDULER_CONFIG: dict[str, Any] = dict(
     solver_order=2, solver_type="bh2", lower_order_final=True, predict_x0=True, final_sigmas_type="zero",
     timestep_spacing="linspace")
 BOUNDARY_RATIO = 0.875
-"""Wan 2.2 A14B's switch from the high-noise to the low-noise expert (its `model_index.json`)."""
+"""Wan 2.2 T2V-A14B's switch from the high-noise to the low-noise expert (its `model_index.json`)."""
+BOUNDARY_RATIO_I2V = 0.9
+"""Wan 2.2 I2V-A14B's switch (its `model_index.json`; the Wan team's config says `boundary = 0.900`)."""
 
 # Sharding tables for the transformer (diffusers `WanTransformer3DModel` names): self-attention
-# (`attn1`) and cross-attention (`attn2`) projections and the FFN as Megatron pairs.
-_COL = r"(attn1\.to_q|attn1\.to_k|attn1\.to_v|attn2\.to_q|attn2\.to_k|attn2\.to_v|ffn\.net\.0\.proj)"
+# (`attn1`) and cross-attention (`attn2`) projections and the FFN as Megatron pairs. Wan 2.1
+# I2V's cross-attention has keys and values of its own for the picture's CLIP tokens
+# (`add_k_proj`, `add_v_proj`: 3.9 GiB per chip at 14B if left whole), split like `to_k`/`to_v`.
+_COL = (r"(attn1\.to_q|attn1\.to_k|attn1\.to_v|attn2\.to_q|attn2\.to_k|attn2\.to_v|attn2\.add_k_proj|"
+        r"attn2\.add_v_proj|ffn\.net\.0\.proj)")
 _ROW = r"(attn1\.to_out\.0|attn2\.to_out\.0|ffn\.net\.2)"
 SHARDING: dict[str, list] = {
     "tp": [
@@ -102,10 +120,11 @@ def full_text_encoder_config() -> dict[str, Any]:
                 is_gated_act=True, tie_word_embeddings=False)
 
 
-def full_configs(experts: int = 1) -> dict[str, dict]:
+def full_configs(experts: int = 1, image_to_video: bool = False) -> dict[str, dict]:
     """The release's component configs, as `component_configs` reads them, for planning without a
     download (`tpupedia plan`): Wan 2.1 14B, or with `experts=2` Wan 2.2 A14B (a second
-    transformer of the same shapes and the boundary)."""
+    transformer of the same shapes and the boundary). `image_to_video`: the I2V releases' (36
+    input channels; Wan 2.1's CLIP image encoder and the transformer's image projections)."""
     import torch
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
     from transformers import UMT5Config
@@ -114,12 +133,49 @@ def full_configs(experts: int = 1) -> dict[str, dict]:
         transformer = dict(WanTransformer3DModel(**full_transformer_config(layers=1)).config)
         vae = dict(AutoencoderKLWan().config)
     transformer |= {"num_layers": FULL_LAYERS}
+    if image_to_video:
+        image_dim = None if experts == 2 else full_image_encoder_config()["hidden_size"]
+        transformer = i2v_transformer_config(transformer, vae["z_dim"], DEFAULT_SHAPES.temporal, image_dim)
     configs = {"transformer": transformer, "vae": vae, "scheduler": dict(UniPCMultistepScheduler(**SCHEDULER_CONFIG).config),
                "text_encoder": UMT5Config(**full_text_encoder_config()).to_dict(),
                "pipeline": {"boundary_ratio": None, "expand_timesteps": False}}
     if experts == 2:
-        configs |= {"transformer_2": dict(transformer), "pipeline": {"boundary_ratio": BOUNDARY_RATIO, "expand_timesteps": False}}
+        ratio = BOUNDARY_RATIO_I2V if image_to_video else BOUNDARY_RATIO
+        configs |= {"transformer_2": dict(transformer), "pipeline": {"boundary_ratio": ratio, "expand_timesteps": False}}
+    elif image_to_video:
+        from transformers import CLIPVisionConfig
+
+        configs["image_encoder"] = CLIPVisionConfig(**full_image_encoder_config()).to_dict()
     return configs
+
+
+def full_image_encoder_config() -> dict[str, Any]:
+    """Wan 2.1 I2V's image encoder: OpenCLIP ViT-H/14 (the Wan team's `clip_xlm_roberta_vit_h_14`)
+    as a transformers `CLIPVisionModel`: 32 layers of width 1280, 16 heads, patches of 14 over 224
+    px, so 257 tokens (256 patches and the class token)."""
+    return dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=16,
+                image_size=224, patch_size=14, projection_dim=1024, hidden_act="gelu", layer_norm_eps=1e-5)
+
+
+def i2v_transformer_config(config: dict[str, Any], z_dim: int, temporal: int, image_dim: int | None = None) -> dict[str, Any]:
+    """`config` (a text-to-video transformer's) in the image-to-video layout: the input takes the
+    noisy latents, the mask (`temporal` channels, one per frame folded into a latent frame) and
+    the picture's latents (`z_dim`): 36 channels for the releases' 16. With `image_dim` (Wan 2.1
+    I2V: the CLIP features' width) the transformer embeds the picture's features and each block's
+    cross-attention reads them through its own key and value projections (`added_kv_proj_dim`,
+    the model's width)."""
+    out = config | {"in_channels": 2 * z_dim + temporal}
+    if image_dim is not None:
+        out |= {"image_dim": image_dim, "added_kv_proj_dim": config["num_attention_heads"] * config["attention_head_dim"]}
+    return out
+
+
+def image_to_video(configs: dict[str, dict]) -> bool:
+    """Whether a checkpoint (its component configs) generates from a picture: its transformer takes
+    the mask and the picture's latents beside the noisy latents (`i2v_transformer_config`)."""
+    facts = shape_facts(configs)
+    transformer = configs.get("transformer") or configs["transformer_2"]
+    return transformer["in_channels"] == 2 * facts.latent_channels + facts.temporal
 
 
 def tiny_transformer_config() -> dict[str, Any]:
@@ -135,6 +191,23 @@ def tiny_vae_config() -> dict[str, Any]:
     channels, with per-channel latent statistics that are not 0 and 1, so the de-normalisation shows."""
     return dict(base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1, temperal_downsample=[False, True, True],
                 latents_mean=[-0.25, 0.5, 0.1, -0.7], latents_std=[2.0, 1.5, 0.8, 2.5])
+
+
+def tiny_image_encoder_config() -> dict[str, Any]:
+    """A 2-layer CLIP vision tower (width 16, patches of 8 over 32 px: 17 tokens), the ViT-H/14's
+    structure at CPU size."""
+    return dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+                patch_size=8, projection_dim=16, hidden_act="gelu", layer_norm_eps=1e-5)
+
+
+def tiny_image_processor():
+    """The release's CLIP preprocessing (shortest side resized bicubic, centre crop, CLIP's mean
+    and std) at the tiny tower's 32 px: `CLIPImageProcessorPil`, the PIL backend of the
+    `CLIPImageProcessor` the release names (whose default backend needs torchvision)."""
+    from transformers import CLIPImageProcessorPil
+
+    side = tiny_image_encoder_config()["image_size"]
+    return CLIPImageProcessorPil(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
 
 
 TI2V_VAE = dict(is_residual=True, in_channels=12, out_channels=12, patch_size=2, decoder_base_dim=16,
@@ -197,6 +270,19 @@ def check_size(width: int, height: int, facts: ShapeFacts = DEFAULT_SHAPES) -> N
 def latent_shape(frames: int, height: int, width: int, facts: ShapeFacts = DEFAULT_SHAPES) -> tuple[int, ...]:
     """`(1, C, T, H/8, W/8)`, the latents `WanPipeline.prepare_latents` draws."""
     return (1, facts.latent_channels, facts.latent_frames(frames), *facts.latent_size(height, width))
+
+
+def condition_mask(frames: int, height: int, width: int, facts: ShapeFacts = DEFAULT_SHAPES) -> Any:
+    """The mask channels of image-to-video's condition, `(1, temporal, latent frames, height, width)`
+    float32 (latent `height` x `width`): which pixel frames are given. The VAE folds the first frame
+    alone into latent frame 0 and `temporal` frames into each later one; the mask repeats the first
+    frame `temporal` times so that every latent frame has `temporal` channels, one per pixel frame:
+    all ones in latent frame 0 (the picture), zeros after (frames to generate)."""
+    import torch
+
+    mask = torch.zeros(1, facts.temporal, facts.latent_frames(frames), height, width)
+    mask[:, :, 0] = 1.0
+    return mask
 
 
 def video_tokens(width: int, height: int, frames: int, facts: ShapeFacts = DEFAULT_SHAPES) -> int:
@@ -288,20 +374,31 @@ def boundary_timestep(configs: dict[str, dict]) -> float | None:
 # --- weights: tiny checkpoints and loading -------------------------------------------------------
 
 def tiny_checkpoint(directory: "str | os.PathLike | None" = None, seed: int = 0, experts: int = 1,
-                    vae: dict | None = None, transformer: dict | None = None, expand_timesteps: bool = False) -> Path:
+                    vae: dict | None = None, transformer: dict | None = None, expand_timesteps: bool = False,
+                    image_to_video: bool = False) -> Path:
     """Write a whole random `WanPipeline` (umT5 encoder with a SentencePiece tokenizer in the
     diffusers checkpoints' layout, `tokenizer_files.write_t5_fast`; transformer, VAE, UniPC
     scheduler) with `save_pretrained` (safetensors) and return its directory (cached, named by its
     configs, written atomically). `experts=2` writes Wan 2.2's layout: a second transformer and
     the boundary in `model_index.json`. `vae` and `transformer` override config entries;
     `expand_timesteps` writes Wan 2.2 TI2V's flag (a timestep per latent token; with
-    `TI2V_VAE` for that checkpoint's residual, patchified VAE)."""
+    `TI2V_VAE` for that checkpoint's residual, patchified VAE). `image_to_video` writes a
+    `WanImageToVideoPipeline` in the I2V releases' layout (`i2v_transformer_config`): with one
+    expert Wan2.1-I2V's (a CLIP image encoder and its `CLIPImageProcessorPil`), with two
+    Wan2.2-I2V-A14B's (no image encoder, its boundary)."""
     if experts not in (1, 2):
         raise ModelInputError(f"experts={experts}: Wan checkpoints have 1 (2.1) or 2 (2.2 A14B) transformers")
     transformer_config = tiny_transformer_config() | (transformer or {})
     vae_config = tiny_vae_config() | (vae or {})
+    clip = image_to_video and experts == 1  # Wan 2.1 I2V: the picture's CLIP features too
+    if image_to_video:
+        transformer_config = i2v_transformer_config(
+            transformer_config, vae_config["z_dim"], DEFAULT_SHAPES.temporal,
+            tiny_image_encoder_config()["hidden_size"] if clip else None)
     spec = [transformer_config, vae_config, tiny_text_encoder_config(), SCHEDULER_CONFIG, seed, experts, "t5-fast",
             tokenizer_files.T5_CORPUS] + (["expand_timesteps"] if expand_timesteps else [])
+    if image_to_video:
+        spec += ["i2v", tiny_image_encoder_config() if clip else None]
 
     def write_tokenizer(folder):
         return tokenizer_files.write_t5_fast(folder, max_length=TEXT_TOKENS)
@@ -320,17 +417,33 @@ def tiny_checkpoint(directory: "str | os.PathLike | None" = None, seed: int = 0,
                      vae=AutoencoderKLWan(**vae_config).eval(), transformer=WanTransformer3DModel(**transformer_config).eval(),
                      scheduler=UniPCMultistepScheduler(**SCHEDULER_CONFIG))
         if experts == 2:
-            parts |= dict(transformer_2=WanTransformer3DModel(**transformer_config).eval(), boundary_ratio=BOUNDARY_RATIO)
-        return WanPipeline(**parts, expand_timesteps=expand_timesteps)
+            parts |= dict(transformer_2=WanTransformer3DModel(**transformer_config).eval(),
+                          boundary_ratio=BOUNDARY_RATIO_I2V if image_to_video else BOUNDARY_RATIO)
+        if not image_to_video:
+            return WanPipeline(**parts, expand_timesteps=expand_timesteps)
+        from diffusers import WanImageToVideoPipeline
+        from transformers import CLIPVisionConfig, CLIPVisionModel
+
+        if clip:
+            parts |= dict(image_encoder=CLIPVisionModel(CLIPVisionConfig(**tiny_image_encoder_config())).eval(),
+                          image_processor=tiny_image_processor())
+        return WanImageToVideoPipeline(**parts, expand_timesteps=expand_timesteps)
 
     name = "wan22-ti2v" if expand_timesteps else f"wan{'22' if experts == 2 else '21'}"
+    name += "-i2v" if image_to_video else ""
     return checkpoints.cached_pipeline(f"{name}-tiny", spec, build, directory,
                                        finish=lambda path: write_tokenizer(path / "tokenizer"))
 
 
-def model_source(preset: Any, model: "str | os.PathLike | None" = None) -> tuple[str, str]:
+def model_source(preset: Any, model: "str | os.PathLike | None" = None,
+                 image_to_video: bool = False) -> tuple[str, str]:
     """`(where to load from, label for stage files)`: `model` if given, else `$TPUPEDIA_WAN`, else
-    the preset's (`FULL_ID` for full; the tiny Wan 2.1 checkpoint, labelled `preset:tiny`)."""
+    the preset's (`FULL_ID` for full, `FULL_ID_I2V` with `image_to_video`; the tiny Wan 2.1
+    checkpoint of that kind, labelled `preset:tiny` or `preset:tiny-i2v`)."""
+    if image_to_video:
+        source, label = checkpoints.choose_source(preset, model, ENV_MODEL, FULL_ID_I2V,
+                                                  lambda: tiny_checkpoint(image_to_video=True))
+        return source, (label + "-i2v" if label.startswith("preset:") else label)
     return checkpoints.choose_source(preset, model, ENV_MODEL, FULL_ID, tiny_checkpoint)
 
 
@@ -342,7 +455,8 @@ def named_source(model: "str | os.PathLike | None" = None) -> str | None:
 def component_configs(source: str) -> dict[str, dict]:
     """The checkpoint's component configs (no weights read), minus version and path entries, and
     `pipeline`: the `model_index.json` entries that change the run (`boundary_ratio`,
-    `expand_timesteps`). A second transformer is read where `model_index.json` names one."""
+    `expand_timesteps`, and the `image_processor` library and class where it names one). A second
+    transformer and an image encoder are read where `model_index.json` names them."""
     import diffusers
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
     from transformers import AutoConfig
@@ -356,7 +470,11 @@ def component_configs(source: str) -> dict[str, dict]:
     }
     if (index.get("transformer_2") or [None])[0] is not None:
         loaders["transformer_2"] = lambda s: WanTransformer3DModel.load_config(s, subfolder="transformer_2")
+    if (index.get("image_encoder") or [None])[0] is not None:  # Wan 2.1 I2V's CLIP vision tower
+        loaders["image_encoder"] = lambda s: AutoConfig.from_pretrained(s, subfolder="image_encoder").to_dict()
     configs = checkpoints.read_configs(source, loaders)
     configs["pipeline"] = {"boundary_ratio": index.get("boundary_ratio"),
                            "expand_timesteps": bool(index.get("expand_timesteps", False))}
+    if (index.get("image_processor") or [None])[0] is not None:  # the class that preprocesses the picture
+        configs["pipeline"]["image_processor"] = index["image_processor"]
     return configs

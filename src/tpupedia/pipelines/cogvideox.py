@@ -70,15 +70,8 @@ def settings(stage: str, source_label: str, configs: dict[str, dict], request: R
     `scheduler`, `vae`); their fingerprints stand for the model, `source_label` for where the
     weights came from. Attention backend, sharding and mesh change speed, not the video.
     """
-    out = {"model": family.FAMILY, "source": source_label, "dtype": dtype}
-    if stage != "image":
-        out |= {"text_encoder": common.config_fingerprint(configs["text_encoder"]),
-                "prompt": request.prompt, "negative_prompt": request.negative_prompt}
-    if request.image is not None and stage != "text":  # the picture, and what its latents depend on
-        from tpupedia import pictures
-
-        out |= {"image": pictures.fingerprint(request.image), "vae_config": common.config_fingerprint(configs["vae"]),
-                "frames": request.frames, "height": request.height, "width": request.width, "seed": request.seed}
+    out = common.stage_settings(family.FAMILY, stage, source_label, configs, request, dtype,
+                                picture={"seed": request.seed})  # the posterior is sampled
     if stage in ("denoise", "decode"):
         out |= {"transformer": common.config_fingerprint(configs["transformer"]),
                 "scheduler": common.config_fingerprint(configs["scheduler"]),
@@ -101,31 +94,6 @@ class CogVideoX(common.StagedPipeline):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.traces = {"text": 0, "image": 0, "denoise": 0}
-
-    @classmethod
-    def source(cls, preset, model, request) -> tuple[str, str]:
-        return family.model_source(preset, model, image_to_video=request.image is not None)
-
-    @classmethod
-    def release_configs(cls, request: Request) -> dict[str, dict]:
-        return family.full_configs(image_to_video=request.image is not None)
-
-    @classmethod
-    def validate(cls, request: Request, options: Options, device_count: int | None = None,
-                 configs: dict[str, dict] | None = None, *, shape_rules: bool = True) -> None:
-        """The common rules, then (with the checkpoint's `configs`) that the request and the
-        checkpoint agree: a picture for an image-to-video checkpoint, none for a text-to-video one."""
-        super().validate(request, options, device_count, configs, shape_rules=shape_rules)
-        if configs is None:
-            return
-        channels, latent = configs["transformer"]["in_channels"], configs["vae"]["latent_channels"]
-        if request.image is not None and not family.image_to_video(configs):
-            raise PipelineError(f"--image {request.image}: this checkpoint is text-to-video (its transformer takes "
-                                f"{channels} input channels, the VAE's {latent}); an image-to-video one takes "
-                                f"{2 * latent}, e.g. {family.FULL_ID_I2V}")
-        if request.image is None and family.image_to_video(configs):
-            raise PipelineError(f"this checkpoint is image-to-video (its transformer takes {channels} input channels: "
-                                f"the picture's {latent} latent channels beside the noise's): give --image PICTURE")
 
     @classmethod
     def settings_for(cls, source_label, configs, request, options, dtype, stage) -> dict:

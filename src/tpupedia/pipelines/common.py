@@ -31,7 +31,7 @@ from tpupedia.pipelines import stages
 
 __all__ = ["PipelineError", "Request", "Options", "validate", "mesh_shape", "check_workdir", "SEED_LIMIT", "parse_mesh", "default_mesh_shape", "StageReport",
            "StagedPipeline", "run", "run_batch", "attention_backend", "torch_dtype", "to_jax_array", "to_torch",
-           "timed", "load_stock", "denoise_loop", "STAGE_INPUTS", "request_stages", "check_batch_base", "config_fingerprint", "ATTENTION", "DTYPES", "SHARDINGS"]
+           "timed", "load_stock", "denoise_loop", "STAGE_INPUTS", "request_stages", "batch_requests", "stage_settings", "config_fingerprint", "ATTENTION", "DTYPES", "SHARDINGS"]
 
 ATTENTION = ("auto", "splash", "reference")
 DTYPES = ("auto", "bfloat16", "float32")
@@ -167,6 +167,24 @@ def parse_mesh(text: str) -> tuple[int, int]:
     return shape
 
 
+def stage_settings(family_name: str, stage: str, source_label: str, configs: dict[str, dict], request: Request,
+                   dtype: str, *, picture: dict | None = None) -> dict:
+    """The settings a stage of a one-text-encoder family starts from: the model, the checkpoint's
+    label and the dtype; the text encoder and the prompts for every stage but `image`; and with a
+    picture, for every stage but `text`, its SHA-256, the VAE config and the video's shape, plus
+    `picture` (what else the family's image stage depends on)."""
+    out = {"model": family_name, "source": source_label, "dtype": dtype}
+    if stage != "image":
+        out |= {"text_encoder": config_fingerprint(configs["text_encoder"]),
+                "prompt": request.prompt, "negative_prompt": request.negative_prompt}
+    if request.image is not None and stage != "text":
+        from tpupedia import pictures
+
+        out |= {"image": pictures.fingerprint(request.image), "vae_config": config_fingerprint(configs["vae"]),
+                "frames": request.frames, "height": request.height, "width": request.width} | (picture or {})
+    return out
+
+
 def config_fingerprint(config: dict) -> str:
     """A component config's fingerprint, private (`_`-prefixed) entries left out."""
     return stages.fingerprint({k: v for k, v in dict(config).items() if not k.startswith("_")})
@@ -295,15 +313,19 @@ class StagedPipeline:
 
     @classmethod
     def validate(cls, request: Request, options: Options, device_count: int | None = None,
-                 configs: dict[str, dict] | None = None, *, shape_rules: bool = True) -> None:
+                 configs: dict[str, dict] | None = None, *, shape_rules: bool = True, kind: bool = True) -> None:
         """Everything checkable before a model loads: the common rules, then the family's frame and
         size rules with the checkpoint's shape facts (`configs`; without them, the released
-        checkpoint's, unless `shape_rules=False`: a checkpoint whose configs are not read yet), and
-        the mesh against the guidance batch."""
+        checkpoint's, unless `shape_rules=False`: a checkpoint whose configs are not read yet), the
+        mesh against the guidance batch, and (`kind`, with `configs`) that the request has a picture
+        exactly when the checkpoint is image-to-video (`check_kind`; a batch's shared request
+        leaves that to each of its lines)."""
         if request.image is not None and not cls.image_to_video:
             raise PipelineError(f"--image {request.image}: image-to-video is not implemented for "
                                 f"{cls.family.FAMILY} yet; its pipeline generates from text only")
         validate(request, options, device_count, vaes=cls.vaes)
+        if kind and configs is not None and cls.image_to_video:  # the request and the checkpoint agree on a picture
+            cls.check_kind(request, configs)
         if shape_rules or configs is not None:
             facts = cls.family.shape_facts(configs) if configs is not None else cls.family.DEFAULT_SHAPES
             cls.family.check_frames(request.frames, facts)
@@ -311,6 +333,20 @@ class StagedPipeline:
         batch = cls.guidance_batch(request, configs)
         if batch is not None:
             mesh_shape(options, device_count or math.prod(options.mesh or (1, 1)), batch)
+
+    @classmethod
+    def check_kind(cls, request: Request, configs: dict[str, dict]) -> None:
+        """A picture for an image-to-video checkpoint (`family.image_to_video(configs)`: its
+        transformer takes the picture's latents as more input channels), none for a text-to-video one."""
+        i2v = cls.family.image_to_video(configs)
+        transformer = configs.get("transformer") or configs["transformer_2"]
+        channels = f"its transformer takes {transformer['in_channels']} input channels"
+        if request.image is not None and not i2v:
+            raise PipelineError(f"--image {request.image}: this checkpoint is text-to-video ({channels}, the noisy "
+                                f"latents' only); give an image-to-video one, e.g. {cls.family.FULL_ID_I2V}")
+        if request.image is None and i2v:
+            raise PipelineError(f"this checkpoint is image-to-video ({channels}: the picture's latents beside the "
+                                "noisy ones): give --image PICTURE")
 
     @classmethod
     def guidance_batch(cls, request: Request, configs: dict[str, dict] | None = None) -> int | None:
@@ -402,13 +438,18 @@ class StagedPipeline:
     @classmethod
     def release_configs(cls, request: Request) -> dict[str, dict]:
         """The released checkpoint's component configs for `request` (`family.full_configs`: what
-        `tpupedia.plan` plans without a download)."""
+        `tpupedia.plan` plans without a download; a family with image-to-video gives its
+        image-to-video release's for a request with a picture)."""
+        if cls.image_to_video:
+            return cls.family.full_configs(image_to_video=request.image is not None)
         return cls.family.full_configs()
 
     @classmethod
     def source(cls, preset: Any, model: str | None, request: Request) -> tuple[str, str]:
         """`(where to load from, label)` for `request`: the family's `model_source` (a family
         with image-to-video picks its image-to-video checkpoint for a request with a picture)."""
+        if cls.image_to_video:
+            return cls.family.model_source(preset, model, image_to_video=request.image is not None)
         return cls.family.model_source(preset, model)
 
     def encode_image(self, request: Request) -> tuple[dict, dict]:
@@ -702,11 +743,29 @@ def _write_video(pipe: StagedPipeline, request: Request, workdir: Path, out: str
     return video.write_mp4(decoded["frames"].numpy(), out, fps=request.fps)
 
 
-def check_batch_base(base: Request) -> None:
-    """Refuse what a batch's shared request cannot hold (a picture: a batch is text-to-video)."""
-    if base.image is not None:
-        raise PipelineError(f"--image {base.image} with --prompts: a batch generates from text; "
-                            "image-to-video runs one picture at a time (no --prompts)")
+def batch_requests(pipeline_cls: type[StagedPipeline], items: list, base: Request, options: Options,
+                   device_count: int | None = None, configs: dict[str, dict] | None = None, *,
+                   model: str | None = None) -> dict[int, Request]:
+    """Each prompt's request (`base` with the line's fields, `tpupedia.batch.Item`), by index,
+    every one validated (its picture checked; with the checkpoint's `configs`, its shape facts and
+    kind), the first failure naming its prompt. A batch runs one checkpoint: either every request
+    has a picture (image-to-video: a line's `image` field, or `--image` for all) or none does."""
+    from tpupedia import batch
+
+    requests = {item.index: batch.item_request(item, base) for item in items}
+    pictures = [k for k, r in requests.items() if r.image is not None]
+    if pictures and len(pictures) < len(requests):
+        without = next(k for k, r in requests.items() if r.image is None)
+        raise PipelineError(f"prompt {without} has no picture but {len(pictures)} of the batch's {len(requests)} "
+                            "prompts have one: a batch runs one checkpoint, image-to-video (a picture for every "
+                            "line: an \"image\" field, or --image for all) or text-to-video (none)")
+    for item in items:
+        try:
+            pipeline_cls.validate(requests[item.index], options, device_count, configs,
+                                  shape_rules=configs is not None or not pipeline_cls.family.named_source(model))
+        except TpupediaError as err:
+            raise PipelineError(f"prompt {item.index} ({item.prompt[:40]!r}): {err}") from None
+    return requests
 
 
 def run_batch(pipeline_cls: type[StagedPipeline], prompts: str | Path, base: Request, options: Options, *,
@@ -728,24 +787,13 @@ def run_batch(pipeline_cls: type[StagedPipeline], prompts: str | Path, base: Req
 
     from tpupedia import batch, devices, distributed, results, video
 
-    check_batch_base(base)
     items = batch.read_prompts(prompts)
-    requests = {item.index: batch.item_request(item, base) for item in items}
+    requests = batch_requests(pipeline_cls, items, base, options, len(jax.local_devices()), model=model)
     family = pipeline_cls.family
-
-    def check_all(configs=None):
-        for item in items:
-            try:
-                pipeline_cls.validate(requests[item.index], options, len(jax.local_devices()), configs,
-                                      shape_rules=configs is not None or not family.named_source(model))
-            except TpupediaError as err:
-                raise PipelineError(f"prompt {item.index} ({item.prompt[:40]!r}): {err}") from None
-
-    check_all()  # before anything is loaded; then with the checkpoint's configs
     outdir = check_workdir(outdir, "--outdir")
-    source, label = family.model_source(preset, model)
+    source, label = pipeline_cls.source(preset, model, requests[0])  # image-to-video picks its own
     configs = family.component_configs(source)
-    check_all(configs)
+    batch_requests(pipeline_cls, items, base, options, len(jax.local_devices()), configs)
     if prepare is not None:
         for item in items:
             try:
@@ -781,7 +829,7 @@ def run_batch(pipeline_cls: type[StagedPipeline], prompts: str | Path, base: Req
         totals.append(timings["total_s"])
         path = batch.record(outdir, item, fingerprint, lambda p: video.write_mp4(frames, p, fps=request.fps),
                             {"seed": request.seed, "timings": timings, "process": process,
-                             "machine": results.machine()})
+                             "machine": results.machine()} | ({"image": request.image} if request.image else {}))
         made.append(item.name)
         log(f"{item.name}: wrote {path.name} ({timings['total_s']:.1f} s)")
     if pipe is not None:

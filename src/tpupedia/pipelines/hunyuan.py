@@ -135,8 +135,8 @@ class Hunyuan(common.StagedPipeline):
 
     @classmethod
     def validate(cls, request: Request, options: Options, device_count: int | None = None,
-                 configs: dict[str, dict] | None = None, *, shape_rules: bool = True) -> None:
-        super().validate(request, options, device_count, configs, shape_rules=shape_rules)
+                 configs: dict[str, dict] | None = None, *, shape_rules: bool = True, kind: bool = True) -> None:
+        super().validate(request, options, device_count, configs, shape_rules=shape_rules, kind=kind)
         if request.shift is not None and (not math.isfinite(request.shift) or request.shift <= 0):
             raise PipelineError(f"shift={request.shift} must be a finite number > 0 (1 leaves the schedule unshifted)")
         if request.deepcache is not None:

@@ -18,8 +18,21 @@ What is Wan's own, on top of what notebooks 06 and 07 built (`tpupedia.pipelines
    markers (static): one compiled program for the first frame, one for the second, one for all
    later frames (`decode_frames`).
 
-Same weights and seed as `WanPipeline(output_type="np")` give the same frames (float32: within
-1e-4, tests/test_wan.py). Introduced in notebook 11 (Wan on TPU); `tpupedia generate wan`.
+Image-to-video (Wan2.1-I2V, Wan2.2-I2V-A14B; `Request.image`) adds a stage between text and denoise:
+
+* `encode_image`: the picture resized by diffusers' `VideoProcessor`, followed by black frames up
+  to the video's length, through the VAE's encoder one chunk of frames at a time (the first frame,
+  then 4 at a time: `encode_frames`, the decoder's cache treatment in reverse), the posterior's
+  mean normalised like the latents, and in front of it the mask channels that mark the given
+  frame; for Wan 2.1 also the picture's CLIP features (the checkpoint's own image processor, the
+  CLIP vision tower jitted, its penultimate hidden states) -> `image.safetensors` holding
+  `condition` and `image_embeds`. Nothing is drawn (the stock pipeline takes the posterior's
+  mean), so the denoise stage's noise is the text-to-video one; each step feeds the condition
+  beside the latents and the features to the cross-attention.
+
+Same weights and seed as `WanPipeline(output_type="np")` (`WanImageToVideoPipeline` with a picture)
+give the same frames (float32: within 1e-4, tests/test_wan.py, tests/test_image_to_video.py).
+Introduced in notebook 11 (Wan on TPU); `tpupedia generate wan`.
 """
 
 from __future__ import annotations
@@ -69,9 +82,9 @@ def resolve(request: Request, configs: dict[str, dict]) -> Request:
 def settings(stage: str, source_label: str, configs: dict[str, dict], request: Request, *, dtype: str) -> dict:
     """Every setting that changes the tensors of `stage` (and of the stages before it)."""
     request = resolve(request, configs)
-    out = {"model": family.FAMILY, "source": source_label, "dtype": dtype,
-           "text_encoder": common.config_fingerprint(configs["text_encoder"]),
-           "prompt": request.prompt, "negative_prompt": request.negative_prompt}
+    clip = ({"image_encoder": common.config_fingerprint(configs["image_encoder"]),
+             "image_processor": configs["pipeline"].get("image_processor")} if "image_encoder" in configs else {})
+    out = common.stage_settings(family.FAMILY, stage, source_label, configs, request, dtype, picture=clip)
     if stage in ("denoise", "decode"):
         out |= {name: common.config_fingerprint(configs[name]) for name in family.experts(configs)}
         out |= {"scheduler": common.config_fingerprint(configs["scheduler"]),
@@ -89,15 +102,16 @@ class Wan(common.StagedPipeline):
 
     family = family
     vaes = ("torchax",)
+    image_to_video = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.traces = {"text": 0, "denoise": 0, "decode": 0}
+        self.traces = {"text": 0, "image": 0, "denoise": 0, "decode": 0}
 
     @classmethod
     def validate(cls, request: Request, options: Options, device_count: int | None = None,
-                 configs: dict[str, dict] | None = None, *, shape_rules: bool = True) -> None:
-        super().validate(request, options, device_count, configs, shape_rules=shape_rules)
+                 configs: dict[str, dict] | None = None, *, shape_rules: bool = True, kind: bool = True) -> None:
+        super().validate(request, options, device_count, configs, shape_rules=shape_rules, kind=kind)
         if request.guidance_2 is not None and (not math.isfinite(request.guidance_2) or request.guidance_2 < 0):
             raise PipelineError(f"guidance_2={request.guidance_2} must be a finite number >= 0")
         if request.guidance_2 is not None and configs is not None and len(family.experts(configs)) == 1:
@@ -106,6 +120,16 @@ class Wan(common.StagedPipeline):
         if request.vae_tiling:
             raise PipelineError("vae_tiling=on: Wan's VAE decodes untiled here (one latent frame at a time; "
                                 "tiled decode is not implemented for Wan yet); use --vae-tiling off")
+
+    @classmethod
+    def check_kind(cls, request: Request, configs: dict[str, dict]) -> None:
+        """The common rule, and Wan 2.2 TI2V's picture refused by name (its image-to-video puts the
+        picture's latents in place of the first latent frame; not implemented here)."""
+        if request.image is not None and configs.get("pipeline", {}).get("expand_timesteps"):
+            raise PipelineError(f"--image {request.image}: this is a Wan 2.2 TI2V checkpoint (expand_timesteps); its "
+                                "image-to-video (the picture as the first latent frame) is not implemented here, "
+                                f"its text-to-video is; for a picture use an image-to-video one, e.g. {family.FULL_ID_I2V}")
+        super().check_kind(request, configs)
 
     @classmethod
     def settings_for(cls, source_label, configs, request, options, dtype, stage) -> dict:
@@ -167,6 +191,98 @@ class Wan(common.StagedPipeline):
                             jit_kwargs={"out_shardings": replicated}, weights_bytes=self.plans["text_encoder"].bytes_per_device,
                             calls=2, component="text_encoder")]
 
+    # -- image-to-video: the picture's condition --------------------------------------------
+    def _encode_image(self, request: Request) -> tuple[dict, dict]:
+        """The picture as the denoiser's condition, as `WanImageToVideoPipeline` makes it:
+        `condition` (1, mask + latent channels, latent frames, h, w), float32: the picture resized
+        by `VideoProcessor`, black frames after it, the VAE's posterior mean (`encode_frames`)
+        normalised by the VAE's latent statistics, behind `family.condition_mask`; with an image
+        encoder (Wan 2.1) also `image_embeds` (1, tokens, width): the CLIP tower's penultimate
+        hidden states of the picture as the checkpoint's image processor prepares it."""
+        import jax
+        import torch
+        from diffusers import AutoencoderKLWan
+        from diffusers.video_processor import VideoProcessor
+
+        from tpupedia import pictures
+
+        picture = pictures.read(request.image)
+        out, start = {}, time.perf_counter()
+        with self._precision():
+            if "image_encoder" in self.configs:
+                program = self._image_programs(request)[0]
+                clip = self.held("image", "jit", lambda: jax.jit(program.fn, **program.jit_kwargs))
+                weights, buffers, pixels_spec = program.args
+                pixels = self._image_processor()(images=picture, return_tensors="pt").pixel_values
+                features = clip(weights, buffers, jax.device_put(pixels.numpy(), pixels_spec.sharding))
+                out["image_embeds"] = common.to_torch(jax.block_until_ready(features)).to(self.dtype)
+            chips = decoding.decode_mesh(self.mesh)
+
+            def load():
+                vae = AutoencoderKLWan.from_pretrained(self.source, subfolder="vae", dtype=self.dtype,
+                                                       use_safetensors=True).eval()
+                return self._to_jax("vae", vae, mesh=chips)  # a copy on each of the host's chips
+
+            vae = self.held("image", "vae", load)
+            first = VideoProcessor(vae_scale_factor=self.shapes.spatial).preprocess(
+                picture, height=request.height, width=request.width)
+            black = first.new_zeros(1, 3, request.frames - 1, request.height, request.width)
+            video = torch.cat([first[:, :, None], black], dim=2).to(vae.dtype)
+            moments = encode_frames(vae, video, self.env, self.held("image", "frames", lambda: {}), self.traces)
+        config = vae.config
+        mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1)
+        std = torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1)
+        latents = (moments[:, :config.z_dim].float() - mean) * (1.0 / std)  # the posterior's mean (`argmax`)
+        mask = family.condition_mask(request.frames, *latents.shape[-2:], self.shapes)
+        out["condition"] = torch.cat([mask, latents], dim=1)
+        return out, {"first_s": time.perf_counter() - start}
+
+    def _image_processor(self):
+        """The checkpoint's image processor, the class its `model_index.json` names (as the stock
+        pipeline loads it)."""
+        import importlib
+
+        library, name = self.configs["pipeline"]["image_processor"]
+        cls = getattr(importlib.import_module(library), name)
+        return self.held("image", "processor", lambda: cls.from_pretrained(self.source, subfolder="image_processor"))
+
+    def _image_programs(self, request: Request) -> list:
+        """The image stage's programs: with an image encoder (Wan 2.1) the CLIP vision tower,
+        `(weights, buffers, pixels)` -> its penultimate hidden states, a copy on every chip (one
+        picture, 0.6B parameters: nothing worth splitting); then the VAE encoder's chunks
+        (`encode_programs`) on the host's chips."""
+        import jax.numpy as jnp
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+        from transformers import CLIPVisionModel
+
+        from tpupedia import aot, torchax_utils
+
+        programs = []
+        if "image_encoder" in self.configs:
+            replicated = NamedSharding(self.mesh, P())
+
+            def load():
+                tower = self._to_jax("image_encoder", self._load(CLIPVisionModel, "image_encoder"))  # a copy per chip
+                fm = torchax_utils.FunctionalModule(
+                    tower, lambda m, pixels: m(pixel_values=pixels, output_hidden_states=True).hidden_states[-2])
+
+                def features(weights, buffers, pixels):
+                    self.traces["image"] += 1
+                    return fm(weights, buffers, pixels)
+
+                return tower, features, self._state(fm, "image_encoder")
+
+            _, features, (weights, buffers) = self.held("image", "clip", load)
+            side = self.configs["image_encoder"]["image_size"]
+            pixels = aot.abstract((1, 3, side, side), jnp.float32, replicated)
+            programs.append(aot.Program("image", f"CLIP vision tower, the picture at {side}x{side}", features,
+                                        (weights, buffers, pixels), jit_kwargs={"out_shardings": replicated},
+                                        weights_bytes=self.plans["image_encoder"].bytes_per_device, calls=1,
+                                        component="image_encoder"))
+        return programs + encode_programs(self.configs["vae"], request.frames, request.height, request.width,
+                                          decoding.decode_mesh(self.mesh), dtype=str(self.dtype).removeprefix("torch."))
+
     # -- stage 2 ---------------------------------------------------------------------------
     def _denoise(self, request: Request, embeds: dict, on_step: Callable[[int, Any], None] | None = None) -> tuple[dict, dict]:
         """All steps through one compiled step per expert. Returns `{"latents": (1, C, T, h, w)}`
@@ -190,10 +306,15 @@ class Wan(common.StagedPipeline):
         x = jax.device_put(common.to_jax_array(setup.latents), x_spec.sharding)
         state = tuple(jax.device_put(a, x_spec.sharding) for a in schedulers.unipc_state(x_spec.shape))
         scales = (request.guidance, request.guidance if request.guidance_2 is None else request.guidance_2)
+        picture = [embeds["condition"]] if request.image is not None else []  # image-to-video's inputs
+        if "image_embeds" in embeds:  # one copy per sample of the guidance pair, as the stock pipeline passes it
+            picture.append(torch.cat([embeds["image_embeds"]] * (2 if setup.guided else 1)))
+        picture = [jax.device_put(common.to_jax_array(a), spec.sharding)
+                   for a, spec in zip(picture, programs[0].args[7:], strict=True)]
 
         def step(i, carried):  # the state is (latents, UniPC's (last sample, last two predictions))
             e = setup.expert[i]
-            return compiled[e](*states[e], *carried, text, np.int32(i), np.float32(scales[e]))
+            return compiled[e](*states[e], *carried, text, np.int32(i), np.float32(scales[e]), *picture)
 
         with programs[0].context(), self._precision():
             (x, _), timings = common.denoise_loop(step, (x, state), request.steps, on_step,
@@ -227,10 +348,12 @@ class Wan(common.StagedPipeline):
             expand=bool(self.configs.get("pipeline", {}).get("expand_timesteps")),
             latents=randn_tensor(shape, generator=torch.Generator().manual_seed(request.seed), dtype=torch.float32))
 
-    def _denoise_programs(self, request: Request, setup) -> list:  # noqa: ARG002 - every family's signature
+    def _denoise_programs(self, request: Request, setup) -> list:
         """The step as this stage compiles it, one per expert: the guidance pair as a batch on `dp`,
         the transformer over `tp`, the guidance and the UniPC step, latents and solver state
-        donated. Arguments `(weights, buffers, latents, state, text, i, guidance)`."""
+        donated. Arguments `(weights, buffers, latents, state, text, i, guidance)`, and for
+        image-to-video the picture's `condition` (channels beside the latents) and, with an image
+        encoder, its features `image_embeds` (one copy per sample, batch on `dp`)."""
         import jax
         import jax.numpy as jnp
         import numpy as np
@@ -260,13 +383,16 @@ class Wan(common.StagedPipeline):
             transformer, fm = self.held("denoise", name, load)
             dtype = jnp.dtype(str(transformer.dtype).removeprefix("torch."))
 
-            def step(weights, buffers, latents, state, text, i, guidance):
+            def step(weights, buffers, latents, state, text, i, guidance, *picture):
                 self.traces["denoise"] += 1
                 x = latents.astype(dtype)  # `latents.to(transformer_dtype)`
+                if picture:  # image-to-video: the mask and the picture's latents as more channels
+                    x = jnp.concatenate([x, picture[0].astype(dtype)], axis=1)
                 x = jax.lax.with_sharding_constraint(jnp.concatenate([x] * n), batch)
                 t = tables["timesteps"][i]
                 timestep = jnp.full((n, tokens), t) if setup.expand else jnp.broadcast_to(t, (n,))
-                out = fm(weights, buffers, hidden_states=x, timestep=timestep, encoder_hidden_states=text)[0]
+                extra = {"encoder_hidden_states_image": picture[1]} if len(picture) > 1 else {}
+                out = fm(weights, buffers, hidden_states=x, timestep=timestep, encoder_hidden_states=text, **extra)[0]
                 if guided:
                     uncond, cond = out[:1], out[1:]
                     out = uncond + guidance.astype(out.dtype) * (cond - uncond)
@@ -276,6 +402,14 @@ class Wan(common.StagedPipeline):
             f32 = aot.abstract(shape, jnp.float32, replicated)
             args = (*self._state(fm, name), f32, (f32, f32, f32), aot.abstract(text, self.dtype_jax, batch),
                     aot.abstract((), np.int32, replicated), aot.abstract((), np.float32, replicated))
+            if request.image is not None:  # the condition: mask + picture latents, float32 as the stock pipeline keeps it
+                channels = self.configs[name]["in_channels"] - shape[1]
+                args += (aot.abstract((1, channels, *shape[2:]), jnp.float32, replicated),)
+                if self.configs[name].get("image_dim") is not None:
+                    side = self.configs["image_encoder"]["image_size"]
+                    patch = self.configs["image_encoder"]["patch_size"]
+                    features = (n, (side // patch) ** 2 + 1, self.configs[name]["image_dim"])  # patches + class token
+                    args += (aot.abstract(features, self.dtype_jax, batch),)
             role = ("" if len(names) == 1 else ", high-noise expert" if k == 0 else ", low-noise expert")
             calls = int(sum(1 for e in setup.expert if e == k))
             return aot.Program("denoise", f"denoising step{role} ({'guidance pair, ' if guided else ''}"
@@ -326,34 +460,77 @@ class Wan(common.StagedPipeline):
         return {"frames": torch.from_numpy(frames.astype("float32"))}, {"first_s": seconds}
 
 
-# --- the VAE, one latent frame at a time, its cache as arguments -----------------------------------
+# --- the VAE, a chunk of frames at a time, its cache as arguments -----------------------------------
 
-def _frame(vae, z, tensors, markers, first, layouts):
-    """One latent frame through `post_quant_conv` and the decoder (`AutoencoderKLWan._decode`'s
-    loop body), the causal cache rebuilt from its `tensors` and static `markers` ("T" a tensor,
-    "N" `None`, "R" the string "Rep") and taken apart again after. `layouts` records the markers
-    the call leaves, by the markers it was given (they depend on nothing else)."""
+def _frame(vae, x, tensors, markers, first, layouts, part="decoder"):
+    """One chunk through the VAE with its causal cache rebuilt from its `tensors` and static
+    `markers` ("T" a tensor, "N" `None`, "R" the string "Rep") and taken apart again after:
+    `part="decoder"`, one latent frame through `post_quant_conv` and the decoder
+    (`AutoencoderKLWan._decode`'s loop body); `"encoder"`, pixel frames through the encoder and
+    `quant_conv` (`_encode`'s loop body; `quant_conv` is 1x1x1, so per chunk it gives what it gives
+    on their concatenation). `layouts` records the markers the call leaves, by the markers it was
+    given (they depend on nothing else)."""
     import torch
 
     it = iter(tensors)
     cache = [next(it) if m == "T" else (None if m == "N" else "Rep") for m in markers]
-    out = vae.decoder(vae.post_quant_conv(z), feat_cache=cache, feat_idx=[0], first_chunk=first)
+    if part == "decoder":
+        out = vae.decoder(vae.post_quant_conv(x), feat_cache=cache, feat_idx=[0], first_chunk=first)
+    else:
+        out = vae.quant_conv(vae.encoder(x, feat_cache=cache, feat_idx=[0]))
     layouts[(markers, first)] = tuple("T" if torch.is_tensor(c) else ("N" if c is None else "R") for c in cache)
     return out, [c for c in cache if torch.is_tensor(c)]
 
 
-def _frame_fn(vae, layouts: dict, traces: dict | None = None):
-    """`fn(weights, buffers, z, tensors, markers, first)` of `_frame`, a pure JAX function."""
+def _frame_fn(vae, layouts: dict, traces: dict | None = None, part: str = "decoder"):
+    """`fn(weights, buffers, x, tensors, markers, first)` of `_frame`, a pure JAX function; each
+    trace counted in `traces` under the stage that runs `part` ("decode" or "image")."""
     from tpupedia import torchax_utils
 
-    fm = torchax_utils.FunctionalModule(vae, lambda m, *a: _frame(m, *a, layouts))
+    fm = torchax_utils.FunctionalModule(vae, lambda m, *a: _frame(m, *a, layouts, part))
+    stage = "decode" if part == "decoder" else "image"
 
-    def fn(weights, buffers, z, tensors, markers, first):
+    def fn(weights, buffers, x, tensors, markers, first):
         if traces is not None:
-            traces["decode"] = traces.get("decode", 0) + 1
-        return fm(weights, buffers, z, tensors, markers, first)
+            traces[stage] = traces.get(stage, 0) + 1
+        return fm(weights, buffers, x, tensors, markers, first)
 
     return fm, fn
+
+
+def _chunks(frames: int, chunk: int) -> list[tuple[int, int]]:
+    """`(start, stop)` of each encoder call over `frames` pixel frames: the first frame alone, then
+    `chunk` at a time (`AutoencoderKLWan._encode`; `chunk` is the VAE's temporal compression, 4)."""
+    return [(0, 1)] + [(start, start + chunk) for start in range(1, frames, chunk)]
+
+
+def encode_frames(vae: Any, video: Any, env: Any, held: dict, traces: dict | None = None) -> Any:
+    """`AutoencoderKLWan._encode(video)` (CPU torch pixels in [-1, 1], `vae` placed in the torchax
+    environment): the posterior's moments, `(1, 2 z_dim, latent frames, h, w)`, each chunk of
+    frames one call of a jitted program (three programs: the first frame, the second chunk, the
+    rest). `held` keeps the jitted function between calls. Returns CPU torch."""
+    import jax
+    import jax.numpy as jnp
+
+    if "fn" not in held:
+        layouts: dict = {}
+        fm, fn = _frame_fn(vae, layouts, traces, part="encoder")
+        held.update(fm=fm, layouts=layouts, fn=jax.jit(fn, static_argnums=(4, 5)))
+    fm, layouts, fn = held["fm"], held["layouts"], held["fn"]
+    weights, buffers = fm.state()
+    if vae.config.patch_size is not None:  # Wan 2.2 TI2V's VAE folds 2x2 pixels into channels first
+        from diffusers.models.autoencoders.autoencoder_kl_wan import patchify
+
+        video = patchify(video, patch_size=vae.config.patch_size)
+    pixels = common.to_jax_array(video)
+    markers, tensors, outs = ("N",) * vae._cached_conv_counts["encoder"], [], []
+    with env:
+        for k, (start, stop) in enumerate(_chunks(pixels.shape[2], vae.config.scale_factor_temporal or 4)):
+            out, tensors = fn(weights, buffers, pixels[:, :, start:stop], tensors, markers, k == 0)
+            markers = layouts[(markers, k == 0)]
+            outs.append(out)
+        moments = jnp.concatenate(outs, axis=2)
+    return common.to_torch(jax.block_until_ready(moments))
 
 
 def decode_frames(vae: Any, z: Any, env: Any, held: dict, traces: dict | None = None) -> Any:
@@ -389,6 +566,53 @@ def decode_frames(vae: Any, z: Any, env: Any, held: dict, traces: dict | None = 
     return video
 
 
+def _abstract_vae(vae_config: dict, dtype: Any):
+    """`AutoencoderKLWan` built on `meta` from `vae_config` in `dtype` (a jnp dtype), made jit-friendly."""
+    import torch
+    from diffusers import AutoencoderKLWan
+
+    with torch.device("meta"):
+        vae = AutoencoderKLWan.from_config({k: v for k, v in vae_config.items() if not k.startswith("_")})
+    return family.make_vae_jit_friendly(vae.to(getattr(torch, dtype.name)).eval())
+
+
+def encode_programs(vae_config: dict, frames: int, height: int, width: int, mesh: Any, *,
+                    dtype: Any = "bfloat16") -> list:
+    """The encoder programs of Wan's `image` stage (image-to-video) for the picture and black
+    frames, `frames` pixel frames of `height` x `width`, on the chips of `mesh` (a
+    `decoding.decode_mesh`), a copy of the VAE and of the chunk on each: the first frame, the second
+    chunk, and the later chunks (x their count), as `encode_frames` runs them. Raises
+    `PipelineError` for bad frames or sizes."""
+    import jax
+    import jax.numpy as jnp
+
+    from tpupedia import aot
+
+    dtype = jnp.dtype(dtype)
+    vae = _abstract_vae(vae_config, dtype)
+    ratio, chunk = vae.config.scale_factor_spatial or 8, vae.config.scale_factor_temporal or 4
+    if frames < 1 or (frames - 1) % chunk:
+        raise PipelineError(f"frames={frames}: the VAE encodes {chunk}n+1 frames")
+    decoding.check_decode("Wan", 1, height, width, ratio)
+    layouts: dict = {}
+    fm, fn = _frame_fn(vae, layouts, part="encoder")
+    state = decoding.replicated(mesh, fm.abstract_state())
+    folded = 3 * (vae.config.patch_size or 1) ** 2, height // (vae.config.patch_size or 1), width // (vae.config.patch_size or 1)
+    markers, tensors, programs = ("N",) * vae._cached_conv_counts["encoder"], [], []
+    spans = _chunks(frames, chunk)
+    for k, (start, stop) in enumerate(spans[:3]):
+        x = decoding.replicated(mesh, jax.ShapeDtypeStruct((1, folded[0], stop - start, *folded[1:]), dtype))
+        args = (*state, x, decoding.replicated(mesh, tensors))
+        calls = 1 if k < 2 else len(spans) - 2
+        which = ("first frame (the picture)", "second chunk of frames", "later chunks of frames")[k]
+        run = lambda *a, _m=markers, _f=k == 0: fn(*a, _m, _f)  # noqa: E731 - the markers fixed per program
+        programs.append(aot.Program("image", f"VAE encode, {which} ({stop - start} frame{'s' if stop - start > 1 else ''} at {width}x{height}, x {calls})",
+                                    run, args, weights_bytes=decoding.nbytes(state), calls=calls, component="vae"))
+        _, tensors = jax.eval_shape(run, *args)
+        markers = layouts[(markers, k == 0)]
+    return programs
+
+
 def decode_programs(vae_config: dict, latent_frames: int, height: int, width: int, mesh: Any, *,
                     dtype: Any = "bfloat16") -> list:
     """The decoder programs of Wan's `decode` stage for a `height` x `width` video decoded from
@@ -398,17 +622,13 @@ def decode_programs(vae_config: dict, latent_frames: int, height: int, width: in
     tracing the decoder on shapes only. Raises `PipelineError` for bad frames or sizes."""
     import jax
     import jax.numpy as jnp
-    import torch
-    from diffusers import AutoencoderKLWan
 
     from tpupedia import aot
 
-    with torch.device("meta"):
-        vae = AutoencoderKLWan.from_config({k: v for k, v in vae_config.items() if not k.startswith("_")})
+    dtype = jnp.dtype(dtype)
+    vae = _abstract_vae(vae_config, dtype)
     ratio = vae.config.scale_factor_spatial or 8
     decoding.check_decode("Wan", latent_frames, height, width, ratio)
-    dtype = jnp.dtype(dtype)
-    vae = family.make_vae_jit_friendly(vae.to(getattr(torch, dtype.name)).eval())
     layouts: dict = {}
     fm, fn = _frame_fn(vae, layouts)
     state = decoding.replicated(mesh, fm.abstract_state())
@@ -429,15 +649,20 @@ def decode_programs(vae_config: dict, latent_frames: int, height: int, width: in
 
 
 def stock(source: str, request: Request, dtype: Any = None) -> tuple[Any, dict[str, Any]]:
-    """Stock diffusers `WanPipeline` loaded from `source` (float32 unless `dtype`) and the keyword
-    arguments of the call that makes `request`'s video from the same seed (both experts' scales),
-    frames as `output_type="np"`: what the parity tests compare with and `tpupedia bench generate`
-    times."""
+    """Stock diffusers `WanPipeline` (`WanImageToVideoPipeline` for a request with a picture, read
+    as `diffusers.utils.load_image` reads it) loaded from `source` (float32 unless `dtype`) and the
+    keyword arguments of the call that makes `request`'s video from the same seed (both experts'
+    scales), frames as `output_type="np"`: what the parity tests compare with and `tpupedia bench
+    generate` times."""
     import torch
-    from diffusers import WanPipeline
+    from diffusers import WanImageToVideoPipeline, WanPipeline
 
-    pipe = common.load_stock(WanPipeline, source, dtype)
-    return pipe, dict(prompt=request.prompt, negative_prompt=request.negative_prompt, num_frames=request.frames,
+    from tpupedia import pictures
+
+    i2v = request.image is not None
+    pipe = common.load_stock(WanImageToVideoPipeline if i2v else WanPipeline, source, dtype)
+    picture = {"image": pictures.read(request.image)} if i2v else {}
+    return pipe, picture | dict(prompt=request.prompt, negative_prompt=request.negative_prompt, num_frames=request.frames,
                       height=request.height, width=request.width, num_inference_steps=request.steps,
                       guidance_scale=request.guidance, guidance_scale_2=request.guidance_2,
                       generator=torch.Generator().manual_seed(request.seed), output_type="np")
