@@ -40,11 +40,12 @@
 # 7. stage 3, decode, and parity with stock diffusers;
 # 8. DeepCache;
 # 9. three sharding tables planned for a v6e-8;
-# 10. the GPU reference numbers.
+# 10. the GPU reference numbers;
+# 11. from a picture: image-to-video, parity with the stock pipeline, its plan.
 #
 # | preset | loads | memory | compute time |
 # |---|---|---|---|
-# | `tiny` (CPU, CI) | a random 2-block HunyuanVideo-1.5 checkpoint written with `save_pretrained`, 8 simulated devices | about 2 GB of host RAM | about 75 s, measured here on a 2-core CPU |
+# | `tiny` (CPU, CI) | a random 2-block HunyuanVideo-1.5 checkpoint written with `save_pretrained`, 8 simulated devices | about 2 GB of host RAM | about 120 s, measured here on a 2-core CPU |
 # | `full` (TPU v6e-8) | `hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_t2v`: bf16 transformer 16.7 GB, Qwen2.5-VL-7B text model 15.2 GB, ByT5 and the VAE under 1 GB each (from their parameter counts) | per chip: the text stage about 3 GiB (Qwen split over `tp`, AOT here); the transformer step at 720p, 121 frames, 7.8 GiB of arguments + 2.3 GiB of temporaries (AOT here, the `tp` table on the 2×4 mesh); the tiled VAE decode under 29 GiB (AOT here, one 256-pixel tile per chip) | 7.29 s per step at 720p, 121 frames (reported upstream, TPU v6e-8): about 6 minutes for 50 steps, plus compiles |
 #
 # Section 9 reads recorded AOT compiles on the tiny preset and compiles live on the full one
@@ -55,7 +56,7 @@
 # The full preset downloads HunyuanVideo-1.5, released under the **Tencent Hunyuan Community
 # License Agreement**. Its territory excludes the European Union, the United Kingdom and South
 # Korea: the agreement grants no licence to use the model there. Read it before you run the full
-# preset. *Reading time: about 17 minutes.*
+# preset. *Reading time: about 19 minutes.*
 
 # %%
 # %xmode Minimal
@@ -622,7 +623,7 @@ assert frames.std() > 0.01  # not a constant image that would match anything
 # when the untiled decode does not fit. diffusers decodes the tiles one after another, so one
 # chip works while seven wait. The tiles are independent until they are blended, so the
 # pipeline decodes the tiles of one shape side by side, one per chip
-# (`tpupedia.pipelines.hunyuan.decode_in_waves`): it runs diffusers' own `decode` with a
+# (`tpupedia.pipelines.hunyuan.through_tiles`): it runs diffusers' own `decode` with a
 # decoder that only records the tiles it is handed, decodes them in waves, then runs
 # diffusers' `decode` again with a decoder that hands the results back in order, so the
 # cutting, blending and cropping stay stock code and the frames stay diffusers' tiled frames.
@@ -872,3 +873,131 @@ from tpupedia import hardware
 v6e8 = hardware.parse_topology("v6e:2x4")
 mfu = plans[("tp_fc2_replicated", (2, 4))]["flops"]["total"] / (7.29 * v6e8.num_chips * v6e8.chip.bf16_flops)
 print(f"at the reported 7.29 s/step (batch 2, per-step time), the v6e-8 runs at {mfu:.0%} of its bf16 peak")
+
+# %% [markdown]
+# ## 11. From a picture: image-to-video
+#
+# The image-to-video releases (`720p_i2v`, `480p_i2v` and their distilled variants) are the same
+# transformer with other weights: the same 65 input channels and the same three conditioning
+# slots. What was zeros for text-to-video is now filled:
+#
+# * the **32 condition channels** of latent frame 0 hold the picture's latents (the VAE's
+#   posterior mean of the picture, times its scaling factor), and the **mask channel** is one on
+#   that frame; later frames stay zero;
+# * the **729 image slots** hold SigLIP's last hidden state of the picture (27 x 27 patches at
+#   384 px), which the forward now counts as valid tokens (its `torch.all(image_embeds == 0)`
+#   test, section 2, comes out false).
+#
+# Two things are new. The video's **size comes from the picture**: the stock pipeline picks the
+# bucket (multiples of 16, about `target_size`² pixels, 960² for 720p) whose aspect is nearest the
+# picture's, resizes and centre-crops the picture to it, and ignores any width or height, so
+# `tpupedia generate hunyuan --image` refuses `--width/--height` rather than ignore them. And a
+# checkpoint's kind cannot be read from its transformer: both kinds take 65 channels, and its
+# `task_type` is a label the model never reads (diffusers' conversion script writes `i2v` into its
+# 480p t2v config: `scripts/convert_hunyuan_video1_5_to_diffusers.py`, `TRANSFORMER_CONFIGS`,
+# diffusers 0.42.1). The pipeline asks `model_index.json` whether it names an image encoder.
+
+# %%
+i2v_checkpoint = family.tiny_checkpoint(image_to_video=True)
+i2v_configs = family.component_configs(str(i2v_checkpoint))
+release = family.full_configs(image_to_video=True)
+print(f"{'picture':>9} {'720p i2v video':>15} {'latent tokens/frame':>20} {'tiny i2v video':>15}")
+for w, h in ((1920, 1080), (1080, 1920), (1024, 1024), (96, 64), (4000, 1000)):
+    rw, rh = family.video_size(w, h, release)
+    tw, th = family.video_size(w, h, i2v_configs)
+    print(f"{w:>4}x{h:<4} {rw:>9}x{rh:<5} {rw * rh // 16**2:>20} {tw:>9}x{th:<5}")
+print(f"image slot: {family.image_tokens(release)} SigLIP tokens of width {release['image_encoder']['hidden_size']} "
+      f"(tiny: {family.image_tokens(i2v_configs)} of {i2v_configs['image_encoder']['hidden_size']})")
+print("kind from model_index.json:", {name: family.image_to_video(c) for name, c in
+                                      (("720p_t2v", family.full_configs()), ("720p_i2v", release))})
+
+# %%
+assert family.video_size(1920, 1080, release) == (1280, 720)
+assert family.image_tokens(release) == family.TEXT_SLOTS["image"][0] == 729
+assert release["transformer"]["in_channels"] == family.full_configs()["transformer"]["in_channels"] == 65
+assert family.image_to_video(release) and not family.image_to_video(family.full_configs())
+
+# %% [markdown]
+# The pipeline adds an `image` stage between text and denoise, as CogVideoX's does (notebook 06
+# §9): its file holds `image_latents` and `image_embeds`, and its settings hold the picture's
+# SHA-256, so another picture at the same path reruns it and every stage after it. SigLIP runs as
+# one compiled program with a copy on every chip (one picture, 0.4B parameters); the VAE's
+# encoder is one program on the picture's single frame. A 96x64 picture, on the tiny
+# image-to-video checkpoint (its buckets are around 64 pixels):
+
+# %%
+import tempfile
+
+from PIL import Image, ImageDraw
+
+from tpupedia.pipelines import stages
+
+scratch = Path(tempfile.mkdtemp())
+picture = Image.new("RGB", (96, 64), (40, 70, 140))
+ImageDraw.Draw(picture).ellipse((30, 12, 66, 48), fill=(230, 180, 40))
+picture.save(scratch / "start.png")
+i2v_request = pipeline.Request(prompt="a sun rising over the sea", negative_prompt="blurry", frames=9, steps=3,
+                               seed=7, fps=8, image=str(scratch / "start.png"))
+i2v_reports = pipeline.run(i2v_request, pipeline.Options(quiet=True), preset=preset, model=str(i2v_checkpoint),
+                           workdir=scratch / "i2v", log=lambda _: None)
+sized = pipeline.resolve(i2v_request, i2v_configs)  # the size the picture gave
+
+
+def read(stage):  # a stage file of this run, checked against the settings it was made with
+    settings = pipeline.Hunyuan.settings_for(str(i2v_checkpoint), i2v_configs, i2v_request, pipeline.Options(),
+                                             torch.float32, stage)
+    return stages.read(scratch / "i2v", stage, settings).tensors
+
+
+image_stage, i2v_frames = read("image"), read("decode")["frames"].numpy()
+print("stages:", ", ".join(r.stage for r in i2v_reports), f"| video {sized.width}x{sized.height}")
+print("image latents", tuple(image_stage["image_latents"].shape), "| SigLIP features", tuple(image_stage["image_embeds"].shape))
+video.show_frames(i2v_frames, f"tiny HunyuanVideo-1.5 i2v: a 96x64 picture -> {i2v_request.frames} frames at "
+                  f"{sized.width}x{sized.height}", picture=np.asarray(picture))
+
+# %% [markdown]
+# The weights are random, so the frames are noise around the picture's colours; what counts is
+# that they are the stock pipeline's. The stock `HunyuanVideo15ImageToVideoPipeline`, same
+# checkpoint, picture, prompt and seed (`pipeline.stock` builds it and its call, with the picture
+# and no size):
+
+# %%
+if preset.host_runs_whole_models:
+    stock_i2v, stock_call = pipeline.stock(str(i2v_checkpoint), i2v_request)
+    with torch.no_grad():
+        expected_i2v = stock_i2v(**stock_call).frames[0]
+    i2v_error = float(np.abs(i2v_frames - expected_i2v).max())
+    print("image-to-video frames: max abs difference from stock diffusers", results.error_text(i2v_error, 1e-4))
+    del stock_i2v
+
+# %%
+assert [r.stage for r in i2v_reports] == ["text", "image", "denoise", "decode"]
+assert (sized.width, sized.height) == family.video_size(96, 64, i2v_configs) == (64, 48)
+assert i2v_frames.shape == (i2v_request.frames, sized.height, sized.width, 3)
+assert image_stage["image_embeds"].shape[1] == family.image_tokens(i2v_configs)
+if preset.host_runs_whole_models:
+    assert expected_i2v.shape == i2v_frames.shape and i2v_error <= 1e-4
+
+# %% [markdown]
+# At full size the image stage is SigLIP at 384 px and the VAE's encoder on one 720p-class frame,
+# in the decode's 256-pixel tiles, one per chip; `tpupedia plan hunyuan --image PICTURE` compiles
+# them with the other stages for a v6e-8. The record below holds the two stages image-to-video
+# changes, image and denoise (the picture is this section's 96x64 shape, so the video is
+# 1168x784; the decode is section 7's at that size), read as in notebook 09:
+
+# %%
+from tpupedia import plan as planner
+
+if preset.pretrained:
+    full_i2v = pipeline.Request(prompt="a sun rising over the sea", frames=121, steps=50, image=str(scratch / "start.png"))
+    i2v_plan = planner.make("hunyuan", full_i2v, pipeline.Options(), topology="v6e:2x4", layers=1,
+                          stages=("image", "denoise"), vae_tiling="on").as_dict()
+else:
+    i2v_plan = next(r for r in results.load(Path("..") / planner.DEFAULT_RECORDS)
+                    if r.get("family") == "hunyuan" and r["request"].get("image"))
+for stage in i2v_plan["stages"]:
+    print(f"{stage['stage']:8} peak {stage['peak'] / 2**30:6.2f} GiB per chip (weights {stage['weights'] / 2**30:.2f} GiB)")
+print("binding stage:", i2v_plan["binding"], "| fits:", i2v_plan["fits"])
+
+# %%
+assert i2v_plan["fits"] and [s["stage"] for s in i2v_plan["stages"]] == ["image", "denoise"]

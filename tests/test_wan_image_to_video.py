@@ -27,7 +27,7 @@ TINY = presets.get("tiny")
 def checkpoints(tmp_path_factory) -> dict[int, Path]:
     """The tiny image-to-video checkpoints by expert count: 1 (Wan 2.1 I2V), 2 (Wan 2.2 I2V-A14B)."""
     folder = tmp_path_factory.mktemp("wan-i2v")
-    return {n: family.tiny_checkpoint(folder, experts=n, image_to_video=True) for n in (1, 2)}
+    return {n: family.tiny_checkpoint(folder / f"experts-{n}", experts=n, image_to_video=True) for n in (1, 2)}
 
 
 def _request(picture: str, **changes) -> pipeline.Request:
@@ -50,6 +50,7 @@ def test_frames_match_stock_image_to_video_pipeline(checkpoints, tmp_path, exper
     diffusers' load_image drops), with one expert and the CLIP features, and with two experts."""
     height, width, channels = picture
     checkpoint = checkpoints[experts]
+    assert len(family.experts(family.component_configs(str(checkpoint)))) == experts  # the layout under test
     request = _request(_picture(tmp_path / "in.png", height, width, channels), height=size[0], width=size[1])
     pipe, call = pipeline.stock(str(checkpoint), request)
     expected = pipe(**call).frames[0]

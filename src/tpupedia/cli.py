@@ -121,6 +121,7 @@ def _plan(args: argparse.Namespace) -> int:
 
         fields["width"], fields["height"] = dryrun.parse_resolution(args.resolution, 16)
     request = pipeline.Request(prompt=args.prompt, image=getattr(args, "image", None), **fields)
+    pipeline.PIPELINE.check_size_given(request, ["--resolution"] if args.resolution else [])
     options = common.Options(mesh=common.parse_mesh(args.mesh) if args.mesh else None, sharding=args.sharding,
                              attention=args.attention, block_sizes=_block_sizes(args.block_sizes))
     configs = family.component_configs(family.model_source(presets.get("full"), args.model)[0]) if args.model else None
@@ -192,6 +193,8 @@ def _generate_setup(args: argparse.Namespace):
     options = common.Options(mesh=common.parse_mesh(args.mesh) if args.mesh else None, sharding=args.sharding,
                              attention=args.attention, block_sizes=_block_sizes(args.block_sizes), vae=args.vae, quiet=args.quiet,
                              dtype=args.dtype)
+    pipeline.PIPELINE.check_size_given(request, [f for f, v in (("--width", args.width), ("--height", args.height))
+                                                 if v is not None])
     configs = None  # a checkpoint named on the command line: its configs' rules (JSON only, no weights)
     if family.named_source(args.model):
         configs = family.component_configs(family.model_source(preset, args.model)[0])

@@ -26,7 +26,7 @@ from typing import Any
 
 from tpupedia.errors import TpupediaError
 
-__all__ = ["MAX_SIDE", "PictureError", "Picture", "check", "read", "fingerprint"]
+__all__ = ["MAX_SIDE", "PictureError", "Picture", "check", "read", "fingerprint", "size"]
 
 MAX_SIDE = 8192
 """The largest width or height accepted, in pixels: four times a 2K frame, and 8192 x 8192 RGB
@@ -87,10 +87,47 @@ def _fingerprint(path: str, inode: int, size: int, mtime_ns: int) -> str:  # noq
     return hashlib.sha256(_bytes(path, "picture")).hexdigest()
 
 
+def size(path: str | os.PathLike, flag: str = "--image") -> tuple[int, int]:
+    """`(width, height)` of the picture as `read` returns it (EXIF orientation applied: a photo
+    stored on its side and tagged to turn swaps them), from its header, once per version of the
+    file; raises `check`'s errors for a picture that cannot be used."""
+    try:
+        st = Path(path).stat()
+    except OSError:
+        check(path, flag)  # raises the one-line error
+        raise
+    return _size(str(Path(path).resolve()), st.st_ino, st.st_size, st.st_mtime_ns, flag)
+
+
+@functools.lru_cache(maxsize=64)
+def _size(path: str, inode: int, size: int, mtime_ns: int, flag: str) -> tuple[int, int]:  # noqa: ARG001 - the cache key
+    from PIL import Image
+
+    picture = check(path, flag)
+    with Image.open(path) as im:
+        turned = im.getexif().get(0x0112, 1) in (5, 6, 7, 8)  # the orientations that transpose
+    return (picture.height, picture.width) if turned else (picture.width, picture.height)
+
+
 def check(path: str | os.PathLike, flag: str = "--image") -> Picture:
     """Refuse a picture that cannot be used, naming `flag` and the path and saying what is
-    allowed; else return what it is. Decodes the whole picture once (a truncated file fails
-    here, not in the middle of a run), after its header showed a size within `MAX_SIDE`."""
+    allowed; else return what it is. Decodes the whole picture (a truncated file fails here, not
+    in the middle of a run), after its header showed a size within `MAX_SIDE`; once per version of
+    the file (its inode, size and modification time in ns): a batch checks each line's picture
+    before JAX starts and again with the checkpoint's configs."""
+    try:
+        st = Path(path).stat()
+    except OSError:
+        return _check(str(path), flag)  # raises the one-line error
+    return _checked(str(path), flag, str(Path(path).resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _checked(path: str, flag: str, resolved: str, inode: int, size: int, mtime_ns: int) -> Picture:  # noqa: ARG001 - the cache key
+    return _check(path, flag)
+
+
+def _check(path: str, flag: str) -> Picture:
     from PIL import Image, UnidentifiedImageError
 
     data = _bytes(path, flag)

@@ -250,8 +250,8 @@ def make(family: str, request: Any, options: Any, *, configs: dict[str, dict] | 
     programs = {}
     if "text" in stages:
         programs["text"] = pipe._text_programs(request)
-    if "image" in stages and request.image is not None:  # image-to-video: the picture's encoder
-        programs["image"] = pipe._image_programs(request)
+    if "image" in stages and request.image is not None:  # image-to-video: the picture's encoder, tiled as the decode
+        programs["image"] = pipe._image_programs(_with_tiling(request, vae_tiling == "on"))
     if "denoise" in stages:
         programs["denoise"] = pipe._denoise_programs(request, pipe._denoise_setup(request))
     extra = _missing_layers(pipe, layers)
@@ -269,6 +269,9 @@ def make(family: str, request: Any, options: Any, *, configs: dict[str, dict] | 
             decode = [_cost(p, extra) for p in pipe._decode_programs(_with_tiling(request, True))]
             notes.append(f"VAE tiling: auto turned it on, the untiled decode does not fit "
                          f"({untiled / _GIB:.2f} GiB or more of {hbm / _GIB:.2f} GiB)")
+            tiled_image = pipe._image_programs(_with_tiling(request, True)) if "image" in costs else []
+            if [p.name for p in tiled_image] != [c.name for c in costs.get("image", [])]:  # an encode tiled as the decode
+                costs["image"] = [_cost(p, extra) for p in tiled_image]
         costs["decode"] = decode
     else:
         notes.append(f"stages planned: {', '.join(s for s in STAGES if s in stages)} (the others are not in this plan)")

@@ -40,6 +40,11 @@ def cache_dir() -> Path:
     return Path(os.environ.get("TPUPEDIA_CACHE") or Path.home() / ".cache" / "tpupedia")
 
 
+SPEC_STAMP = "tpupedia-checkpoint.txt"
+"""The file in a written tiny checkpoint naming what it was built from (`cached_pipeline`): a folder
+asked for another checkpoint is refused, not silently reused."""
+
+
 def cached_pipeline(prefix: str, spec: Any, build: Callable[[], Any], directory: str | os.PathLike | None = None,
                     finish: Callable[[Path], None] | None = None) -> Path:
     """The directory of a pipeline written by `build().save_pretrained(...)`, reused when complete.
@@ -49,11 +54,15 @@ def cached_pipeline(prefix: str, spec: Any, build: Callable[[], Any], directory:
     `finish(folder)` runs on the written folder before the rename (e.g. to lay a tokenizer out in
     the files the real checkpoint ships, `tpupedia.models.tokenizer_files`).
     """
+    digest = hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:12]
     if directory is None:
-        digest = hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:12]
         directory = cache_dir() / f"{prefix}-{digest}"
     path = Path(directory)
     if (path / "model_index.json").is_file():
+        stamp = path / SPEC_STAMP
+        if stamp.is_file() and stamp.read_text().strip() != f"{prefix}-{digest}":
+            raise CheckpointError(f"{path} holds another tiny checkpoint ({stamp.read_text().strip()}), not "
+                                  f"{prefix}-{digest}: give each checkpoint its own folder")
         return path
     pipe = build()
 
@@ -61,6 +70,7 @@ def cached_pipeline(prefix: str, spec: Any, build: Callable[[], Any], directory:
         pipe.save_pretrained(tmp, safe_serialization=True)
         if finish is not None:
             finish(tmp)
+        (tmp / SPEC_STAMP).write_text(f"{prefix}-{digest}\n")
 
     return files.directory_atomic(path, fill)
 

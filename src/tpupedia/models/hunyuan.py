@@ -53,10 +53,16 @@ __all__ = ["FAMILY", "FULL_ID", "FULL_LAYERS", "TEMPORAL_COMPRESSION", "SPATIAL_
            "tiny_qwen_tokenizer", "default_request", "check_frames", "check_size", "latent_frames", "latent_shape",
            "video_tokens", "step_flops", "build", "step_inputs", "static_forward", "make_static",
            "PaddingAttnProcessor", "make_jit_friendly", "padded_forward", "conditioning", "blocks", "final", "deepcache_full",
-           "deepcache_cached", "kept_text_tokens", "mask_elements", "tiny_checkpoint", "model_source", "named_source", "component_configs"]
+           "deepcache_cached", "kept_text_tokens", "mask_elements", "tiny_checkpoint", "model_source", "named_source", "component_configs",
+           "FULL_ID_I2V", "image_to_video", "image_tokens", "video_size", "full_image_encoder_config",
+           "tiny_image_encoder_config", "tiny_image_processor", "image_condition", "slot_tokens"]
 
 FAMILY = "hunyuan"
 FULL_ID = "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_t2v"
+FULL_ID_I2V = "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_i2v"
+TARGET_SIZE = 960
+"""The 720p releases' `target_size` (diffusers' conversion script, `TRANSFORMER_CONFIGS`; 640 for
+480p): the pixel scale image-to-video's size buckets are built around (`video_size`)."""
 FULL_LAYERS = 54
 TEMPORAL_COMPRESSION = 4
 SPATIAL_COMPRESSION = 16  # the VAE (16x) times patch size 1: one token per latent pixel
@@ -81,10 +87,12 @@ VMEM at the release shape (AOT: `tests/test_plan.py` plans the release's denoise
 them); `--block-sizes` overrides."""
 
 
-def full_transformer_config(layers: int | None = None) -> dict[str, Any]:
-    """The 720p t2v transformer: diffusers' defaults (54 layers, 16 heads of 128, MLP ratio 4,
-    Qwen2.5-VL text width 3584, ByT5 width 1472), task `t2v`."""
-    return dict(num_layers=FULL_LAYERS if layers is None else layers, task_type="t2v")
+def full_transformer_config(layers: int | None = None, image_to_video: bool = False) -> dict[str, Any]:
+    """The 720p transformer: diffusers' defaults (54 layers, 16 heads of 128, MLP ratio 4,
+    Qwen2.5-VL text width 3584, ByT5 width 1472, SigLIP width 1152), target size 960, task `t2v`
+    or `i2v` (a label: the model reads no `task_type`; the weights differ, not the shapes)."""
+    return dict(num_layers=FULL_LAYERS if layers is None else layers, target_size=TARGET_SIZE,
+                task_type="i2v" if image_to_video else "t2v")
 
 
 def full_text_encoder_configs() -> dict[str, dict[str, Any]]:
@@ -99,24 +107,92 @@ def full_text_encoder_configs() -> dict[str, dict[str, Any]]:
                                    feed_forward_proj="gated-gelu")}
 
 
-def full_configs() -> dict[str, dict]:
+def full_configs(image_to_video: bool = False) -> dict[str, dict]:
     """The released checkpoint's component configs, as `component_configs` reads them from a
     download, for planning without one (`tpupedia plan`): transformer, VAE, scheduler and guider
-    at diffusers' defaults (the 720p t2v shapes; the scheduler's shift and the guider's scale
-    change numbers, not shapes), the text encoders above."""
+    at diffusers' defaults (the 720p shapes; the scheduler's shift and the guider's scale
+    change numbers, not shapes), the text encoders above; `image_to_video`: the 720p i2v
+    release's, with its SigLIP image encoder (`full_image_encoder_config`)."""
     import torch
     from diffusers import AutoencoderKLHunyuanVideo15, FlowMatchEulerDiscreteScheduler, HunyuanVideo15Transformer3DModel
     from diffusers.guiders import ClassifierFreeGuidance
     from transformers import Qwen2_5_VLTextConfig, T5Config
 
     with torch.device("meta"):
-        transformer = dict(HunyuanVideo15Transformer3DModel(**full_transformer_config(layers=1)).config)
+        transformer = dict(HunyuanVideo15Transformer3DModel(**full_transformer_config(1, image_to_video)).config)
         vae = dict(AutoencoderKLHunyuanVideo15().config)
     text = full_text_encoder_configs()
-    return {"transformer": transformer | {"num_layers": FULL_LAYERS}, "vae": vae,
-            "scheduler": dict(FlowMatchEulerDiscreteScheduler().config), "guider": dict(ClassifierFreeGuidance().config),
-            "text_encoder": Qwen2_5_VLTextConfig(**text["text_encoder"]).to_dict(),
-            "text_encoder_2": T5Config(**text["text_encoder_2"]).to_dict()}
+    configs = {"transformer": transformer | {"num_layers": FULL_LAYERS}, "vae": vae,
+               "scheduler": dict(FlowMatchEulerDiscreteScheduler().config), "guider": dict(ClassifierFreeGuidance().config),
+               "text_encoder": Qwen2_5_VLTextConfig(**text["text_encoder"]).to_dict(),
+               "text_encoder_2": T5Config(**text["text_encoder_2"]).to_dict()}
+    if image_to_video:
+        from transformers import SiglipVisionConfig
+
+        configs["image_encoder"] = SiglipVisionConfig(**full_image_encoder_config()).to_dict()
+        configs["pipeline"] = {"feature_extractor": ["transformers", "SiglipImageProcessor"]}
+    return configs
+
+
+def full_image_encoder_config() -> dict[str, Any]:
+    """The i2v release's image encoder: SigLIP so400m/14 at 384 px (diffusers' conversion script
+    takes FLUX.1-Redux-dev's `image_encoder`): 27 layers of width 1152, 16 heads, patches of 14, so
+    27 x 27 = 729 tokens, the transformer's image slot."""
+    return dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
+                image_size=384, patch_size=14, hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6)
+
+
+def image_to_video(configs: dict[str, dict]) -> bool:
+    """Whether a checkpoint (its component configs) generates from a picture: its
+    `model_index.json` names an image encoder (SigLIP). Not the transformer: text-to-video and
+    image-to-video checkpoints have the same 65 input channels (the latents, the condition
+    latents, zeros for text-to-video, and the mask), and its `task_type` is a label the model
+    never reads (diffusers' conversion script writes `i2v` into the 480p t2v config)."""
+    return "image_encoder" in configs
+
+
+def image_tokens(configs: dict[str, dict]) -> int:
+    """Tokens of the image slot of a step: the image encoder's patches ((384 // 14)^2 = 729 for
+    SigLIP so400m/14), or for a text-to-video checkpoint the 729 zeros its pipeline passes."""
+    encoder = configs.get("image_encoder")
+    if encoder is None:
+        return TEXT_SLOTS["image"][0]
+    return (encoder["image_size"] // encoder["patch_size"]) ** 2
+
+
+def image_condition(image_latents, latent_frames: int):
+    """What image-to-video puts beside the noisy latents on channels, `(1, C + 1, T, h, w)`: the
+    picture's latents `(1, C, 1, h, w)` as the first of `latent_frames` frames (zeros after it),
+    then a mask of ones on that frame and zeros elsewhere (stock `prepare_cond_latents_and_mask`).
+    Text-to-video puts zeros in both."""
+    import torch
+
+    _, channels, _, h, w = image_latents.shape
+    latents = image_latents.new_zeros(1, channels, latent_frames, h, w)
+    latents[:, :, :1] = image_latents
+    mask = image_latents.new_zeros(1, 1, latent_frames, h, w)
+    mask[:, :, 0] = 1.0
+    return torch.cat([latents, mask], dim=1)
+
+
+def slot_tokens(configs: dict[str, dict]) -> int:
+    """Conditioning tokens of a step, padding included: the Qwen2.5-VL and ByT5 slots and the image
+    slot (`image_tokens`)."""
+    return TEXT_SLOTS["qwen"][0] + TEXT_SLOTS["byt5"][0] + image_tokens(configs)
+
+
+def video_size(picture_width: int, picture_height: int, configs: dict[str, dict]) -> tuple[int, int]:
+    """`(width, height)` of the video image-to-video makes from a `picture_width` x
+    `picture_height` picture, as `HunyuanVideo15ImageToVideoPipeline` picks it: the bucket, around
+    the transformer's `target_size` squared in pixels (multiples of the VAE's spatial compression),
+    whose aspect is nearest the picture's on the side of its longer edge. The picture is then
+    resized and centre-cropped to it (`width` and `height` are not the caller's to choose)."""
+    from diffusers.pipelines.hunyuan_video1_5.image_processor import HunyuanVideo15ImageProcessor
+
+    processor = HunyuanVideo15ImageProcessor(vae_scale_factor=shape_facts(configs).spatial)
+    target = configs["transformer"].get("target_size", 640)
+    height, width = processor.calculate_default_height_width(picture_height, picture_width, target)
+    return int(width), int(height)
 
 
 def tiny_transformer_config() -> dict[str, Any]:
@@ -124,6 +200,28 @@ def tiny_transformer_config() -> dict[str, Any]:
     return dict(in_channels=9, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=2,
                 num_refiner_layers=1, mlp_ratio=2.0, patch_size=1, patch_size_t=1, text_embed_dim=16,
                 text_embed_2_dim=32, image_embed_dim=12, rope_axes_dim=(2, 2, 4), target_size=16, task_type="t2v")
+
+
+def tiny_image_encoder_config() -> dict[str, Any]:
+    """A 2-layer SigLIP vision tower as wide as the tiny transformer's image slot (12), patches of 8
+    over 32 px: 16 tokens; SigLIP so400m's structure at CPU size."""
+    return dict(hidden_size=12, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+                patch_size=8, hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6)
+
+
+def tiny_image_processor():
+    """The release's SigLIP preprocessing (resized to a square, bicubic; mean and std 0.5) at the
+    tiny tower's 32 px: `SiglipImageProcessorPil`, the PIL backend of the `SiglipImageProcessor`
+    the release names (whose default backend needs torchvision)."""
+    from transformers import SiglipImageProcessorPil
+
+    side = tiny_image_encoder_config()["image_size"]
+    return SiglipImageProcessorPil(size={"height": side, "width": side})
+
+
+TINY_TARGET_SIZE = 64
+"""The tiny image-to-video transformer's `target_size`: buckets of 16 latent pixels (64 x 64 for a
+square picture), seconds on a CPU."""
 
 
 def tiny_vae_config() -> dict[str, Any]:
@@ -574,25 +672,38 @@ GUIDER_CONFIG: dict[str, Any] = dict(guidance_scale=6.0)
 
 
 def tiny_checkpoint(directory: "str | os.PathLike | None" = None, seed: int = 0, vae: dict | None = None,
-                    transformer: dict | None = None) -> Path:
+                    transformer: dict | None = None, image_to_video: bool = False) -> Path:
     """Write a whole random `HunyuanVideo15Pipeline` (Qwen2.5-VL text model with the offline
     tokenizer in Qwen's file layout, `tokenizer_files.write_qwen_bpe`, T5 + ByT5 for glyphs, transformer, VAE, scheduler, guider) with `save_pretrained`
     and return its directory (cached, named by its configs, written atomically). `vae` and
-    `transformer` override config entries (a checkpoint with other shape facts, for the tests)."""
-    transformer_config = tiny_transformer_config() | (transformer or {})
+    `transformer` override config entries (a checkpoint with other shape facts, for the tests).
+    `image_to_video` writes a `HunyuanVideo15ImageToVideoPipeline` in the i2v releases' layout:
+    a SigLIP image encoder and its `SiglipImageProcessorPil`, target size `TINY_TARGET_SIZE`
+    (`transformer={"use_meanflow": True}` gives the step-distilled 480p release's second
+    timestep embedding)."""
+    transformer_config = tiny_transformer_config() | (
+        {"target_size": TINY_TARGET_SIZE, "task_type": "i2v"} if image_to_video else {}) | (transformer or {})
     vae_config = tiny_vae_config() | (vae or {})
     spec = [transformer_config, vae_config, tiny_text_encoder_configs(), SCHEDULER_CONFIG,
             GUIDER_CONFIG, _CHAT_TEMPLATE, seed, "qwen-layout"]
+    if image_to_video:
+        spec += ["i2v", tiny_image_encoder_config()]
 
     def build():
         import torch
-        from diffusers import AutoencoderKLHunyuanVideo15, FlowMatchEulerDiscreteScheduler, HunyuanVideo15Pipeline, HunyuanVideo15Transformer3DModel
+        from diffusers import (
+            AutoencoderKLHunyuanVideo15,
+            FlowMatchEulerDiscreteScheduler,
+            HunyuanVideo15ImageToVideoPipeline,
+            HunyuanVideo15Pipeline,
+            HunyuanVideo15Transformer3DModel,
+        )
         from diffusers.guiders import ClassifierFreeGuidance
-        from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
+        from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, SiglipVisionConfig, SiglipVisionModel, T5Config, T5EncoderModel
 
         configs = tiny_text_encoder_configs()
         torch.manual_seed(seed)
-        return HunyuanVideo15Pipeline(
+        parts = dict(
             text_encoder=Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(**configs["text_encoder"])).eval(),
             tokenizer=tiny_qwen_tokenizer(),
             transformer=HunyuanVideo15Transformer3DModel(**transformer_config).eval(),
@@ -602,14 +713,25 @@ def tiny_checkpoint(directory: "str | os.PathLike | None" = None, seed: int = 0,
             tokenizer_2=ByT5Tokenizer(),
             guider=ClassifierFreeGuidance(**GUIDER_CONFIG),
         )
+        if not image_to_video:
+            return HunyuanVideo15Pipeline(**parts)
+        return HunyuanVideo15ImageToVideoPipeline(
+            **parts, image_encoder=SiglipVisionModel(SiglipVisionConfig(**tiny_image_encoder_config())).eval(),
+            feature_extractor=tiny_image_processor())
 
-    return checkpoints.cached_pipeline("hunyuan-tiny", spec, build, directory, finish=lambda path: (
-        tokenizer_files.write_qwen_bpe(path / "tokenizer", tiny_qwen_tokenizer())))
+    return checkpoints.cached_pipeline("hunyuan-tiny" + ("-i2v" if image_to_video else ""), spec, build, directory,
+                                       finish=lambda path: tokenizer_files.write_qwen_bpe(path / "tokenizer", tiny_qwen_tokenizer()))
 
 
-def model_source(preset: Any, model: "str | os.PathLike | None" = None) -> tuple[str, str]:
+def model_source(preset: Any, model: "str | os.PathLike | None" = None,
+                 image_to_video: bool = False) -> tuple[str, str]:
     """`(where to load from, label for stage files)`: `model` if given, else `$TPUPEDIA_HUNYUAN`,
-    else the preset's (`FULL_ID` for full; the tiny checkpoint, labelled `preset:tiny`)."""
+    else the preset's (`FULL_ID` for full, `FULL_ID_I2V` with `image_to_video`; the tiny checkpoint
+    of that kind, labelled `preset:tiny` or `preset:tiny-i2v`)."""
+    if image_to_video:
+        source, label = checkpoints.choose_source(preset, model, ENV_MODEL, FULL_ID_I2V,
+                                                  lambda: tiny_checkpoint(image_to_video=True))
+        return source, (label + "-i2v" if label.startswith("preset:") else label)
     return checkpoints.choose_source(preset, model, ENV_MODEL, FULL_ID, tiny_checkpoint)
 
 
@@ -619,12 +741,16 @@ def named_source(model: "str | os.PathLike | None" = None) -> str | None:
 
 
 def component_configs(source: str) -> dict[str, dict]:
-    """The checkpoint's component configs (no weights read), minus version and path entries."""
+    """The checkpoint's component configs (no weights read), minus version and path entries; for
+    an image-to-video checkpoint (its `model_index.json` names an image encoder) also the image
+    encoder's and `pipeline`: the library and class of its `feature_extractor`."""
+    import diffusers
     from diffusers import AutoencoderKLHunyuanVideo15, FlowMatchEulerDiscreteScheduler, HunyuanVideo15Transformer3DModel
     from diffusers.guiders import ClassifierFreeGuidance
     from transformers import AutoConfig
 
-    return checkpoints.read_configs(source, {
+    index = checkpoints.read_configs(source, {"pipeline": lambda s: diffusers.DiffusionPipeline.load_config(s)})["pipeline"]
+    configs = checkpoints.read_configs(source, {
         "transformer": lambda s: HunyuanVideo15Transformer3DModel.load_config(s, subfolder="transformer"),
         "vae": lambda s: AutoencoderKLHunyuanVideo15.load_config(s, subfolder="vae"),
         "scheduler": lambda s: FlowMatchEulerDiscreteScheduler.load_config(s, subfolder="scheduler"),
@@ -632,3 +758,8 @@ def component_configs(source: str) -> dict[str, dict]:
         "text_encoder": lambda s: AutoConfig.from_pretrained(s, subfolder="text_encoder").to_dict(),
         "text_encoder_2": lambda s: AutoConfig.from_pretrained(s, subfolder="text_encoder_2").to_dict(),
     })
+    if (index.get("image_encoder") or [None])[0] is not None:  # SigLIP: an image-to-video checkpoint
+        configs |= checkpoints.read_configs(source, {
+            "image_encoder": lambda s: AutoConfig.from_pretrained(s, subfolder="image_encoder").to_dict()})
+        configs["pipeline"] = {"feature_extractor": index["feature_extractor"]}
+    return configs

@@ -255,6 +255,10 @@ class StagedPipeline:
     vaes: ClassVar[tuple[str, ...]] = ("torchax",)
     image_to_video: ClassVar[bool] = False
     """Whether the family generates from a picture (`Request.image`, the `image` stage)."""
+    size_from_picture: ClassVar[bool] = False
+    """Whether image-to-video takes the video's width and height from the picture (HunyuanVideo-1.5:
+    the size bucket nearest its aspect), so a width or height given with a picture is refused
+    (`check_size_given`) rather than ignored."""
 
     def __init__(self, source: str, source_label: str, dtype: Any, mesh: Any, options: Options,
                  configs: dict[str, dict] | None = None):
@@ -336,17 +340,31 @@ class StagedPipeline:
 
     @classmethod
     def check_kind(cls, request: Request, configs: dict[str, dict]) -> None:
-        """A picture for an image-to-video checkpoint (`family.image_to_video(configs)`: its
-        transformer takes the picture's latents as more input channels), none for a text-to-video one."""
+        """A picture for an image-to-video checkpoint (`family.image_to_video(configs)`), none for
+        a text-to-video one; the error says how the checkpoint shows its kind (`kind_evidence`)."""
         i2v = cls.family.image_to_video(configs)
-        transformer = configs.get("transformer") or configs["transformer_2"]
-        channels = f"its transformer takes {transformer['in_channels']} input channels"
         if request.image is not None and not i2v:
-            raise PipelineError(f"--image {request.image}: this checkpoint is text-to-video ({channels}, the noisy "
-                                f"latents' only); give an image-to-video one, e.g. {cls.family.FULL_ID_I2V}")
+            raise PipelineError(f"--image {request.image}: this checkpoint is text-to-video ({cls.kind_evidence(configs)}); "
+                                f"give an image-to-video one, e.g. {cls.family.FULL_ID_I2V}")
         if request.image is None and i2v:
-            raise PipelineError(f"this checkpoint is image-to-video ({channels}: the picture's latents beside the "
-                                "noisy ones): give --image PICTURE")
+            raise PipelineError(f"this checkpoint is image-to-video ({cls.kind_evidence(configs)}): give --image PICTURE")
+
+    @classmethod
+    def check_size_given(cls, request: Request, given: list[str]) -> None:
+        """Refuse a size the user gave (`given`: the flags or fields, e.g. `--width`) for a
+        picture whose video size the family takes from the picture (`size_from_picture`)."""
+        if request.image is not None and cls.size_from_picture and given:
+            raise PipelineError(f"{' and '.join(given)}: {cls.family.FAMILY} image-to-video takes the video's size "
+                                "from the picture (the size bucket nearest its aspect, as the stock pipeline picks "
+                                "it); leave the size out and crop the picture to the aspect you want")
+
+    @classmethod
+    def kind_evidence(cls, configs: dict[str, dict]) -> str:
+        """How the checkpoint shows its kind, in words: by default its transformer's input
+        channels (image-to-video adds the picture's latents beside the noisy ones)."""
+        transformer = configs.get("transformer") or configs["transformer_2"]
+        extra = "the picture's latents beside the noisy ones" if cls.family.image_to_video(configs) else "the noisy latents' only"
+        return f"its transformer takes {transformer['in_channels']} input channels, {extra}"
 
     @classmethod
     def guidance_batch(cls, request: Request, configs: dict[str, dict] | None = None) -> int | None:
@@ -451,6 +469,17 @@ class StagedPipeline:
         if cls.image_to_video:
             return cls.family.model_source(preset, model, image_to_video=request.image is not None)
         return cls.family.model_source(preset, model)
+
+    def _processor(self, component: str) -> Any:
+        """The checkpoint's picture preprocessing for image-to-video: the class its
+        `model_index.json` names for `component` (read into `configs["pipeline"]` by the family's
+        `component_configs`), loaded from that subfolder, as the stock pipeline loads it. Held by
+        the image stage."""
+        import importlib
+
+        library, name = self.configs["pipeline"][component]
+        cls = getattr(importlib.import_module(library), name)
+        return self.held("image", "processor", lambda: cls.from_pretrained(self.source, subfolder=component))
 
     def encode_image(self, request: Request) -> tuple[dict, dict]:
         """Image-to-video's stage: the picture encoded as the denoiser's condition, `(tensors, timings)`."""
@@ -761,6 +790,8 @@ def batch_requests(pipeline_cls: type[StagedPipeline], items: list, base: Reques
                             "line: an \"image\" field, or --image for all) or text-to-video (none)")
     for item in items:
         try:
+            pipeline_cls.check_size_given(requests[item.index], [f'"{k}"' for k, _ in item.overrides
+                                                                 if k in ("width", "height")])
             pipeline_cls.validate(requests[item.index], options, device_count, configs,
                                   shape_rules=configs is not None or not pipeline_cls.family.named_source(model))
         except TpupediaError as err:

@@ -101,7 +101,7 @@ def in_waves(pieces: list, decode_one: Callable[[Any], Any], mesh: Any = None, *
 
     Without `mesh` nothing is placed (`chips` pieces a wave): how `tpupedia.plan` traces the same
     waves on shapes only (`jax.eval_shape`). The `TileRunner` of the Flax VAE
-    (`tpupedia.models.cogvideox_vae`); the HunyuanVideo-1.5 decode uses it through `tpupedia.pipelines.hunyuan.decode_in_waves`.
+    (`tpupedia.models.cogvideox_vae`); the HunyuanVideo-1.5 decode (and image-to-video's encode) use it through `tpupedia.pipelines.hunyuan.through_tiles`.
     Introduced in notebook 06 (the decode stage)."""
     import jax
     import jax.numpy as jnp
@@ -159,11 +159,12 @@ def spread(mesh: Any, tree: Any) -> Any:
     return jax.tree.map(lambda a: aot.abstract(a.shape, a.dtype, NamedSharding(mesh, P(AXIS))), tree)
 
 
-def where(chips: int, h: int, w: int, latent_hw: tuple[int, int], split: Any = None) -> str:
-    """Where a decoder call's pieces go, in words (a program's name in a plan)."""
+def where(chips: int, h: int, w: int, latent_hw: tuple[int, int], split: Any = None, unit: str = "latent") -> str:
+    """Where a decoder call's pieces go, in words (a program's name in a plan); `unit="pixel"`
+    for an encoder's."""
     if (h, w) == latent_hw:
         if split is not None:
             axis = "width" if split.spec[3] else "height"
-            return f"{h}x{w} latents split by {axis} over {split.mesh.size} chips"
-        return f"{h}x{w} latents, " + ("a copy on each chip" if chips > 1 else "one chip")
-    return f"{h}x{w}-latent tiles, " + (f"{chips} side by side, one per chip" if chips > 1 else "one at a time")
+            return f"{h}x{w} {unit}s split by {axis} over {split.mesh.size} chips"
+        return f"{h}x{w} {unit}s, " + ("a copy on each chip" if chips > 1 else "one chip")
+    return f"{h}x{w}-{unit} tiles, " + (f"{chips} side by side, one per chip" if chips > 1 else "one at a time")

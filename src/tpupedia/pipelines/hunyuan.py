@@ -16,8 +16,18 @@ The same path as CogVideoX (`tpupedia.pipelines.common`, notebook 06), with what
 3. `decode`: the HunyuanVideo-1.5 VAE under torchax with its decoder jitted (each spatial tile
    with `vae_tiling`) -> `decode.safetensors` holding `frames`, float32 (F, H, W, 3) in [0, 1].
 
+Image-to-video (`--image PICTURE`, an i2v checkpoint such as `FULL_ID_I2V`) adds an `image`
+stage between text and denoise, as `HunyuanVideo15ImageToVideoPipeline` conditions: the video's
+size is the bucket nearest the picture's aspect (`family.video_size`; `--width/--height` do not
+apply), the picture resized and centre-cropped to it; SigLIP's last hidden state of the picture
+fills the step's 729 image slots (zeros for text-to-video), and the VAE's posterior mean of the
+picture, times its scaling factor, becomes the first latent frame of the condition channels,
+with a mask of ones on that frame -> `image.safetensors`. A checkpoint with `use_meanflow` (the
+step-distilled release) also gets the next step's timestep, `timestep_r`, as stock passes it.
+
 Initial latents are drawn as diffusers draws them, from a CPU `torch.Generator(seed)`, so the same
-weights and seed give the stock `HunyuanVideo15Pipeline`'s video (tests/test_pipeline_hunyuan.py).
+weights and seed give the stock `HunyuanVideo15Pipeline`'s video (tests/test_pipeline_hunyuan.py)
+and `HunyuanVideo15ImageToVideoPipeline`'s (tests/test_hunyuan_image_to_video.py).
 Introduced in notebook 07; `tpupedia generate hunyuan` runs the same functions.
 """
 
@@ -65,10 +75,17 @@ def validate(request: Request, options: Options, device_count: int | None = None
 
 
 def resolve(request: Request, configs: dict[str, dict]) -> Request:
-    """`request` with `guidance` and `shift` taken from the checkpoint's configs where unset."""
+    """`request` with `guidance` and `shift` taken from the checkpoint's configs where unset, and
+    for image-to-video its size taken from the picture (`family.video_size`), as diffusers does."""
     guidance = configs["guider"].get("guidance_scale", 7.5) if request.guidance is None else request.guidance
     shift = configs["scheduler"].get("shift", 1.0) if request.shift is None else request.shift
-    return dataclasses.replace(request, guidance=float(guidance), shift=float(shift))
+    request = dataclasses.replace(request, guidance=float(guidance), shift=float(shift))
+    if request.image is not None and family.image_to_video(configs):
+        from tpupedia import pictures
+
+        width, height = family.video_size(*pictures.size(request.image), configs)
+        request = dataclasses.replace(request, width=width, height=height)
+    return request
 
 
 def _guidance_on(request: Request, configs: dict) -> bool:
@@ -91,8 +108,15 @@ def text_settings(source_label: str, configs: dict[str, dict], request: Request,
 def settings(stage: str, source_label: str, configs: dict[str, dict], request: Request, *, dtype: str,
              vae: str = "torchax") -> dict:
     """Every setting that changes the tensors of `stage` (and of the stages before it); `request`
-    resolved (`resolve`). Attention backend, sharding and mesh change speed, not the video."""
-    out = text_settings(source_label, configs, request, dtype)
+    resolved (`resolve`). Attention backend, sharding and mesh change speed, not the video. With a
+    picture, every stage but `text` also depends on it, the VAE (and whether its encode is tiled)
+    and the image encoder."""
+    out = text_settings(source_label, configs, request, dtype) if stage != "image" else {}
+    if request.image is not None and stage != "text":
+        out |= common.stage_settings(family.FAMILY, "image", source_label, configs, request, dtype, picture={
+            "image_encoder": common.config_fingerprint(configs.get("image_encoder", {})),
+            "feature_extractor": configs.get("pipeline", {}).get("feature_extractor"),
+            "encode_tiling": request.vae_tiling})  # the picture's encode is tiled as the decode is
     if stage in ("denoise", "decode"):
         out |= {"transformer": common.config_fingerprint(configs["transformer"]),
                 "scheduler": common.config_fingerprint(configs["scheduler"]),
@@ -122,10 +146,12 @@ class Hunyuan(common.StagedPipeline):
 
     family = family
     vaes = ("torchax",)
+    image_to_video = True
+    size_from_picture = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.traces = {"text": 0, "denoise": 0, "full": 0, "cached": 0}
+        self.traces = {"text": 0, "image": 0, "denoise": 0, "full": 0, "cached": 0}
 
     @classmethod
     def guidance_batch(cls, request: Request, configs: dict[str, dict] | None = None) -> int | None:
@@ -141,6 +167,14 @@ class Hunyuan(common.StagedPipeline):
             raise PipelineError(f"shift={request.shift} must be a finite number > 0 (1 leaves the schedule unshifted)")
         if request.deepcache is not None:
             request.deepcache.check(request.steps)
+        if request.deepcache is not None and configs is not None and configs["transformer"].get("use_meanflow"):
+            raise PipelineError(f"deepcache={request.deepcache}: this checkpoint is step-distilled (use_meanflow: "
+                                "each step also embeds the next timestep); DeepCache is implemented for the others")
+
+    @classmethod
+    def kind_evidence(cls, configs: dict[str, dict]) -> str:
+        return ("its model_index.json names an image encoder" if family.image_to_video(configs)
+                else "its model_index.json names no image encoder")
 
     @classmethod
     def settings_for(cls, source_label, configs, request, options, dtype, stage) -> dict:
@@ -251,6 +285,91 @@ class Hunyuan(common.StagedPipeline):
                 calls=glyphs, component="text_encoder_2", context=programs[0].context))
         return programs
 
+    # -- image-to-video: the picture's condition --------------------------------------------
+    def _encode_image(self, request: Request) -> tuple[dict, dict]:
+        """The picture as `HunyuanVideo15ImageToVideoPipeline` conditions on it (`request`'s size
+        resolved from it): resized and centre-cropped to the video's size, then `image_embeds`
+        (1, tokens, width), SigLIP's last hidden state of the picture as the checkpoint's feature
+        extractor prepares it, and `image_latents` (1, C, 1, h, w), the VAE's posterior mean of
+        that frame times its scaling factor, the encoder's calls (the whole frame, or with
+        `vae_tiling` its tiles, as stock) side by side on the host's chips (`through_tiles`)."""
+        import jax
+        from diffusers import AutoencoderKLHunyuanVideo15
+        from diffusers.pipelines.hunyuan_video1_5.image_processor import HunyuanVideo15ImageProcessor
+
+        from tpupedia import pictures, torchax_utils
+
+        request = resolve(request, self.configs)
+        processor = HunyuanVideo15ImageProcessor(vae_scale_factor=self.shapes.spatial, do_resize=False,
+                                                 do_convert_rgb=True)  # the stock pipeline's
+        picture = processor.resize(pictures.read(request.image), height=request.height, width=request.width,
+                                   resize_mode="crop")
+        siglip = self._siglip_program()
+        features = self.held("image", "siglip-jit", lambda: jax.jit(siglip.fn, **siglip.jit_kwargs))
+        chips = decoding.decode_mesh(self.mesh)
+
+        def load():  # the VAE with its encoder jitted, a copy on each of the host's chips
+            vae = AutoencoderKLHunyuanVideo15.from_pretrained(self.source, subfolder="vae", dtype=self.dtype,
+                                                              use_safetensors=True).eval()
+            family.make_vae_jit_friendly(vae)
+            self._to_jax("vae", vae, mesh=chips)
+            vae.encoder = torchax_utils.JitModule(vae.encoder)
+            return vae, meta_vae(self.configs["vae"]).encoder
+
+        start = time.perf_counter()
+        with self._precision():
+            pixels = self._processor("feature_extractor").preprocess(images=picture, do_resize=True, return_tensors="pt",
+                                                          do_convert_rgb=True).pixel_values
+            weights, buffers, spec = siglip.args
+            embeds = features(weights, buffers, jax.device_put(common.to_jax_array(pixels.to(self.dtype)), spec.sharding))
+            vae, shapes_of = self.held("image", "vae", load)
+            vae.enable_tiling() if request.vae_tiling else vae.disable_tiling()
+            frame = processor.preprocess(picture, height=request.height, width=request.width)[:, :, None].to(vae.dtype)
+            moments = through_tiles(vae, "encoder", frame, chips, self.env, shapes_of)
+        latents = moments[:, : moments.shape[1] // 2] * vae.config.scaling_factor  # the posterior's mean (`argmax`)
+        return ({"image_embeds": common.to_torch(jax.block_until_ready(embeds)).to(self.dtype),
+                 "image_latents": latents.to(self.dtype)}, {"first_s": time.perf_counter() - start})
+
+    def _siglip_program(self):
+        """The SigLIP vision tower as the image stage compiles it, `(weights, buffers, pixels)` ->
+        its last hidden state, a copy on every chip (one picture, 0.4B parameters: nothing worth
+        splitting)."""
+        import jax.numpy as jnp
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+        from transformers import SiglipVisionModel
+
+        from tpupedia import aot, torchax_utils
+
+        replicated = NamedSharding(self.mesh, P())
+
+        def load():
+            tower = self._to_jax("image_encoder", self._load(SiglipVisionModel, "image_encoder"))  # a copy per chip
+            fm = torchax_utils.FunctionalModule(tower, lambda m, pixels: m(pixel_values=pixels).last_hidden_state)
+
+            def features(weights, buffers, pixels):
+                self.traces["image"] += 1
+                return fm(weights, buffers, pixels)
+
+            return tower, features, self._state(fm, "image_encoder")
+
+        _, features, state = self.held("image", "siglip", load)
+        side = self.configs["image_encoder"]["image_size"]
+        dtype = jnp.dtype(str(self.dtype).removeprefix("torch."))
+        return aot.Program("image", f"SigLIP vision tower, the picture at {side}x{side}", features,
+                           (*state, aot.abstract((1, 3, side, side), dtype, replicated)),
+                           jit_kwargs={"out_shardings": replicated}, calls=1, component="image_encoder",
+                           weights_bytes=self.plans["image_encoder"].bytes_per_device)
+
+    def _image_programs(self, request: Request) -> list:
+        """The image stage's programs (`request` resolved): the SigLIP tower (`_siglip_program`),
+        then the VAE's encoder on the picture's frame, whole or in tiles as the decode is
+        (`encode_programs`), on the host's chips."""
+        request = resolve(request, self.configs)
+        return [self._siglip_program(), *encode_programs(
+            self.configs["vae"], request.height, request.width, decoding.decode_mesh(self.mesh),
+            dtype=str(self.dtype).removeprefix("torch."), tiling=request.vae_tiling)]
+
     # -- stage 2 ---------------------------------------------------------------------------
     def _denoise(self, request: Request, embeds: dict, on_step: Callable[[int, Any], None] | None = None) -> tuple[dict, dict]:
         """All steps through one compiled step (two with DeepCache: full and cached). Returns
@@ -264,18 +383,27 @@ class Hunyuan(common.StagedPipeline):
         setup = self._denoise_setup(request)
         keys = ("prompt_embeds", "prompt_embeds_mask", "prompt_embeds_2", "prompt_embeds_mask_2")
         text = [torch.cat([embeds[f"negative_{k}"], embeds[k]]) if setup.guided else embeds[k] for k in keys]
-        # t2v: the image slot is all padding, so the valid tokens are the two text encoders'
-        kept = family.kept_text_tokens((text[1].bool().sum(1) + text[3].bool().sum(1)).tolist(),
-                                       sum(n for n, _ in family.TEXT_SLOTS.values()))
+        # t2v: the image slot is all padding, so the valid tokens are the two text encoders';
+        # i2v: the picture's tokens are valid too
+        pictured = "image_embeds" in embeds
+        image_tokens = family.image_tokens(self.configs)
+        valid = text[1].bool().sum(1) + text[3].bool().sum(1) + (image_tokens if pictured else 0)
+        kept = family.kept_text_tokens(valid.tolist(), family.slot_tokens(self.configs))
         programs = self._denoise_programs(request, setup, text_tokens=kept)
         # What the programs close over: the schedule (steps, shift), guidance on or off, the text
         # tokens kept, DeepCache's tail.
         schedule = request.deepcache
         key = ("steps", request.steps, request.shift, setup.guided, kept, schedule.tail if schedule else None)
         compiled = self.held("denoise", key, lambda: [jax.jit(p.fn, **p.jit_kwargs) for p in programs])
-        weights, buffers, x_spec, text_specs, image_spec = programs[0].args[:5]
+        weights, buffers, x_spec, text_specs, (image_spec, condition_spec) = programs[0].args[:5]
         text = [jax.device_put(common.to_jax_array(t), spec.sharding) for t, spec in zip(text, text_specs)]
-        image = jax.device_put(np.zeros(image_spec.shape, image_spec.dtype), image_spec.sharding)
+        if pictured:  # the same picture for the prompt and the negative prompt; its latents as frame 0
+            features = torch.cat([embeds["image_embeds"]] * image_spec.shape[0])
+            condition = family.image_condition(embeds["image_latents"], setup.latents.shape[2])
+            image = (jax.device_put(common.to_jax_array(features), image_spec.sharding),
+                     jax.device_put(common.to_jax_array(condition), condition_spec.sharding))
+        else:
+            image = (jax.device_put(np.zeros(image_spec.shape, image_spec.dtype), image_spec.sharding), None)
         x = jax.device_put(common.to_jax_array(setup.latents), x_spec.sharding)
         full_steps = set(schedule.full_steps(request.steps)) if schedule else set(range(request.steps))
 
@@ -328,7 +456,10 @@ class Hunyuan(common.StagedPipeline):
         `dp`, the transformer over `tp` with the exact padded attention, the guider and the Euler
         step, latents donated. One program, or with DeepCache two: the full step (which also returns
         the cache) and the cached step. Arguments `(weights, buffers, latents, [cache,] text, image,
-        i, guidance, cfg_on)`, `text` the four conditioning tensors. `text_tokens`: how many text
+        i, guidance, cfg_on)`, `text` the four conditioning tensors, `image` the pair (SigLIP
+        features, condition): zeros and `None` for text-to-video, for image-to-video the
+        picture's features and its latents and mask (`family.image_condition`), which join the
+        noisy latents on channels as stock's `cond_latents_concat` and `mask_concat`. `text_tokens`: how many text
         tokens the blocks see (`family.kept_text_tokens`; all of them when `None`, as a plan
         compiles the step: the most any prompt needs)."""
         import jax
@@ -361,10 +492,21 @@ class Hunyuan(common.StagedPipeline):
         dtype = common.to_jax_array(setup.latents[:0]).dtype
         n = 2 if guided else 1
 
-        def model_input(latents, i):
-            x = jnp.concatenate([latents, jnp.zeros_like(latents), jnp.zeros_like(latents[:, :1])], axis=1)
+        steps = tables["timesteps"].shape[0]
+        meanflow = bool(self.configs["transformer"].get("use_meanflow"))
+
+        def model_input(latents, i, condition):
+            if condition is None:  # text-to-video: zero condition latents and mask
+                condition = jnp.zeros((*latents.shape[:1], latents.shape[1] + 1, *latents.shape[2:]), latents.dtype)
+            x = jnp.concatenate([latents, condition], axis=1)
             x = jax.lax.with_sharding_constraint(jnp.concatenate([x] * n), batch)
             return x, jnp.broadcast_to(tables["timesteps"][i].astype(dtype), (n,))  # diffusers: t in the latents' dtype
+
+        def next_timestep(i):  # step-distilled checkpoints: the next step's timestep, 0 after the last
+            if not meanflow:
+                return None
+            r = jnp.where(i + 1 < steps, tables["timesteps"][jnp.minimum(i + 1, steps - 1)], 0.0)
+            return jnp.broadcast_to(r.astype(dtype), (n,))
 
         def guide_and_step(latents, out, i, guidance, cfg_flag):
             if guided:
@@ -378,21 +520,21 @@ class Hunyuan(common.StagedPipeline):
 
         def plain(weights, buffers, latents, text, image, i, guidance, cfg_flag):
             self.traces["denoise"] += 1
-            x, t = model_input(latents, i)
-            out = fm_plain(weights, buffers, x, t, text[0], text[1], None, text[2], text[3], image,
+            x, t = model_input(latents, i, image[1])
+            out = fm_plain(weights, buffers, x, t, text[0], text[1], next_timestep(i), text[2], text[3], image[0],
                            text_tokens=text_tokens)[0]
             return guide_and_step(latents, out, i, guidance, cfg_flag)
 
         def full(weights, buffers, latents, text, image, i, guidance, cfg_flag):
             self.traces["full"] += 1
-            x, t = model_input(latents, i)
-            out, cache = fm_full(weights, buffers, x, t, text[0], text[1], text[2], text[3], image)
+            x, t = model_input(latents, i, image[1])
+            out, cache = fm_full(weights, buffers, x, t, text[0], text[1], text[2], text[3], image[0])
             return guide_and_step(latents, out, i, guidance, cfg_flag), cache
 
         def cached(weights, buffers, latents, cache, text, image, i, guidance, cfg_flag):
             self.traces["cached"] += 1
-            x, t = model_input(latents, i)
-            out = fm_cached(weights, buffers, cache, x, t, text[1], text[3], image)
+            x, t = model_input(latents, i, image[1])
+            out = fm_cached(weights, buffers, cache, x, t, text[1], text[3], image[0])
             return guide_and_step(latents, out, i, guidance, cfg_flag)
 
         fm_plain = torchax_utils.FunctionalModule(transformer, return_dict=False)
@@ -404,7 +546,8 @@ class Hunyuan(common.StagedPipeline):
                 transformer, lambda m, *a: family.deepcache_cached(m, tail, *a, text_tokens=text_tokens))
 
         cfg = self.configs["transformer"]
-        (qwen, _), (byt5, _), (image, _) = family.TEXT_SLOTS.values()
+        (qwen, _), (byt5, _), _ = family.TEXT_SLOTS.values()
+        image = family.image_tokens(self.configs)
         state = self._state(fm_plain, "transformer")
         latents = aot.abstract(tuple(setup.latents.shape), dtype, replicated)
         text = [aot.abstract((n, qwen, cfg["text_embed_dim"]), dtype, batch), aot.abstract((n, qwen), dtype, batch),
@@ -412,7 +555,11 @@ class Hunyuan(common.StagedPipeline):
                 aot.abstract((n, byt5), dtype, batch)]
         scalars = (aot.abstract((), np.int32, replicated), aot.abstract((), np.float32, replicated),
                    aot.abstract((), np.bool_, replicated))
-        common_args = (text, aot.abstract((n, image, cfg["image_embed_dim"]), dtype, batch), *scalars)
+        condition = None  # image-to-video: the picture's latents and mask, (1, C + 1, T, h, w)
+        if request.image is not None:
+            shape = setup.latents.shape
+            condition = aot.abstract((1, shape[1] + 1, *shape[2:]), dtype, replicated)
+        common_args = (text, (aot.abstract((n, image, cfg["image_embed_dim"]), dtype, batch), condition), *scalars)
         weights = self.plans["transformer"].bytes_per_device
         context = functools.partial(common.attention_installed, self.env, mesh, backend, self.block_sizes)
         size = "x".join(str(d) for d in setup.latents.shape[2:])
@@ -440,6 +587,7 @@ class Hunyuan(common.StagedPipeline):
     def _decode_programs(self, request: Request) -> list:
         """The decode stage's programs, the VAE's decoder calls whole or per tile
         (`tpupedia.pipelines.decoding`), on the host's chips, one tile (or a copy of the whole latent) per chip."""
+        request = resolve(request, self.configs)  # image-to-video: the picture's size
         frames = family.latent_shape(request.frames, request.height, request.width, self.shapes)[2]
         return decode_programs(self.configs["vae"], frames, request.height, request.width,
                                decoding.decode_mesh(self.mesh), dtype=str(self.dtype).removeprefix("torch."),
@@ -458,31 +606,37 @@ class Hunyuan(common.StagedPipeline):
             family.make_vae_jit_friendly(vae)
             self._to_jax("vae", vae, mesh=decoding.decode_mesh(self.mesh))
             vae.decoder = torchax_utils.JitModule(vae.decoder)
-            return vae, meta_decoder(self.configs["vae"])
+            return vae, meta_vae(self.configs["vae"]).decoder
 
         vae, shapes_of = self.held("decode", "vae", load)
         vae.enable_tiling() if request.vae_tiling else vae.disable_tiling()
         z = latents.to(vae.dtype) / vae.config.scaling_factor
         start = time.perf_counter()
         with self._precision():  # the tiles (or the whole latent) side by side on the host's chips
-            video = decode_in_waves(vae, z, decoding.decode_mesh(self.mesh), self.env, shapes_of)
+            video = through_tiles(vae, "decoder", z, decoding.decode_mesh(self.mesh), self.env, shapes_of)
         seconds = time.perf_counter() - start
         frames = HunyuanVideo15ImageProcessor(vae_scale_factor=vae.spatial_compression_ratio).postprocess_video(
             video, output_type="np")[0]
         return {"frames": torch.from_numpy(frames.astype("float32"))}, {"first_s": seconds}
 
 
-# --- the decode, spread over a host's chips, and its programs for `tpupedia.plan` --------------------
+# --- the VAE's tiles, spread over a host's chips, and their programs for `tpupedia.plan` -------------
 
-def _decoder_calls(vae: Any, latents: Any) -> Counter:
-    """How often diffusers' `vae.decode(latents)` calls `vae.decoder`, per input shape, run on `meta`."""
+def _whole(vae: Any, part: str, x: Any) -> Any:
+    """What diffusers does with `x` through VAE `part`, tiling included: `vae.decode(x).sample`
+    (part "decoder") or `vae._encode(x)`, the posterior's moments ("encoder")."""
+    return vae.decode(x).sample if part == "decoder" else vae._encode(x)
+
+
+def _part_calls(vae: Any, part: str, x: Any) -> Counter:
+    """How often diffusers' `_whole(vae, part, x)` calls `vae.<part>`, per input shape, run on `meta`."""
     import torch
 
     calls: Counter = Counter()
-    hook = vae.decoder.register_forward_pre_hook(lambda _module, args: calls.update([tuple(args[0].shape)]))
+    hook = getattr(vae, part).register_forward_pre_hook(lambda _module, args: calls.update([tuple(args[0].shape)]))
     try:
         with torch.no_grad():
-            vae.decode(latents)
+            _whole(vae, part, x)
     finally:
         hook.remove()
     return calls
@@ -501,9 +655,42 @@ def _reference_attention(fm: Any, env: Any):
     return decode
 
 
-def _decoder_name(shape: tuple[int, ...], calls: int, latent_hw: tuple[int, int]) -> str:
+def _tile_name(part: str, shape: tuple[int, ...], calls: int, whole_hw: tuple[int, int]) -> str:
     chips, _, frames, h, w = shape
-    return f"VAE decode, all {frames} latent frames at once ({decoding.where(chips, h, w, latent_hw)}, x {calls})"
+    if part == "encoder":
+        return f"VAE encode, the picture ({decoding.where(chips, h, w, whole_hw, unit='pixel')}, x {calls})"
+    return f"VAE decode, all {frames} latent frames at once ({decoding.where(chips, h, w, whole_hw)}, x {calls})"
+
+
+def _tile_programs(vae_config: dict, part: str, x_shape: tuple[int, ...], mesh: Any, dtype: Any, tiling: bool) -> list:
+    """The programs of `part` ("decoder" or "encoder") that `through_tiles` runs for an input of
+    `x_shape`: one per distinct input shape of diffusers' calls (the whole input, or each distinct
+    spatial tile with `tiling`), one piece per chip of `mesh`, `calls` the waves; the VAE on `meta`,
+    the part's weights abstract arguments in `dtype`, a copy on every chip."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    from tpupedia import aot, torchax_utils
+
+    dtype = jnp.dtype(dtype)
+    torch_dtype = getattr(torch, dtype.name)
+    vae = meta_vae(vae_config).to(torch_dtype)
+    vae.enable_tiling() if tiling else vae.disable_tiling()  # as the pipeline's stages
+    x = torch.empty(x_shape, dtype=torch_dtype, device="meta")
+    chips = mesh.size
+    calls = {(chips, *shape[1:]): len(decoding.waves([jax.ShapeDtypeStruct(shape, dtype)] * n, chips))
+             for shape, n in _part_calls(vae, part, x).items()}
+    env = torchax_utils.default_env()  # imports torchax through the compatibility shim
+    fm = torchax_utils.FunctionalModule(getattr(vae, part))  # what `JitModule(vae.<part>)` calls
+    state = decoding.replicated(mesh, fm.abstract_state())
+    weights = decoding.nbytes(state)
+    run = _reference_attention(fm, env)
+    stage = decoding.STAGE if part == "decoder" else "image"
+    return [aot.Program(stage, _tile_name(part, shape, n, tuple(x_shape[-2:])), run,
+                        (*state, decoding.spread(mesh, jax.ShapeDtypeStruct(shape, dtype))), weights_bytes=weights,
+                        calls=n, component="vae")
+            for shape, n in calls.items()]
 
 
 def decode_programs(vae_config: dict, latent_frames: int, height: int, width: int, mesh: Any, *,
@@ -517,58 +704,48 @@ def decode_programs(vae_config: dict, latent_frames: int, height: int, width: in
     is built on `meta`, its decoder's weights become abstract arguments in `dtype`, a copy on every
     chip. One program per distinct decoder input shape, one piece per chip: the whole latent
     untiled, each distinct spatial tile with `tiling` (`calls` counts the waves of tiles,
-    `decode_in_waves`). Raises `PipelineError` for frames < 1 or sizes that are not multiples of the
+    `through_tiles`). Raises `PipelineError` for frames < 1 or sizes that are not multiples of the
     VAE's spatial compression.
 
     `weights_bytes` is the decoder's weights (its arguments); the pipeline also keeps the encoder
     on the chip. The mid-block attention gets the pipeline's loop-free causal mask
     (`models.hunyuan.make_vae_jit_friendly`).
     """
-    import jax
-    import jax.numpy as jnp
-    import torch
-    from diffusers import AutoencoderKLHunyuanVideo15
-
-    from tpupedia import aot, torchax_utils
-
-    with torch.device("meta"):  # shapes only, and the config as diffusers reads it (defaults filled in)
-        vae = AutoencoderKLHunyuanVideo15.from_config({k: v for k, v in vae_config.items() if not k.startswith("_")})
+    vae = meta_vae(vae_config)
     ratio = vae.spatial_compression_ratio
     decoding.check_decode("HunyuanVideo-1.5", latent_frames, height, width, ratio)
-    dtype = jnp.dtype(dtype)
-    torch_dtype = getattr(torch, dtype.name)
-    vae = family.make_vae_jit_friendly(vae.to(torch_dtype).eval())
-    vae.enable_tiling() if tiling else vae.disable_tiling()  # as the pipeline's `_decode`
-    latent_hw = (height // ratio, width // ratio)
-    latents = torch.empty((1, vae.config.latent_channels, latent_frames, *latent_hw), dtype=torch_dtype, device="meta")
-    chips = mesh.size
-    calls = {(chips, *shape[1:]): len(decoding.waves([jax.ShapeDtypeStruct(shape, dtype)] * n, chips))
-             for shape, n in _decoder_calls(vae, latents).items()}
-    env = torchax_utils.default_env()  # imports torchax through the compatibility shim
-    fm = torchax_utils.FunctionalModule(vae.decoder)  # what `JitModule(vae.decoder)` calls
-    state = decoding.replicated(mesh, fm.abstract_state())
-    weights = decoding.nbytes(state)
-    decode = _reference_attention(fm, env)
-    return [aot.Program(decoding.STAGE, _decoder_name(shape, n, latent_hw), decode,
-                        (*state, decoding.spread(mesh, jax.ShapeDtypeStruct(shape, dtype))), weights_bytes=weights, calls=n, component="vae")
-            for shape, n in calls.items()]
+    shape = (1, vae.config.latent_channels, latent_frames, height // ratio, width // ratio)
+    return _tile_programs(vae_config, "decoder", shape, mesh, dtype, tiling)
 
 
-def decode_in_waves(vae: Any, z: Any, mesh: Any, env: Any, shapes_of: Any) -> Any:
-    """HunyuanVideo-1.5's `vae.decode(z).sample` (z: CPU torch latents, `vae` a diffusers
-    `AutoencoderKLHunyuanVideo15` whose `decoder` is jitted under torchax and replicated over
-    `mesh`), with its decoder calls run side by side on `mesh` (`in_waves`). Returns CPU torch.
-    `shapes_of` is the decoder on PyTorch's `meta` device (`meta_decoder`): what a tile decodes to.
+def encode_programs(vae_config: dict, height: int, width: int, mesh: Any, *, dtype: Any = "bfloat16",
+                    tiling: bool = False) -> list:
+    """The encoder programs of HunyuanVideo-1.5's `image` stage (image-to-video) for the picture,
+    one `height` x `width` frame, on the chips of `mesh` (a `decode_mesh`): as `decode_programs`,
+    the whole frame, or with `tiling` each distinct 256-pixel tile of diffusers' `tiled_encode`,
+    side by side. Raises `PipelineError` for sizes that are not multiples of the spatial compression."""
+    vae = meta_vae(vae_config)
+    decoding.check_decode("HunyuanVideo-1.5", 1, height, width, vae.spatial_compression_ratio)
+    return _tile_programs(vae_config, "encoder", (1, 3, 1, height, width), mesh, dtype, tiling)
 
-    diffusers' own `decode` runs twice around the real work, so the tiling, blending and cropping
-    are stock code: first with a decoder that only records each tile it is given (answering with
-    an empty `meta` tensor of the decoded shape), then, once the recorded tiles are decoded in
-    waves, with a decoder that hands back those results in order. The blending runs on the host,
-    in the VAE's dtype, as diffusers runs it. Introduced in notebook 07 (the decode stage)."""
+
+def through_tiles(vae: Any, part: str, x: Any, mesh: Any, env: Any, shapes_of: Any) -> Any:
+    """HunyuanVideo-1.5's `vae.decode(x).sample` (part "decoder") or `vae._encode(x)` ("encoder",
+    the posterior's moments), with the part's calls run side by side on `mesh` (`in_waves`): `x`
+    CPU torch, `vae` a diffusers `AutoencoderKLHunyuanVideo15` whose `part` is jitted under torchax
+    and replicated over `mesh`. Returns CPU torch. `shapes_of` is that part on PyTorch's `meta`
+    device (`meta_vae`): what a tile turns into.
+
+    diffusers' own code runs twice around the real work, so the tiling, blending and cropping are
+    stock code: first with a part that only records each tile it is given (answering with an empty
+    `meta` tensor of the output's shape), then, once the recorded tiles are computed in waves, with
+    a part that hands back those results in order. The blending runs on the host, in the VAE's
+    dtype, as diffusers runs it. Introduced in notebook 07 (the decode stage; section 11 encodes
+    the picture the same way)."""
     import torch
     from torchax.interop import jax_view, torch_view
 
-    jitted, tiles = vae.decoder, []
+    jitted, tiles = getattr(vae, part), []
 
     def record(tile):
         tiles.append(tile)
@@ -576,24 +753,24 @@ def decode_in_waves(vae: Any, z: Any, mesh: Any, env: Any, shapes_of: Any) -> An
         with torch.no_grad():
             return shapes_of(torch.empty(tile.shape, dtype=dtype, device="meta"))
 
-    def decode_one(batch):
+    def run_one(batch):
         with env:
             return jax_view(jitted(torch_view(batch)))
 
     try:
-        vae.decoder = _calls(record)
+        setattr(vae, part, _calls(record))
         with torch.no_grad():
-            vae.decode(z)
-        decoded = iter(decoding.in_waves([common.to_jax_array(t) for t in tiles], decode_one, mesh))
-        vae.decoder = _calls(lambda tile: common.to_torch(next(decoded)))
+            _whole(vae, part, x)
+        done = iter(decoding.in_waves([common.to_jax_array(t) for t in tiles], run_one, mesh))
+        setattr(vae, part, _calls(lambda tile: common.to_torch(next(done))))
         with torch.no_grad():
-            return vae.decode(z).sample
+            return _whole(vae, part, x)
     finally:
-        vae.decoder = jitted
+        setattr(vae, part, jitted)
 
 
 def _calls(fn: Callable[[Any], Any]) -> Any:
-    """A module whose forward is `fn`: what stands in for a VAE's `decoder` (`decode_in_waves`)."""
+    """A module whose forward is `fn`: what stands in for a VAE's `decoder` or `encoder` (`through_tiles`)."""
     import torch
 
     class Calls(torch.nn.Module):
@@ -603,35 +780,42 @@ def _calls(fn: Callable[[Any], Any]) -> Any:
     return Calls()
 
 
-def meta_decoder(vae_config: dict) -> Any:
-    """HunyuanVideo-1.5's VAE decoder built on PyTorch's `meta` device from the checkpoint's VAE
-    config (shapes only, the mid-block's loop-free mask), in eval mode."""
+def meta_vae(vae_config: dict) -> Any:
+    """HunyuanVideo-1.5's VAE built on PyTorch's `meta` device from the checkpoint's VAE config
+    (shapes only, the config as diffusers reads it with defaults filled in, the mid-blocks'
+    loop-free mask), in eval mode: its `.decoder` and `.encoder` are what `through_tiles` needs
+    as `shapes_of`."""
     import torch
     from diffusers import AutoencoderKLHunyuanVideo15
 
     with torch.device("meta"):
         vae = AutoencoderKLHunyuanVideo15.from_config({k: v for k, v in vae_config.items() if not k.startswith("_")})
-    return family.make_vae_jit_friendly(vae).decoder.eval()
-
+    return family.make_vae_jit_friendly(vae).eval()
 
 
 def stock(source: str, request: Request, dtype: Any = None) -> tuple[Any, dict[str, Any]]:
-    """Stock diffusers `HunyuanVideo15Pipeline` loaded from `source` (float32 unless `dtype`),
-    its guider's scale and its scheduler's shift set to `request`'s (resolved against the
-    checkpoint's configs), and the keyword arguments of the call that makes `request`'s video from
-    the same seed, frames as `output_type="np"`: what the parity tests compare with and
-    `tpupedia bench generate` times."""
+    """Stock diffusers `HunyuanVideo15Pipeline` (with a picture `HunyuanVideo15ImageToVideoPipeline`)
+    loaded from `source` (float32 unless `dtype`), its guider's scale and its scheduler's shift set
+    to `request`'s (resolved against the checkpoint's configs), and the keyword arguments of the
+    call that makes `request`'s video from the same seed, frames as `output_type="np"`: what the
+    parity tests compare with and `tpupedia bench generate` times. Image-to-video takes the
+    picture as `pictures.read` gives it and no size (stock picks it from the picture)."""
     import torch
-    from diffusers import HunyuanVideo15Pipeline
+    from diffusers import HunyuanVideo15ImageToVideoPipeline, HunyuanVideo15Pipeline
 
-    pipe = common.load_stock(HunyuanVideo15Pipeline, source, dtype)
+    from tpupedia import pictures
+
+    cls = HunyuanVideo15Pipeline if request.image is None else HunyuanVideo15ImageToVideoPipeline
+    pipe = common.load_stock(cls, source, dtype)
     request = resolve(request, family.component_configs(source))
     pipe.guider = pipe.guider.new(guidance_scale=request.guidance)
     pipe.scheduler = pipe.scheduler.from_config(pipe.scheduler.config, shift=request.shift)
     pipe.vae.enable_tiling() if request.vae_tiling else pipe.vae.disable_tiling()
+    size = dict(height=request.height, width=request.width) if request.image is None else dict(
+        image=pictures.read(request.image))
     return pipe, dict(prompt=request.prompt, negative_prompt=request.negative_prompt, num_frames=request.frames,
-                      height=request.height, width=request.width, num_inference_steps=request.steps,
-                      generator=torch.Generator().manual_seed(request.seed), output_type="np")
+                      num_inference_steps=request.steps, generator=torch.Generator().manual_seed(request.seed),
+                      output_type="np", **size)
 
 PIPELINE = Hunyuan
 run = functools.partial(common.run, Hunyuan)

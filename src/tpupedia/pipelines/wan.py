@@ -31,7 +31,7 @@ Image-to-video (Wan2.1-I2V, Wan2.2-I2V-A14B; `Request.image`) adds a stage betwe
   beside the latents and the features to the cross-attention.
 
 Same weights and seed as `WanPipeline(output_type="np")` (`WanImageToVideoPipeline` with a picture)
-give the same frames (float32: within 1e-4, tests/test_wan.py, tests/test_image_to_video.py).
+give the same frames (float32: within 1e-4, tests/test_wan.py, tests/test_wan_image_to_video.py).
 Introduced in notebook 11 (Wan on TPU); `tpupedia generate wan`.
 """
 
@@ -210,10 +210,10 @@ class Wan(common.StagedPipeline):
         out, start = {}, time.perf_counter()
         with self._precision():
             if "image_encoder" in self.configs:
-                program = self._image_programs(request)[0]
+                program = self._clip_program()
                 clip = self.held("image", "jit", lambda: jax.jit(program.fn, **program.jit_kwargs))
                 weights, buffers, pixels_spec = program.args
-                pixels = self._image_processor()(images=picture, return_tensors="pt").pixel_values
+                pixels = self._processor("image_processor")(images=picture, return_tensors="pt").pixel_values
                 features = clip(weights, buffers, jax.device_put(pixels.numpy(), pixels_spec.sharding))
                 out["image_embeds"] = common.to_torch(jax.block_until_ready(features)).to(self.dtype)
             chips = decoding.decode_mesh(self.mesh)
@@ -237,20 +237,17 @@ class Wan(common.StagedPipeline):
         out["condition"] = torch.cat([mask, latents], dim=1)
         return out, {"first_s": time.perf_counter() - start}
 
-    def _image_processor(self):
-        """The checkpoint's image processor, the class its `model_index.json` names (as the stock
-        pipeline loads it)."""
-        import importlib
-
-        library, name = self.configs["pipeline"]["image_processor"]
-        cls = getattr(importlib.import_module(library), name)
-        return self.held("image", "processor", lambda: cls.from_pretrained(self.source, subfolder="image_processor"))
-
     def _image_programs(self, request: Request) -> list:
-        """The image stage's programs: with an image encoder (Wan 2.1) the CLIP vision tower,
-        `(weights, buffers, pixels)` -> its penultimate hidden states, a copy on every chip (one
-        picture, 0.6B parameters: nothing worth splitting); then the VAE encoder's chunks
-        (`encode_programs`) on the host's chips."""
+        """The image stage's programs: with an image encoder (Wan 2.1) the CLIP vision tower
+        (`_clip_program`); then the VAE encoder's chunks (`encode_programs`) on the host's chips."""
+        clip = [self._clip_program()] if "image_encoder" in self.configs else []
+        return clip + encode_programs(self.configs["vae"], request.frames, request.height, request.width,
+                                      decoding.decode_mesh(self.mesh), dtype=str(self.dtype).removeprefix("torch."))
+
+    def _clip_program(self):
+        """Wan 2.1's CLIP vision tower as the image stage compiles it, `(weights, buffers, pixels)`
+        -> its penultimate hidden states, a copy on every chip (one picture, 0.6B parameters:
+        nothing worth splitting)."""
         import jax.numpy as jnp
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
@@ -258,30 +255,26 @@ class Wan(common.StagedPipeline):
 
         from tpupedia import aot, torchax_utils
 
-        programs = []
-        if "image_encoder" in self.configs:
-            replicated = NamedSharding(self.mesh, P())
+        replicated = NamedSharding(self.mesh, P())
 
-            def load():
-                tower = self._to_jax("image_encoder", self._load(CLIPVisionModel, "image_encoder"))  # a copy per chip
-                fm = torchax_utils.FunctionalModule(
-                    tower, lambda m, pixels: m(pixel_values=pixels, output_hidden_states=True).hidden_states[-2])
+        def load():
+            tower = self._to_jax("image_encoder", self._load(CLIPVisionModel, "image_encoder"))  # a copy per chip
+            fm = torchax_utils.FunctionalModule(
+                tower, lambda m, pixels: m(pixel_values=pixels, output_hidden_states=True).hidden_states[-2])
 
-                def features(weights, buffers, pixels):
-                    self.traces["image"] += 1
-                    return fm(weights, buffers, pixels)
+            def features(weights, buffers, pixels):
+                self.traces["image"] += 1
+                return fm(weights, buffers, pixels)
 
-                return tower, features, self._state(fm, "image_encoder")
+            return tower, features, self._state(fm, "image_encoder")
 
-            _, features, (weights, buffers) = self.held("image", "clip", load)
-            side = self.configs["image_encoder"]["image_size"]
-            pixels = aot.abstract((1, 3, side, side), jnp.float32, replicated)
-            programs.append(aot.Program("image", f"CLIP vision tower, the picture at {side}x{side}", features,
-                                        (weights, buffers, pixels), jit_kwargs={"out_shardings": replicated},
-                                        weights_bytes=self.plans["image_encoder"].bytes_per_device, calls=1,
-                                        component="image_encoder"))
-        return programs + encode_programs(self.configs["vae"], request.frames, request.height, request.width,
-                                          decoding.decode_mesh(self.mesh), dtype=str(self.dtype).removeprefix("torch."))
+        _, features, (weights, buffers) = self.held("image", "clip", load)
+        side = self.configs["image_encoder"]["image_size"]
+        pixels = aot.abstract((1, 3, side, side), jnp.float32, replicated)
+        return aot.Program("image", f"CLIP vision tower, the picture at {side}x{side}", features,
+                           (weights, buffers, pixels), jit_kwargs={"out_shardings": replicated},
+                           weights_bytes=self.plans["image_encoder"].bytes_per_device, calls=1,
+                           component="image_encoder")
 
     # -- stage 2 ---------------------------------------------------------------------------
     def _denoise(self, request: Request, embeds: dict, on_step: Callable[[int, Any], None] | None = None) -> tuple[dict, dict]:
@@ -504,32 +497,43 @@ def _chunks(frames: int, chunk: int) -> list[tuple[int, int]]:
     return [(0, 1)] + [(start, start + chunk) for start in range(1, frames, chunk)]
 
 
+def _through_cache(vae: Any, part: str, pieces: Any, env: Any, held: dict, traces: dict | None) -> Any:
+    """Each of `pieces` (jax arrays: chunks of pixel frames, or latent frames) through `_frame` in
+    order, the causal cache carried from one call to the next as arguments; the outputs joined
+    on the frame axis (a jax array). One jitted function per `part`, kept in `held` between calls;
+    it compiles once per cache layout (three in all). What `encode_frames` and `decode_frames` share."""
+    import jax
+    import jax.numpy as jnp
+
+    if "fn" not in held:
+        layouts: dict = {}
+        fm, fn = _frame_fn(vae, layouts, traces, part=part)
+        held.update(fm=fm, layouts=layouts, fn=jax.jit(fn, static_argnums=(4, 5)))
+    fm, layouts, fn = held["fm"], held["layouts"], held["fn"]
+    weights, buffers = fm.state()
+    markers, tensors, outs = ("N",) * vae._cached_conv_counts[part], [], []
+    with env:
+        for k, piece in enumerate(pieces):
+            out, tensors = fn(weights, buffers, piece, tensors, markers, k == 0)
+            markers = layouts[(markers, k == 0)]
+            outs.append(out)
+        return jnp.concatenate(outs, axis=2)
+
+
 def encode_frames(vae: Any, video: Any, env: Any, held: dict, traces: dict | None = None) -> Any:
     """`AutoencoderKLWan._encode(video)` (CPU torch pixels in [-1, 1], `vae` placed in the torchax
     environment): the posterior's moments, `(1, 2 z_dim, latent frames, h, w)`, each chunk of
     frames one call of a jitted program (three programs: the first frame, the second chunk, the
     rest). `held` keeps the jitted function between calls. Returns CPU torch."""
     import jax
-    import jax.numpy as jnp
 
-    if "fn" not in held:
-        layouts: dict = {}
-        fm, fn = _frame_fn(vae, layouts, traces, part="encoder")
-        held.update(fm=fm, layouts=layouts, fn=jax.jit(fn, static_argnums=(4, 5)))
-    fm, layouts, fn = held["fm"], held["layouts"], held["fn"]
-    weights, buffers = fm.state()
     if vae.config.patch_size is not None:  # Wan 2.2 TI2V's VAE folds 2x2 pixels into channels first
         from diffusers.models.autoencoders.autoencoder_kl_wan import patchify
 
         video = patchify(video, patch_size=vae.config.patch_size)
     pixels = common.to_jax_array(video)
-    markers, tensors, outs = ("N",) * vae._cached_conv_counts["encoder"], [], []
-    with env:
-        for k, (start, stop) in enumerate(_chunks(pixels.shape[2], vae.config.scale_factor_temporal or 4)):
-            out, tensors = fn(weights, buffers, pixels[:, :, start:stop], tensors, markers, k == 0)
-            markers = layouts[(markers, k == 0)]
-            outs.append(out)
-        moments = jnp.concatenate(outs, axis=2)
+    spans = _chunks(pixels.shape[2], vae.config.scale_factor_temporal or 4)
+    moments = _through_cache(vae, "encoder", (pixels[:, :, a:b] for a, b in spans), env, held, traces)
     return common.to_torch(jax.block_until_ready(moments))
 
 
@@ -543,22 +547,9 @@ def decode_frames(vae: Any, z: Any, env: Any, held: dict, traces: dict | None = 
     import jax.numpy as jnp
     import torch
 
-    if "fn" not in held:
-        layouts: dict = {}
-        fm, fn = _frame_fn(vae, layouts, traces)
-        held.update(fm=fm, layouts=layouts, fn=jax.jit(fn, static_argnums=(4, 5)))
-    fm, layouts, fn = held["fm"], held["layouts"], held["fn"]
-    weights, buffers = fm.state()
     frames = common.to_jax_array(z)
-    markers, tensors, outs = ("N",) * vae._cached_conv_counts["decoder"], [], []
-    with env:
-        for i in range(frames.shape[2]):
-            first = i == 0
-            out, tensors = fn(weights, buffers, frames[:, :, i:i + 1], tensors, markers, first)
-            markers = layouts[(markers, first)]
-            outs.append(out)
-        video = jnp.clip(jnp.concatenate(outs, axis=2), -1.0, 1.0)
-    video = common.to_torch(jax.block_until_ready(video))
+    video = _through_cache(vae, "decoder", (frames[:, :, i:i + 1] for i in range(frames.shape[2])), env, held, traces)
+    video = common.to_torch(jax.block_until_ready(jnp.clip(video, -1.0, 1.0)))
     if vae.config.patch_size is not None:
         from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
 
@@ -576,6 +567,30 @@ def _abstract_vae(vae_config: dict, dtype: Any):
     return family.make_vae_jit_friendly(vae.to(getattr(torch, dtype.name)).eval())
 
 
+def _cache_programs(vae: Any, part: str, mesh: Any, dtype: Any, stage: str,
+                    pieces: list[tuple[tuple[int, ...], str, int]]) -> list:
+    """The programs `_through_cache` compiles for `part`, one per `(input shape, name, calls)` of
+    `pieces` (the first, the second and the later calls: the cache's three layouts), on the chips
+    of `mesh`, a copy of the VAE and of the input on each; the cache's shapes come from tracing
+    each program on shapes only. What `encode_programs` and `decode_programs` share."""
+    import jax
+
+    from tpupedia import aot
+
+    layouts: dict = {}
+    fm, fn = _frame_fn(vae, layouts, part=part)
+    state = decoding.replicated(mesh, fm.abstract_state())
+    markers, tensors, programs = ("N",) * vae._cached_conv_counts[part], [], []
+    for k, (shape, name, calls) in enumerate(pieces):
+        args = (*state, decoding.replicated(mesh, jax.ShapeDtypeStruct(shape, dtype)), decoding.replicated(mesh, tensors))
+        run = lambda *a, _m=markers, _f=k == 0: fn(*a, _m, _f)  # noqa: E731 - the markers fixed per program
+        programs.append(aot.Program(stage, name, run, args, weights_bytes=decoding.nbytes(state), calls=calls,
+                                    component="vae"))
+        _, tensors = jax.eval_shape(run, *args)
+        markers = layouts[(markers, k == 0)]
+    return programs
+
+
 def encode_programs(vae_config: dict, frames: int, height: int, width: int, mesh: Any, *,
                     dtype: Any = "bfloat16") -> list:
     """The encoder programs of Wan's `image` stage (image-to-video) for the picture and black
@@ -583,10 +598,7 @@ def encode_programs(vae_config: dict, frames: int, height: int, width: int, mesh
     `decoding.decode_mesh`), a copy of the VAE and of the chunk on each: the first frame, the second
     chunk, and the later chunks (x their count), as `encode_frames` runs them. Raises
     `PipelineError` for bad frames or sizes."""
-    import jax
     import jax.numpy as jnp
-
-    from tpupedia import aot
 
     dtype = jnp.dtype(dtype)
     vae = _abstract_vae(vae_config, dtype)
@@ -594,23 +606,16 @@ def encode_programs(vae_config: dict, frames: int, height: int, width: int, mesh
     if frames < 1 or (frames - 1) % chunk:
         raise PipelineError(f"frames={frames}: the VAE encodes {chunk}n+1 frames")
     decoding.check_decode("Wan", 1, height, width, ratio)
-    layouts: dict = {}
-    fm, fn = _frame_fn(vae, layouts, part="encoder")
-    state = decoding.replicated(mesh, fm.abstract_state())
-    folded = 3 * (vae.config.patch_size or 1) ** 2, height // (vae.config.patch_size or 1), width // (vae.config.patch_size or 1)
-    markers, tensors, programs = ("N",) * vae._cached_conv_counts["encoder"], [], []
+    patch = vae.config.patch_size or 1
     spans = _chunks(frames, chunk)
+    pieces = []
     for k, (start, stop) in enumerate(spans[:3]):
-        x = decoding.replicated(mesh, jax.ShapeDtypeStruct((1, folded[0], stop - start, *folded[1:]), dtype))
-        args = (*state, x, decoding.replicated(mesh, tensors))
         calls = 1 if k < 2 else len(spans) - 2
         which = ("first frame (the picture)", "second chunk of frames", "later chunks of frames")[k]
-        run = lambda *a, _m=markers, _f=k == 0: fn(*a, _m, _f)  # noqa: E731 - the markers fixed per program
-        programs.append(aot.Program("image", f"VAE encode, {which} ({stop - start} frame{'s' if stop - start > 1 else ''} at {width}x{height}, x {calls})",
-                                    run, args, weights_bytes=decoding.nbytes(state), calls=calls, component="vae"))
-        _, tensors = jax.eval_shape(run, *args)
-        markers = layouts[(markers, k == 0)]
-    return programs
+        n = stop - start
+        pieces.append(((1, 3 * patch**2, n, height // patch, width // patch),
+                       f"VAE encode, {which} ({n} frame{'s' if n > 1 else ''} at {width}x{height}, x {calls})", calls))
+    return _cache_programs(vae, "encoder", mesh, dtype, "image", pieces)
 
 
 def decode_programs(vae_config: dict, latent_frames: int, height: int, width: int, mesh: Any, *,
@@ -620,32 +625,20 @@ def decode_programs(vae_config: dict, latent_frames: int, height: int, width: in
     VAE and of the latent frame on each: the first frame, the second, and the later frames (x
     their count). The VAE is built on `meta` from `vae_config`; the cache's shapes come from
     tracing the decoder on shapes only. Raises `PipelineError` for bad frames or sizes."""
-    import jax
     import jax.numpy as jnp
-
-    from tpupedia import aot
 
     dtype = jnp.dtype(dtype)
     vae = _abstract_vae(vae_config, dtype)
     ratio = vae.config.scale_factor_spatial or 8
     decoding.check_decode("Wan", latent_frames, height, width, ratio)
-    layouts: dict = {}
-    fm, fn = _frame_fn(vae, layouts)
-    state = decoding.replicated(mesh, fm.abstract_state())
-    z = decoding.replicated(mesh, jax.ShapeDtypeStruct((1, vae.config.z_dim, 1, height // ratio, width // ratio), dtype))
-    markers, tensors, programs = ("N",) * vae._cached_conv_counts["decoder"], [], []
+    hw = (height // ratio, width // ratio)
+    pieces = []
     for k in range(min(latent_frames, 3)):
-        first = k == 0
-        args = (*state, z, decoding.replicated(mesh, tensors), markers, first)
         calls = 1 if k < 2 else latent_frames - 2
         which = ("first latent frame", "second latent frame", "later latent frames")[k]
-        programs.append(aot.Program(decoding.STAGE, f"VAE decode, {which} ({decoding.where(mesh.size, *z.shape[-2:], z.shape[-2:])}, x {calls})",
-                                    lambda *a, _m=markers, _f=first: fn(*a, _m, _f), args[:-2],
-                                    weights_bytes=decoding.nbytes(state), calls=calls, component="vae"))
-        _, tensors = jax.eval_shape(lambda *a, _m=markers, _f=first: fn(*a, _m, _f), *args[:-2])
-        markers = layouts[(markers, first)]
-    return programs
-
+        pieces.append(((1, vae.config.z_dim, 1, *hw), f"VAE decode, {which} ({decoding.where(mesh.size, *hw, hw)}, x {calls})",
+                       calls))
+    return _cache_programs(vae, "decoder", mesh, dtype, decoding.STAGE, pieces)
 
 
 def stock(source: str, request: Request, dtype: Any = None) -> tuple[Any, dict[str, Any]]:
