@@ -130,7 +130,8 @@ def _plans_table() -> str:
         depth = "full" if r["layers"] is None else f"{r['layers']} layer(s), the rest's weights added"
         verdict = "fits" if r["fits"] else f"does not fit: {r['advice']}"
         kind = " image-to-video" if q.get("image") else ""
-        lines.append(f"| {r['family']}{kind}{' (batch)' if r['resident'] else ''} | {q['width']}x{q['height']}, "
+        checkpoint = f"<br>`{r['checkpoint']}`" if r.get("checkpoint") else ""
+        lines.append(f"| {r['family']}{kind}{' (batch)' if r['resident'] else ''}{checkpoint} | {q['width']}x{q['height']}, "
                      f"{q['frames']} frames, {q['steps']} steps | {r['topology']} ({r['chips']} chips), {mesh} | {depth} | "
                      + " | ".join(peaks.get(s, "not planned" if s != "image" or kind else "—")
                                   for s in ("text", "image", "denoise", "decode"))

@@ -9,17 +9,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
 from test_devices import requires_libtpu
-from test_image_to_video import _picture
+from test_image_to_video import _picture, frames_against_stock, stage_tensors
 
 from tpupedia import presets
 from tpupedia.models import hunyuan as family
 from tpupedia.pipelines import hunyuan as pipeline
-from tpupedia.pipelines import stages
 
 TINY = presets.get("tiny")
 
@@ -40,9 +38,7 @@ def _request(picture: str | None, **changes) -> pipeline.Request:
 
 
 def _stage(workdir: Path, checkpoint: Path, request: pipeline.Request, stage: str) -> dict:
-    settings = pipeline.Hunyuan.settings_for(str(checkpoint), family.component_configs(str(checkpoint)), request,
-                                             pipeline.Options(), torch.float32, stage)
-    return stages.read(workdir, stage, settings).tensors
+    return stage_tensors(pipeline, workdir, checkpoint, request, stage)
 
 
 @pytest.mark.parametrize("kind, picture, size", [("i2v", (40, 72, 3), (48, 80)), ("meanflow", (96, 48, 4), (80, 48))],
@@ -57,17 +53,7 @@ def test_frames_match_stock_image_to_video_pipeline(checkpoints, tmp_path, kind,
     configs = family.component_configs(str(checkpoint))
     assert family.image_to_video(configs) and bool(configs["transformer"].get("use_meanflow")) == (kind == "meanflow")
     request = _request(_picture(tmp_path / "in.png", height, width, channels))
-    pipe, call = pipeline.stock(str(checkpoint), request)
-    expected = pipe(**call).frames[0]
-    reports = pipeline.run(request, pipeline.Options(quiet=True), preset=TINY, model=str(checkpoint),
-                           workdir=tmp_path / "w", log=lambda _: None)
-    assert [r.stage for r in reports] == ["text", "image", "denoise", "decode"] and all(r.ran for r in reports)
-    frames = _stage(tmp_path / "w", checkpoint, request, "decode")["frames"].numpy()
-    assert frames.shape == expected.shape == (9, *size, 3)
-    error = float(np.abs(frames - expected).max())
-    print(f"{kind}, {picture} -> {size}: max abs error vs stock HunyuanVideo15ImageToVideoPipeline {error:.2e}")
-    assert error <= 1e-4, error
-    assert frames.std() > 0.01
+    pipe, reports = frames_against_stock(pipeline, checkpoint, request, tmp_path / "w", size, f"{kind}, {picture}")
     image = _stage(tmp_path / "w", checkpoint, request, "image")
     _check_image_stage(image, pipe, request, size)
     kept = {r.stage: r for r in reports}["denoise"].timings["text_tokens"]
@@ -130,6 +116,24 @@ def test_the_video_size_is_the_bucket_nearest_the_pictures_aspect():
     width, height = family.video_size(96, 64, release)
     assert (width, height) == (1168, 784) and height / width >= 64 / 96
     assert family.video_size(64, 96, release) == (784, 1168)
+
+
+def test_the_image_stage_is_kept_when_only_the_frame_count_changes(checkpoints, tmp_path):
+    """The image stage encodes the picture alone (one latent frame, its SigLIP features), so its
+    stage file stays valid for a request with more frames; the denoise's does not; another
+    picture (or its encode tiled) is another image stage."""
+    source = str(checkpoints["i2v"])
+    configs = family.component_configs(source)
+    picture = _picture(tmp_path / "a.png", 40, 72)
+
+    def settings(stage: str, **changes) -> dict:
+        return pipeline.Hunyuan.settings_for(source, configs, _request(picture, **changes), pipeline.Options(),
+                                             torch.float32, stage)
+
+    assert settings("image", frames=9) == settings("image", frames=13)
+    assert settings("denoise", frames=9) != settings("denoise", frames=13)
+    assert settings("image") != settings("image", image=_picture(tmp_path / "b.png", 40, 72, seed=1))
+    assert settings("image") != settings("image", vae_tiling=True)
 
 
 def _bad_command(tmp_path: Path, checkpoints: dict, case: str) -> tuple[list[str], list[str]]:

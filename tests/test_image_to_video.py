@@ -37,10 +37,30 @@ def _request(picture: str, **changes) -> pipeline.Request:
     return pipeline.Request(**(fields | changes))
 
 
-def _frames(workdir: Path, checkpoint: Path, request: pipeline.Request) -> np.ndarray:
-    settings = pipeline.CogVideoX.settings_for(str(checkpoint), family.component_configs(str(checkpoint)), request,
-                                               pipeline.Options(), torch.float32, "decode")
-    return stages.read(workdir, "decode", settings).tensors["frames"].numpy()
+def stage_tensors(module, workdir: Path, checkpoint: Path, request, stage: str) -> dict:
+    """The tensors of `stage` that `module` (a family's pipeline module) wrote under `workdir` for
+    `request` from `checkpoint`, fp32: read back with the settings a run checks them against."""
+    configs = module.PIPELINE.family.component_configs(str(checkpoint))
+    settings = module.PIPELINE.settings_for(str(checkpoint), configs, request, module.Options(), torch.float32, stage)
+    return stages.read(workdir, stage, settings).tensors
+
+
+def frames_against_stock(module, checkpoint: Path, request, workdir: Path, size: tuple[int, int], label: str):
+    """Stock's image-to-video pipeline (`module.stock`) and every stage of ours on the same
+    weights, picture and seed, fp32: the frames (9 of `size`) within 1e-4 and not flat.
+    Returns the stock pipeline, for the image stage's own checks."""
+    pipe, call = module.stock(str(checkpoint), request)
+    expected = pipe(**call).frames[0]
+    reports = module.run(request, module.Options(quiet=True), preset=TINY, model=str(checkpoint), workdir=workdir,
+                         log=lambda _: None)
+    assert [r.stage for r in reports] == ["text", "image", "denoise", "decode"] and all(r.ran for r in reports)
+    frames = stage_tensors(module, workdir, checkpoint, request, "decode")["frames"].numpy()
+    assert frames.shape == expected.shape == (9, *size, 3)
+    error = float(np.abs(frames - expected).max())
+    print(f"{label} -> {size}: max abs error vs stock {type(pipe).__name__} {error:.2e}")
+    assert error <= 1e-4, error
+    assert frames.std() > 0.01
+    return pipe, reports
 
 
 @pytest.mark.parametrize("picture, size", [((40, 56, 3), (32, 32)), ((64, 20, 4), (32, 32))],
@@ -52,17 +72,7 @@ def test_frames_match_stock_image_to_video_pipeline(checkpoint, tmp_path, pictur
     transformer's RoPE grid, from its `sample_height/width` of 4, is 2x2 patches.)"""
     height, width, channels = picture
     request = _request(_picture(tmp_path / "in.png", height, width, channels), height=size[0], width=size[1])
-    pipe, call = pipeline.stock(str(checkpoint), request)
-    expected = pipe(**call).frames[0]
-    reports = pipeline.run(request, pipeline.Options(quiet=True), preset=TINY, model=str(checkpoint),
-                           workdir=tmp_path / "w", log=lambda _: None)
-    assert [r.stage for r in reports] == ["text", "image", "denoise", "decode"] and all(r.ran for r in reports)
-    frames = _frames(tmp_path / "w", checkpoint, request)
-    assert frames.shape == expected.shape == (9, *size, 3)
-    error = float(np.abs(frames - expected).max())
-    print(f"{picture} -> {size}: max abs error vs stock CogVideoXImageToVideoPipeline {error:.2e}")
-    assert error <= 1e-4, error
-    assert frames.std() > 0.01
+    frames_against_stock(pipeline, checkpoint, request, tmp_path / "w", size, str(picture))
 
 
 def test_a_changed_picture_reruns_its_stage_and_refuses_the_old_file(checkpoint, tmp_path):

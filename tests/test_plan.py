@@ -240,13 +240,42 @@ def test_a_full_size_batch_plans_each_request_before_loading(tmp_path, monkeypat
     assert len(seen) == 4 and ran == []  # refused before the first prompt ran
 
 
-@pytest.mark.parametrize("family", ["cogvideox", "hunyuan"])
-@pytest.mark.parametrize("topology, chips", [("v6e:2x4", 8), ("v6e:2x2", 4)], ids=["v6e-8", "4-chip host"])
+def test_every_release_a_family_builds_in_is_its_kind_and_needs_no_download(monkeypatch):
+    """`plan --model ID` for a release in `FamilySpec.releases` plans its configs from code (no
+    download, so it works offline): each is the kind its id says (a picture needed or refused;
+    Wan 2.2's two experts, its image-to-video release without CLIP); another hub id that is not
+    cached is refused in one line, not downloaded."""
+    import importlib
+
+    from tpupedia import families
+    from tpupedia.errors import TpupediaError
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for spec in families.video():
+        module = importlib.import_module(spec.pipeline)
+        assert spec.full_id in spec.releases
+        for model, kwargs in spec.releases.items():
+            picture = "start.png" if kwargs.get("image_to_video") else None
+            request = module.Request(prompt="a video", image=picture)
+            configs = module.PIPELINE.plan_configs(request, model)
+            module.PIPELINE.check_kind(request, configs)  # raises for the wrong kind
+            if spec.name == "wan":
+                assert len(module.PIPELINE.family.experts(configs)) == kwargs.get("experts", 1), model
+                assert ("image_encoder" in configs) == (kwargs == {"image_to_video": True}), model
+    wan = importlib.import_module("tpupedia.pipelines.wan")
+    with pytest.raises(TpupediaError, match="someone/not-a-release: no such folder here, and with HF_HUB_OFFLINE=1"):
+        wan.PIPELINE.plan_configs(wan.Request(prompt="a video"), "someone/not-a-release")
+
+
+@pytest.mark.parametrize("family, topology, chips", [("cogvideox", "v6e:2x4", 8), ("hunyuan", "v6e:2x4", 8),
+                                                     ("cogvideox", "v6e:2x2", 4)],
+                         ids=["v6e-8-cogvideox", "v6e-8-hunyuan", "4-chip host-cogvideox"])
 def test_the_release_configs_text_and_denoise_fit_at_reduced_depth(family, topology, chips):
     """The release's own configs (built in, no download), every model one layer deep with the
     other layers' weight shards counted: text encoders at their real token lengths and the
-    denoising step at the family's default video fit each chip of the slice. (The full-size
-    decode compiles for many minutes on a CPU host: `docs/results/plans.json` records it.)"""
+    denoising step at the family's default video fit each chip of a v6e-8 (and, for one family,
+    of a 4-chip host, mesh dp=2, tp=2). (The full-size decode compiles for many minutes on a CPU
+    host: `docs/results/plans.json` records it.)"""
     import importlib
 
     from tpupedia import presets
@@ -256,6 +285,7 @@ def test_the_release_configs_text_and_denoise_fit_at_reduced_depth(family, topol
     p = plan.make(family, module.Request(prompt="a video", **defaults), module.Options(), topology=topology,
                   layers=1, stages=("text", "denoise"))
     assert (p.chips, p.mesh) == (chips, {"dp": 2, "tp": chips // 2})
+    assert p.checkpoint == module.PIPELINE.family.FULL_ID and f"{family} ({p.checkpoint})" in p.summary()
     assert [s.stage for s in p.stages] == ["text", "denoise"] and p.fits, p.summary()
     (text,) = p.stage("text").programs
     assert ("226 tokens" if family == "cogvideox" else "1108 tokens") in text.name  # T5-XXL; Qwen with template

@@ -8,16 +8,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
 from test_devices import requires_libtpu
-from test_image_to_video import _picture
+from test_image_to_video import _picture, frames_against_stock, stage_tensors
 
 from tpupedia import presets
 from tpupedia.models import wan as family
-from tpupedia.pipelines import stages
 from tpupedia.pipelines import wan as pipeline
 
 TINY = presets.get("tiny")
@@ -37,9 +35,7 @@ def _request(picture: str, **changes) -> pipeline.Request:
 
 
 def _stage(workdir: Path, checkpoint: Path, request: pipeline.Request, stage: str) -> dict:
-    settings = pipeline.Wan.settings_for(str(checkpoint), family.component_configs(str(checkpoint)), request,
-                                         pipeline.Options(), torch.float32, stage)
-    return stages.read(workdir, stage, settings).tensors
+    return stage_tensors(pipeline, workdir, checkpoint, request, stage)
 
 
 @pytest.mark.parametrize("experts, picture, size", [(1, (40, 72, 3), (64, 64)), (2, (96, 48, 4), (64, 96))],
@@ -52,17 +48,7 @@ def test_frames_match_stock_image_to_video_pipeline(checkpoints, tmp_path, exper
     checkpoint = checkpoints[experts]
     assert len(family.experts(family.component_configs(str(checkpoint)))) == experts  # the layout under test
     request = _request(_picture(tmp_path / "in.png", height, width, channels), height=size[0], width=size[1])
-    pipe, call = pipeline.stock(str(checkpoint), request)
-    expected = pipe(**call).frames[0]
-    reports = pipeline.run(request, pipeline.Options(quiet=True), preset=TINY, model=str(checkpoint),
-                           workdir=tmp_path / "w", log=lambda _: None)
-    assert [r.stage for r in reports] == ["text", "image", "denoise", "decode"] and all(r.ran for r in reports)
-    frames = _stage(tmp_path / "w", checkpoint, request, "decode")["frames"].numpy()
-    assert frames.shape == expected.shape == (9, *size, 3)
-    error = float(np.abs(frames - expected).max())
-    print(f"{experts} expert(s), {picture} -> {size}: max abs error vs stock WanImageToVideoPipeline {error:.2e}")
-    assert error <= 1e-4, error
-    assert frames.std() > 0.01
+    pipe, _ = frames_against_stock(pipeline, checkpoint, request, tmp_path / "w", size, f"{experts} expert(s), {picture}")
     _check_image_stage(_stage(tmp_path / "w", checkpoint, request, "image"), pipe, request)
 
 

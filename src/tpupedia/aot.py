@@ -28,6 +28,7 @@ __all__ = [
     "collective_ops",
     "format_bytes",
     "Program",
+    "lowered_flops",
 ]
 
 _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -134,6 +135,22 @@ class Program:
 
         with (self.context or contextlib.nullcontext)():
             return compile_aot(self.fn, *self.args, **self.jit_kwargs)
+
+    def flops(self) -> float:
+        """XLA's FLOP count of one call: the whole program, lowered, before it is split over
+        devices (no compile). Notebook 07 compares a DeepCache step's two programs with it."""
+        import contextlib
+
+        import jax
+
+        with (self.context or contextlib.nullcontext)():
+            return lowered_flops(jax.jit(self.fn, **self.jit_kwargs).lower(*self.args))
+
+
+def lowered_flops(lowered: Any) -> float:
+    """The FLOPs XLA's cost analysis counts in a lowered program (`jax.jit(f).lower(...)`)."""
+    cost = lowered.cost_analysis()
+    return float((cost[0] if isinstance(cost, list) else cost)["flops"])
 
 
 def abstract(shape: tuple[int, ...], dtype: Any, sharding: Any = None) -> Any:

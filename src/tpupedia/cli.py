@@ -124,8 +124,7 @@ def _plan(args: argparse.Namespace) -> int:
     pipeline.PIPELINE.check_size_given(request, ["--resolution"] if args.resolution else [])
     options = common.Options(mesh=common.parse_mesh(args.mesh) if args.mesh else None, sharding=args.sharding,
                              attention=args.attention, block_sizes=_block_sizes(args.block_sizes))
-    configs = family.component_configs(family.model_source(presets.get("full"), args.model)[0]) if args.model else None
-    result = plan.make(args.model_family, request, options, configs=configs, topology=args.topology,
+    result = plan.make(args.model_family, request, options, model=args.model, topology=args.topology,
                        layers=args.layers, vae_tiling=args.vae_tiling, resident=args.batch,
                        stages=tuple(s.strip() for s in args.stages.split(",")) if args.stages else plan.STAGES)
     print(result.summary())
@@ -432,8 +431,10 @@ def build_parser() -> argparse.ArgumentParser:
     for spec in families.video():
         name = spec.name
         q = plsub.add_parser(name, help=f"plan `tpupedia generate {name} --preset full`")
-        q.add_argument("--model", default=None, help="a diffusers checkpoint folder whose configs to plan "
-                                                      "(default: the release's configs, built in)")
+        q.add_argument("--model", default=None,
+                       help="the checkpoint whose configs to plan: a hub id or diffusers folder (default: the release "
+                            "generate --preset full loads; built in, no download: "
+                            + ", ".join(spec.releases) + ")")
         q.add_argument("--topology", default="v6e:2x4", help="TPU slice as libtpu names it (v6e:2x4, v6e:2x2, v6e:4x4)")
         q.add_argument("--mesh", default=None, help="dp=N,tp=M (default: dp=2 for the guidance pair, tp the rest)")
         q.add_argument("--resolution", default=None, help="720p, 480p or WIDTHxHEIGHT (default: the family's)")

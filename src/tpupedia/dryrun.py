@@ -364,8 +364,7 @@ def _vae_report(spec: families.FamilySpec, topo, width: int, height: int, frames
     decode, args, tokens, note = spec.facts.dryrun_decoder(width, height, SingleDeviceSharding(device))
     # XLA's FLOP count of the same program lowered for the host (no compile, no data)
     host = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
-    cost = jax.jit(decode).lower(*host).cost_analysis()
-    total = float((cost[0] if isinstance(cost, list) else cost)["flops"])
+    total = aot.lowered_flops(jax.jit(decode).lower(*host))
     result = aot.compile_aot(decode, *args)
     flops = {"tokens": tokens, "linear": total, "attention": 0.0, "total": total}
     chip = topo.chip

@@ -33,7 +33,7 @@ from typing import Any, Sequence
 from tpupedia import aot, devices, hardware
 from tpupedia.errors import TpupediaError
 
-__all__ = ["PlanError", "ProgramCost", "StageCost", "Plan", "make", "preflight", "TILING", "record",
+__all__ = ["PlanError", "ProgramCost", "StageCost", "Plan", "make", "programs", "preflight", "TILING", "record",
            "DEFAULT_RECORDS", "PREFLIGHT_LAYERS"]
 
 TILING = ("auto", "on", "off")
@@ -112,6 +112,8 @@ class Plan:
     """What `make` found: per stage, per chip, against the chip's HBM."""
 
     family: str
+    checkpoint: str | None
+    """The hub id or folder whose configs were planned (`None`: configs handed to `make`)."""
     topology: str
     chips: int
     mesh: dict[str, int]
@@ -167,8 +169,9 @@ class Plan:
     def summary(self) -> str:
         g = _GIB
         r = self.request
-        head = (f"{self.family} {r['width']}x{r['height']}, {r['frames']} frames, {r['steps']} steps on {self.topology} "
-                f"({self.chips} chips), mesh {self.mesh}"
+        checkpoint = f" ({self.checkpoint})" if self.checkpoint else ""
+        head = (f"{self.family}{checkpoint} {r['width']}x{r['height']}, {r['frames']} frames, {r['steps']} steps on "
+                f"{self.topology} ({self.chips} chips), mesh {self.mesh}"
                 + (f", attention {self.attention}" if self.attention else "")
                 + (f", {self.layers} layers compiled" if self.layers else "")
                 + (", batch (models resident)" if self.resident else "")
@@ -202,21 +205,21 @@ def _pipeline_module(family: str):
         raise PlanError(str(err)) from None
 
 
-def make(family: str, request: Any, options: Any, *, configs: dict[str, dict] | None = None,
+def make(family: str, request: Any, options: Any, *, model: str | None = None, configs: dict[str, dict] | None = None,
          topology: str = "v6e:2x4", layers: int | None = None, vae_tiling: str = "auto",
          resident: bool = False, dtype: str = "bfloat16", stages: Sequence[str] = STAGES,
          run_devices: Sequence[Any] | None = None) -> Plan:
     """Compile every program of `request` (the family's `Request`) for `topology` and report.
 
-    `configs`: the checkpoint's component configs (`tpupedia.models.<family>.component_configs`),
-    default the release's (`full_configs`). `vae_tiling`: `on`, `off`, or `auto` (untiled if that
-    fits, else tiled: the choice a run makes, `Plan.vae_tiling`). `stages`: a subset of `STAGES`
+    `model`: the checkpoint planned, a hub id or folder (`StagedPipeline.plan_configs`: the
+    releases a family builds in need no download), default the release the full preset loads for
+    `request`; or `configs`, component configs already read (`Plan.checkpoint` is then `None`).
+    `vae_tiling`: `on`, `off`, or `auto` (untiled if that fits, else tiled: the choice a run
+    makes, `Plan.vae_tiling`). `stages`: a subset of `STAGES`
     to plan (the others are left out of the plan, not counted as free). `run_devices`: plan for
     these TPU devices (the run's own, `preflight`) instead of `topology`. Bad arguments raise
     `PlanError` or the pipeline's `PipelineError` before anything is built.
     """
-    import torch
-
     module = _pipeline_module(family)
     if vae_tiling not in TILING:
         raise PlanError(f"vae_tiling={vae_tiling!r} is not one of {', '.join(TILING)}")
@@ -225,7 +228,9 @@ def make(family: str, request: Any, options: Any, *, configs: dict[str, dict] | 
     if not stages or any(s not in STAGES for s in stages):
         raise PlanError(f"stages={','.join(stages)!r}: choose one or more of {', '.join(STAGES)}")
     pipe_cls = module.PIPELINE
-    configs = configs if configs is not None else pipe_cls.release_configs(request)
+    if configs is None:
+        model = str(model) if model is not None else pipe_cls.release_id(request)
+        configs = pipe_cls.plan_configs(request, model)
     if run_devices is None:
         try:
             topo = hardware.parse_topology(topology)
@@ -241,8 +246,7 @@ def make(family: str, request: Any, options: Any, *, configs: dict[str, dict] | 
     shape = common.mesh_shape(options, chips, pipe_cls.guidance_batch(request, configs))
     mesh = (devices.topology_mesh(topo, shape, ("dp", "tp")) if run_devices is None
             else devices.make_mesh(shape, ("dp", "tp"), devices=list(run_devices)))
-    pipe = pipe_cls("(plan)", "plan", getattr(torch, dtype), mesh, options, configs)
-    pipe.abstract, pipe.layers = True, layers
+    pipe = _abstract_pipeline(pipe_cls, configs, mesh, options, dtype, layers)
     hbm = aot.hbm_budget(mesh.devices.flat)
     notes: list[str] = []
 
@@ -250,8 +254,9 @@ def make(family: str, request: Any, options: Any, *, configs: dict[str, dict] | 
     programs = {}
     if "text" in stages:
         programs["text"] = pipe._text_programs(request)
-    if "image" in stages and request.image is not None:  # image-to-video: the picture's encoder, tiled as the decode
-        programs["image"] = pipe._image_programs(_with_tiling(request, vae_tiling == "on"))
+    image = "image" in stages and request.image is not None  # image-to-video: the picture's encoder, tiled as the decode
+    if image:  # built now, so that its models' missing layers are counted; compiled once the tiling is known
+        image_programs = pipe._image_programs(_with_tiling(request, vae_tiling == "on"))
     if "denoise" in stages:
         programs["denoise"] = pipe._denoise_programs(request, pipe._denoise_setup(request))
     extra = _missing_layers(pipe, layers)
@@ -269,23 +274,51 @@ def make(family: str, request: Any, options: Any, *, configs: dict[str, dict] | 
             decode = [_cost(p, extra) for p in pipe._decode_programs(_with_tiling(request, True))]
             notes.append(f"VAE tiling: auto turned it on, the untiled decode does not fit "
                          f"({untiled / _GIB:.2f} GiB or more of {hbm / _GIB:.2f} GiB)")
-            tiled_image = pipe._image_programs(_with_tiling(request, True)) if "image" in costs else []
-            if [p.name for p in tiled_image] != [c.name for c in costs.get("image", [])]:  # an encode tiled as the decode
-                costs["image"] = [_cost(p, extra) for p in tiled_image]
+            if image:  # the picture's encode is tiled as the decode is
+                image_programs = pipe._image_programs(_with_tiling(request, True))
         costs["decode"] = decode
     else:
         notes.append(f"stages planned: {', '.join(s for s in STAGES if s in stages)} (the others are not in this plan)")
+    if image:
+        costs["image"] = [_cost(p, extra) for p in image_programs]
     weights = {s: StageCost(s, c, 0.0).weights for s, c in costs.items()}
     planned = [StageCost(s, costs[s], sum(w for o, w in weights.items() if o != s) if resident else 0.0)
                for s in STAGES if s in costs]
     r = request
     backend = common.attention_backend(options.attention, mesh)
     attention = backend + (f" {'/'.join(map(str, pipe.block_sizes))}" if backend == "splash" else "")
-    return Plan(family=family, topology=name, chips=chips, mesh=dict(mesh.shape),
+    return Plan(family=family, checkpoint=model, topology=name, chips=chips, mesh=dict(mesh.shape),
                 request={"width": r.width, "height": r.height, "frames": r.frames, "steps": r.steps,
                          "guidance": r.guidance} | ({"image": True} if r.image is not None else {}),
                 layers=layers, resident=resident, hbm=hbm, stages=planned, vae_tiling=tiling, notes=notes,
                 attention=attention)
+
+
+def programs(family: str, request: Any, options: Any, configs: dict[str, dict], mesh: Any, stage: str, *,
+             dtype: str = "bfloat16", **step: Any) -> list[aot.Program]:
+    """The programs `stage` (`text`, `image` or `denoise`) runs for `request` on `mesh`, built as
+    `make` builds them (the models on `meta` from `configs`, their weights abstract arguments
+    placed as a run places them), not compiled: to compile or count on any devices, a CPU host's
+    included. `step`: keyword arguments of the family's denoise programs (HunyuanVideo-1.5's
+    `text_tokens`, the text tokens a run keeps; a plan compiles them all). Notebook 07 counts the
+    FLOPs of a DeepCache step with them."""
+    module = _pipeline_module(family)
+    pipe = _abstract_pipeline(module.PIPELINE, configs, mesh, options, dtype, None)
+    request = _resolved(module, request, configs)
+    build = {"text": pipe._text_programs, "image": pipe._image_programs,
+             "denoise": lambda r: pipe._denoise_programs(r, pipe._denoise_setup(r), **step)}
+    if stage not in build:
+        raise PlanError(f"stage {stage!r}: programs are built for {', '.join(build)} (the decode's: tpupedia.plan.make)")
+    return build[stage](request)
+
+
+def _abstract_pipeline(pipe_cls, configs, mesh, options, dtype: str, layers: int | None):
+    """`pipe_cls` built to describe its programs, not run them: models on `meta`, `layers` deep."""
+    import torch
+
+    pipe = pipe_cls("(plan)", "plan", getattr(torch, dtype), mesh, options, configs)
+    pipe.abstract, pipe.layers = True, layers
+    return pipe
 
 
 def _resolved(module, request, configs):
@@ -407,7 +440,7 @@ def record(plan: Plan, path: str = DEFAULT_RECORDS, command: str = "") -> Any:
                              "libtpu": results.version("libtpu") if devices.has_libtpu() else None}
 
     def key(r):
-        return (r["family"], r["topology"], tuple(sorted(r["mesh"].items())), tuple(sorted(r["request"].items())),
+        return (r["family"], r.get("checkpoint"), r["topology"], tuple(sorted(r["mesh"].items())), tuple(sorted(r["request"].items())),
                 r["layers"], r["resident"], tuple(s["stage"] for s in r["stages"]), r.get("attention", ""),
                 bool(r.get("vae_tiling")))
 

@@ -80,6 +80,7 @@ SHARDING: dict[str, list] = {
 SPEC = FamilySpec(
     name=FAMILY, module=__name__, full_id=FULL_ID, sharding=SHARDING, mask="padding",
     title="CogVideoX (1.5-5B on the full preset): T5 -> transformer -> VAE",
+    releases={FULL_ID: {}, FULL_ID_I2V: {"image_to_video": True}},
     figures=(QuotedFigure("plan.cogvideox.decode_gib", "plan_peak", stage="decode", decimals=2,
                           match={"family": FAMILY, "topology": "v6e:2x4", "layers": None, "vae_tiling": False,
                                  "stages": ("decode",)},

@@ -636,6 +636,7 @@ SPEC = FamilySpec(
     name=FAMILY, module=__name__, full_id=FULL_ID, sharding=SHARDING, mask="padding",
     dryrun_masks=("vector", "matrix"),
     title="HunyuanVideo-1.5 (720p t2v on the full preset): Qwen2.5-VL + ByT5 -> transformer -> VAE",
+    releases={FULL_ID: {}, FULL_ID_I2V: {"image_to_video": True}},
     figures=(
         QuotedFigure("upstream.hunyuan.step_s.tp_fc2", "upstream_step",
                      match={"name": "HunyuanVideo-1.5 720p t2v, TP + fc2 replicated"}, decimals=2,

@@ -94,6 +94,9 @@ class FamilySpec:
     """A `"vae"` target: the video family whose default request and frame rule it uses."""
     figures: tuple[QuotedFigure, ...] = ()
     """The numbers about this family that the docs quote, each from a results record."""
+    releases: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """The released checkpoints whose component configs the family module builds without a
+    download: hub id -> the keyword arguments of its `full_configs` (`tpupedia plan --model ID`)."""
 
     def __post_init__(self):
         if self.kind not in KINDS:

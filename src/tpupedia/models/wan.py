@@ -99,6 +99,8 @@ SHARDING: dict[str, list] = {
 SPEC = FamilySpec(
     name=FAMILY, module=__name__, full_id=FULL_ID, sharding=SHARDING, mask="padding", layer_prefix="blocks.0.",
     title="Wan 2.1 / 2.2 (14B t2v on the full preset): umT5 -> transformer (or two experts) -> VAE",
+    releases={FULL_ID: {}, FULL_ID_22: {"experts": 2}, FULL_ID_I2V: {"image_to_video": True},
+              FULL_ID_22_I2V: {"experts": 2, "image_to_video": True}},
 )
 """This family in the registry (`tpupedia.families`)."""
 

@@ -168,11 +168,12 @@ def parse_mesh(text: str) -> tuple[int, int]:
 
 
 def stage_settings(family_name: str, stage: str, source_label: str, configs: dict[str, dict], request: Request,
-                   dtype: str, *, picture: dict | None = None) -> dict:
+                   dtype: str, *, picture: dict | None = None, frames: bool = True) -> dict:
     """The settings a stage of a one-text-encoder family starts from: the model, the checkpoint's
     label and the dtype; the text encoder and the prompts for every stage but `image`; and with a
-    picture, for every stage but `text`, its SHA-256, the VAE config and the video's shape, plus
-    `picture` (what else the family's image stage depends on)."""
+    picture, for every stage but `text`, its SHA-256, the VAE config and the video's size (the
+    picture is cropped to it) and, unless `frames` is false (an image stage that encodes the
+    picture alone), its frame count, plus `picture` (what else the family's image stage depends on)."""
     out = {"model": family_name, "source": source_label, "dtype": dtype}
     if stage != "image":
         out |= {"text_encoder": config_fingerprint(configs["text_encoder"]),
@@ -181,7 +182,9 @@ def stage_settings(family_name: str, stage: str, source_label: str, configs: dic
         from tpupedia import pictures
 
         out |= {"image": pictures.fingerprint(request.image), "vae_config": config_fingerprint(configs["vae"]),
-                "frames": request.frames, "height": request.height, "width": request.width} | (picture or {})
+                "height": request.height, "width": request.width} | (picture or {})
+        if frames:
+            out["frames"] = request.frames
     return out
 
 
@@ -454,13 +457,25 @@ class StagedPipeline:
             return self._encode_text(request)
 
     @classmethod
-    def release_configs(cls, request: Request) -> dict[str, dict]:
-        """The released checkpoint's component configs for `request` (`family.full_configs`: what
-        `tpupedia.plan` plans without a download; a family with image-to-video gives its
-        image-to-video release's for a request with a picture)."""
-        if cls.image_to_video:
-            return cls.family.full_configs(image_to_video=request.image is not None)
-        return cls.family.full_configs()
+    def release_id(cls, request: Request) -> str:
+        """The hub id the full preset loads for `request` (a family with image-to-video: its
+        image-to-video release for a request with a picture)."""
+        return cls.family.FULL_ID_I2V if cls.image_to_video and request.image is not None else cls.family.FULL_ID
+
+    @classmethod
+    def plan_configs(cls, request: Request, model: str | None = None) -> dict[str, dict]:
+        """The component configs `tpupedia.plan` plans for `request`: `model`'s, default the
+        release the full preset loads (`release_id`). A release the family builds in
+        (`FamilySpec.releases`, from `family.full_configs`) needs no download; any other hub id or
+        checkpoint folder is read (`family.component_configs`: configs only, no weights)."""
+        from tpupedia.models import checkpoints
+
+        model = str(model) if model is not None else cls.release_id(request)
+        built_in = cls.family.SPEC.releases.get(model)
+        if built_in is not None:
+            return cls.family.full_configs(**built_in)
+        checkpoints.check_source(model, "--model", cls.release_id(request))  # a wrong one: one line, not a download
+        return cls.family.component_configs(model)
 
     @classmethod
     def source(cls, preset: Any, model: str | None, request: Request) -> tuple[str, str]:

@@ -49,6 +49,7 @@ from tpupedia.pipelines.deepcache import UPSTREAM_DEFAULT, Schedule
 from tpupedia.pipelines.deepcache import parse as parse_schedule
 
 __all__ = ["Request", "Options", "PipelineError", "Hunyuan", "validate", "resolve", "settings", "text_settings",
+           "prompt_defaults",
            "run", "run_batch", "stock", "StageReport"]
 
 
@@ -110,13 +111,13 @@ def settings(stage: str, source_label: str, configs: dict[str, dict], request: R
     """Every setting that changes the tensors of `stage` (and of the stages before it); `request`
     resolved (`resolve`). Attention backend, sharding and mesh change speed, not the video. With a
     picture, every stage but `text` also depends on it, the VAE (and whether its encode is tiled)
-    and the image encoder."""
+    and the image encoder; the image stage encodes the picture alone, so not on the frame count."""
     out = text_settings(source_label, configs, request, dtype) if stage != "image" else {}
     if request.image is not None and stage != "text":
         out |= common.stage_settings(family.FAMILY, "image", source_label, configs, request, dtype, picture={
             "image_encoder": common.config_fingerprint(configs.get("image_encoder", {})),
             "feature_extractor": configs.get("pipeline", {}).get("feature_extractor"),
-            "encode_tiling": request.vae_tiling})  # the picture's encode is tiled as the decode is
+            "encode_tiling": request.vae_tiling}, frames=False)  # the picture's encode is tiled as the decode is
     if stage in ("denoise", "decode"):
         out |= {"transformer": common.config_fingerprint(configs["transformer"]),
                 "scheduler": common.config_fingerprint(configs["scheduler"]),
@@ -129,9 +130,10 @@ def settings(stage: str, source_label: str, configs: dict[str, dict], request: R
     return out
 
 
-def _prompt_defaults() -> dict[str, Any]:
+def prompt_defaults() -> dict[str, Any]:
     """diffusers' text settings for this pipeline: the system message, the 1000-token text
-    length, the 108-token template crop and the layer offset, read from its own signature."""
+    length, the 108-token template crop and the layer offset, read from its own signature.
+    Notebook 07 (section 4) counts a prompt's tokens with them."""
     from diffusers import HunyuanVideo15Pipeline
 
     params = inspect.signature(HunyuanVideo15Pipeline._get_mllm_prompt_embeds).parameters
@@ -191,7 +193,7 @@ class Hunyuan(common.StagedPipeline):
         from transformers import AutoTokenizer
 
         request = resolve(request, self.configs)
-        d = _prompt_defaults()
+        d = prompt_defaults()
         crop = d["crop_start"]
         programs = {p.name.split(",")[0]: p for p in self._text_programs(request)}
         qwen = programs["Qwen2.5-VL text model"]
@@ -249,7 +251,7 @@ class Hunyuan(common.StagedPipeline):
 
         from tpupedia import aot, torchax_utils
 
-        d = _prompt_defaults()
+        d = prompt_defaults()
         crop, layer = d["crop_start"], -(d["num_hidden_layers_to_skip"] + 1)
         replicated = NamedSharding(self.mesh, P())
         prompts = self._prompts(request)
@@ -662,11 +664,11 @@ def _tile_name(part: str, shape: tuple[int, ...], calls: int, whole_hw: tuple[in
     return f"VAE decode, all {frames} latent frames at once ({decoding.where(chips, h, w, whole_hw)}, x {calls})"
 
 
-def _tile_programs(vae_config: dict, part: str, x_shape: tuple[int, ...], mesh: Any, dtype: Any, tiling: bool) -> list:
+def _tile_programs(vae: Any, part: str, x_shape: tuple[int, ...], mesh: Any, dtype: Any, tiling: bool) -> list:
     """The programs of `part` ("decoder" or "encoder") that `through_tiles` runs for an input of
     `x_shape`: one per distinct input shape of diffusers' calls (the whole input, or each distinct
-    spatial tile with `tiling`), one piece per chip of `mesh`, `calls` the waves; the VAE on `meta`,
-    the part's weights abstract arguments in `dtype`, a copy on every chip."""
+    spatial tile with `tiling`), one piece per chip of `mesh`, `calls` the waves; `vae` on `meta`
+    (`meta_vae`), the part's weights abstract arguments in `dtype`, a copy on every chip."""
     import jax
     import jax.numpy as jnp
     import torch
@@ -675,7 +677,7 @@ def _tile_programs(vae_config: dict, part: str, x_shape: tuple[int, ...], mesh: 
 
     dtype = jnp.dtype(dtype)
     torch_dtype = getattr(torch, dtype.name)
-    vae = meta_vae(vae_config).to(torch_dtype)
+    vae = vae.to(torch_dtype)
     vae.enable_tiling() if tiling else vae.disable_tiling()  # as the pipeline's stages
     x = torch.empty(x_shape, dtype=torch_dtype, device="meta")
     chips = mesh.size
@@ -715,7 +717,7 @@ def decode_programs(vae_config: dict, latent_frames: int, height: int, width: in
     ratio = vae.spatial_compression_ratio
     decoding.check_decode("HunyuanVideo-1.5", latent_frames, height, width, ratio)
     shape = (1, vae.config.latent_channels, latent_frames, height // ratio, width // ratio)
-    return _tile_programs(vae_config, "decoder", shape, mesh, dtype, tiling)
+    return _tile_programs(vae, "decoder", shape, mesh, dtype, tiling)
 
 
 def encode_programs(vae_config: dict, height: int, width: int, mesh: Any, *, dtype: Any = "bfloat16",
@@ -726,7 +728,7 @@ def encode_programs(vae_config: dict, height: int, width: int, mesh: Any, *, dty
     side by side. Raises `PipelineError` for sizes that are not multiples of the spatial compression."""
     vae = meta_vae(vae_config)
     decoding.check_decode("HunyuanVideo-1.5", 1, height, width, vae.spatial_compression_ratio)
-    return _tile_programs(vae_config, "encoder", (1, 3, 1, height, width), mesh, dtype, tiling)
+    return _tile_programs(vae, "encoder", (1, 3, 1, height, width), mesh, dtype, tiling)
 
 
 def through_tiles(vae: Any, part: str, x: Any, mesh: Any, env: Any, shapes_of: Any) -> Any:
