@@ -841,10 +841,10 @@ assert 0 < trade["ssim"] < 1 and np.isfinite(trade["psnr_db"])
 # How much faster can it be here? Counting blocks, a cached step runs 1 of the tiny model's 2,
 # which would cap the speed-up at 10 / (6 + 4 x 1/2) = 1.25x. But a cached step also skips all
 # that comes before the tail: the first block, and the text refiner and embeddings that feed the
-# blocks. How large a share that is on a model this small is a question for counting: `tpupedia.plan.programs` builds the two step programs the
-# pipeline compiles (as `tpupedia plan` does, the weights abstract; with the text tokens this run
-# keeps, `timings_every["text_tokens"]`), and XLA's cost analysis counts each one's FLOPs
-# (`Program.flops`):
+# blocks. How large a share that is on a model this small is a question for counting:
+# `tpupedia.plan.programs` builds the two step programs the pipeline compiles (as `tpupedia plan`
+# does, the weights abstract; with the text tokens this run keeps, `timings_every["text_tokens"]`),
+# and XLA's cost analysis counts each one's FLOPs (`Program.flops`):
 
 # %%
 from tpupedia import plan as planner
@@ -853,15 +853,15 @@ step_programs = planner.programs(family.SPEC.name, trade_request, pipeline.Optio
                                  dtype="float32", text_tokens=timings_every["text_tokens"])
 step_flops = {("cached" if "cached" in p.name else "full"): p.flops() for p in step_programs}
 cached_share = step_flops["cached"] / step_flops["full"]
-blocks = pipe.configs["transformer"]["num_layers"]
-block_bound = trade["steps"] / (n_full + n_cached / blocks)
+tiny_blocks = pipe.configs["transformer"]["num_layers"]
+block_bound = trade["steps"] / (n_full + n_cached / tiny_blocks)
 flop_bound = trade["steps"] / (n_full + n_cached * cached_share)
 print(f"FLOPs per step: full {step_flops['full']:.3g}, cached {step_flops['cached']:.3g} ({cached_share:.1%} of full)")
-print(f"speed-up bound: {block_bound:.2f}x counting blocks (1/{blocks} per cached step), "
+print(f"speed-up bound: {block_bound:.2f}x counting blocks (1/{tiny_blocks} per cached step), "
       f"{flop_bound:.2f}x counting FLOPs")
 
 # %%
-assert len(step_programs) == 2 and 0 < cached_share < 1 / blocks  # less than its share of the blocks
+assert len(step_programs) == 2 and 0 < cached_share < 1 / tiny_blocks  # less than its share of the blocks
 assert flop_bound > block_bound
 
 # %% [markdown]
