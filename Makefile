@@ -44,7 +44,7 @@ $(STAMP): requirements/ci.txt requirements/lock.txt pyproject.toml
 test: env chromium
 	$(BIN)/ruff check .
 	$(BIN)/python -m tpupedia.notebooks nbval notebooks > .nbval.log 2>&1 & nbval=$$!; \
-	$(BIN)/python -m pytest tests; py=$$?; \
+	$(BIN)/python -m pytest tests --durations=25; py=$$?; \
 	wait $$nbval; nb=$$?; cat .nbval.log; \
 	echo "pytest exit $$py, nbval exit $$nb"; test $$py = 0 && test $$nb = 0
 

@@ -56,7 +56,7 @@
 # The full preset downloads HunyuanVideo-1.5, released under the **Tencent Hunyuan Community
 # License Agreement**. Its territory excludes the European Union, the United Kingdom and South
 # Korea: the agreement grants no licence to use the model there. Read it before you run the full
-# preset. *Reading time: about 22 minutes.*
+# preset. *Reading time: about 23 minutes.*
 
 # %%
 # %xmode Minimal
@@ -997,6 +997,48 @@ mfu = plans[("tp_fc2_replicated", (2, 4))]["flops"]["total"] / (7.29 * v6e8.num_
 print(f"at the reported 7.29 s/step (batch 2, per-step time), the v6e-8 runs at {mfu:.0%} of its bf16 peak")
 
 # %% [markdown]
+# Why is the reported step 4x its floor? Upstream profiled one block of this step on the TPU
+# v6e-8 and reports about 35 ms in splash attention and about 45 ms in the linear layers with
+# their all-reduces (reported upstream; `tpu/HunyuanVideo-1.5/generate_hunyuan_torchax_staged/
+# TORCHAX_MIGRATION_GUIDE.md`, section 6.1.3, commit 3fa9ce1; the video size of that profile is
+# not stated). Set that beside the FLOPs. At 121 frames attention is 90% of the step's FLOPs, and
+# still 79% at 49 frames, yet it took under half of the block's time: the linear layers and
+# their all-reduces ran far further from the chips' peak than splash did. Left, the floor under
+# the reported step; right, what share of the work each part is, and what share of the time it
+# took:
+
+# %%
+import matplotlib.pyplot as plt
+
+fc2_plan = plans[("tp_fc2_replicated", (2, 4))]
+peak = v6e8.num_chips * v6e8.chip.bf16_flops
+flop_share = {frames: family.step_flops(1280, 720, frames) for frames in (121, 49)}
+fig, (left, right) = plt.subplots(1, 2, figsize=(8, 2.8))
+left.bar(["floor"], [fc2_plan["flops"]["attention"] / peak], color="tab:blue", label="attention FLOPs at peak")
+left.bar(["floor"], [fc2_plan["flops"]["linear"] / peak], bottom=[fc2_plan["flops"]["attention"] / peak],
+         color="tab:cyan", label="linear FLOPs at peak")
+left.bar(["reported upstream"], [7.29], color="tab:gray", label="reported step (all of it)")
+left.set_ylabel("seconds per step, v6e-8")
+left.legend(fontsize=7)
+columns = {"FLOPs, 121 frames": (flop_share[121]["attention"], flop_share[121]["linear"]),
+           "FLOPs, 49 frames": (flop_share[49]["attention"], flop_share[49]["linear"]),
+           "time per block\n(reported upstream)": (35.0, 45.0)}
+for name, (attention_part, linear_part) in columns.items():
+    whole = attention_part + linear_part
+    right.bar([name], [attention_part / whole], color="tab:blue")
+    right.bar([name], [linear_part / whole], bottom=[attention_part / whole], color="tab:cyan")
+right.set_ylabel("share: attention (dark), linear (light)", fontsize=8)
+right.tick_params(axis="x", labelsize=7)
+plt.tight_layout()
+plt.show()
+
+# %%
+attention_flops_share = {f: v["attention"] / v["total"] for f, v in flop_share.items()}
+assert 0.89 < attention_flops_share[121] < 0.91 and 0.78 < attention_flops_share[49] < 0.80
+assert 35 / (35 + 45) < 0.5 < attention_flops_share[49]  # attention: most of the work, under half the time
+assert 4 < 7.29 / fc2_plan["roofline_seconds"] < 4.5
+
+# %% [markdown]
 # ## 11. From a picture: image-to-video
 #
 # The image-to-video releases (`720p_i2v`, `480p_i2v` and their distilled variants) are the same
@@ -1123,3 +1165,15 @@ print("binding stage:", i2v_plan["binding"], "| fits:", i2v_plan["fits"])
 
 # %%
 assert i2v_plan["fits"] and [s["stage"] for s in i2v_plan["stages"]] == ["image", "denoise"]
+
+# %% [markdown]
+# ## Further reading
+#
+# - [HunyuanVideo-1.5 on TPU](../kb/hunyuan-video.md): this notebook's model, its checkpoints and
+#   upstream's TPU runs in one page.
+# - [Flow-matching schedulers](../kb/flow-matching.md): section 5's sampler and its shift.
+# - [DeepCache](../kb/deepcache.md): section 8 in depth, with upstream's schedules and timings.
+# - [Splash attention](../kb/splash-attention.md): the kernel behind section 3's padded attention.
+# - ["GPU reference: HunyuanVideo-1.5 on 8x H100"](../kb/gpu-references.md) and
+#   [What a video costs](../kb/cost-per-video.md): section 10's GPU rows and what each setup
+#   costs per video.

@@ -31,11 +31,12 @@
 # 2. the CogVideoX pipeline over 2 processes gives the 1-process frames;
 # 3. batch generation: prompts split over processes, a lost output redone, nothing twice;
 # 4. one video's step on a 4-host and a 16-host slice, compiled ahead of time;
-# 5. what bigger slices buy: videos per hour from the roofline and from a reported step time.
+# 5. what bigger slices buy: videos per hour and cost per video, from the roofline and from a
+#    reported step time, and why the two differ; then the path to a real run.
 #
 # | preset | loads | memory | compute time |
 # |---|---|---|---|
-# | `tiny` (CPU, CI) | tiny random checkpoints, in several local processes | about 1 GB of host RAM per process | about 2 minutes, measured here on a 2-core CPU (each launch starts fresh Python processes) |
+# | `tiny` (CPU, CI) | tiny random checkpoints, in several local processes | about 1 GB of host RAM per process | about 4 minutes, measured here on a 2-core CPU (each launch starts fresh Python processes; section 4 compiles for three slices) |
 # | `full` (multi-host TPU slice) | the real checkpoints, on every host | as lessons 06 and 07, per chip | not measured here: the same commands run unchanged on a slice, but nothing here has been run on one by this project |
 #
 # On the full preset sections 1 to 3 print the commands every host of a slice runs instead of
@@ -43,7 +44,7 @@
 # CPU processes would run the real CogVideoX1.5-5B checkpoint on the CPU. Sections 4 and 5 run
 # as on the tiny preset.
 #
-# *Reading time: about 8 minutes.*
+# *Reading time: about 12 minutes.*
 
 # %%
 # %xmode Minimal
@@ -82,29 +83,80 @@ preset.name
 # %% [markdown]
 # ## 1. One program, many processes
 #
-# `tpupedia distributed-check` joins the job, builds a mesh over every process's devices
-# (`hosts` x `chips`), places one global array on it with `jax.make_array_from_callback` (each
-# process fills only the rows its own devices hold) and sums it with one jitted function. Here
-# two processes with four devices each stand in for two hosts with four chips:
+# Three calls make a program multi-host, and the whole of it fits in twenty lines. Each
+# process: (1) joins the job with `jax.distributed.initialize`, after which `jax.devices()`
+# lists every process's devices and `jax.local_devices()` its own; (2) builds one mesh over all
+# of them and places a global array with `jax.make_array_from_callback`, which asks each process
+# only for the pieces its own devices hold; (3) runs one jitted function over the array, the
+# same SPMD program in every process, its result replicated so that every process can read it.
+# What only one process knows (a file on its own disk) reaches the others with
+# `multihost_utils.broadcast_one_to_all`, and `multihost_utils.sync_global_devices` waits for
+# every process. Here is that script, written to the scratch folder:
 
 # %%
-if preset.host_runs_whole_models:  # tiny: two local CPU processes, seconds
-    lines = [line for line in tpupedia(*local, "distributed-check")
-             if line[5:].lstrip().startswith(("process", "global", "jitted"))]
-    print("\n".join(sorted(lines, key=lambda line: line[:4])))  # printed concurrently: grouped by process
-else:  # full: one process per host of the slice
-    on_every_host("distributed-check")
+script = scratch / "one_array.py"
+script.write_text("""\
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+if len(sys.argv) > 1:  # local: this CPU's processes, each with 4 devices, collectives over gloo
+    coordinator, count, rank = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", 4)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=count, process_id=rank)
+else:  # a TPU slice: the environment names the coordinator, the count and this host's rank
+    jax.distributed.initialize()
+mesh = jax.make_mesh((jax.process_count(), jax.local_device_count()), ("hosts", "chips"))
+full = np.arange(jax.device_count() * 2, dtype=np.float32).reshape(jax.device_count(), 2)
+array = jax.make_array_from_callback(full.shape, NamedSharding(mesh, P(("hosts", "chips"))), lambda index: full[index])
+total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))(array)  # replicated: every process can read it
+leader_read = np.int32(42 if jax.process_index() == 0 else -1)  # what only process 0 found on its disk
+leader_read = multihost_utils.broadcast_one_to_all(leader_read)  # now every process holds process 0's value
+multihost_utils.sync_global_devices("summed")
+rows = sorted(int(shard.index[0].start) for shard in array.addressable_shards)
+print(f"process {jax.process_index()} of {jax.process_count()}: {jax.local_device_count()} of {jax.device_count()} "
+      f"devices, rows {rows}, whole array here: {array.is_fully_addressable}, sum {float(total):.0f} of "
+      f"{full.sum():.0f}, process 0 read {int(leader_read)}")
+""")
+print(f"{script.name}: {len(script.read_text().splitlines())} lines")
 
 # %% [markdown]
-# Each process holds half of the array (`fully addressable here: False`), yet both print the
-# whole sum: the reduction ran across processes. Nothing in the program says "send rows 4 to 7
-# to process 0"; the compiler derived the all-reduce from the shardings, exactly as on one host.
+# Launching it is the other half: start one process per host, tell each the coordinator's
+# address, the process count and its own rank. On one CPU host, two local processes stand in
+# for two hosts with four chips each:
+
+# %%
+from tpupedia import distributed
+
+if preset.host_runs_whole_models:  # tiny: two local CPU processes, seconds
+    port = distributed.free_port()
+    processes = [subprocess.Popen([sys.executable, str(script), f"127.0.0.1:{port}", "2", str(rank)], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    outputs = [process.communicate(timeout=300) for process in processes]
+    assert all(process.returncode == 0 for process in processes), [err[-2000:] for _, err in outputs]
+    lines = [out.strip().splitlines()[-1] for out, _ in outputs]
+    print("\n".join(lines))
+else:  # full: the same file on every host of the slice, no arguments
+    print("on every host:", shlex.join(["python", script.name]))
+
+# %% [markdown]
+# Each process holds half of the array (`whole array here: False`), yet both print the whole
+# sum: the reduction ran across processes. Nothing in the program says "send rows 4 to 7 to
+# process 0"; the compiler derived the all-reduce from the shardings, exactly as on one host.
+# `tpupedia launch` is the launcher above with the output relayed and a failed process stopping
+# the others; `tpupedia distributed-check` is the script.
 
 # %%
 if preset.host_runs_whole_models:
-    assert sum("jitted sum over all processes: 120 (expected 120)" in line for line in lines) == 2
-    assert any("rows held here: [0, 1, 2, 3]" in line for line in lines)
-    assert any("rows held here: [4, 5, 6, 7]" in line for line in lines)
+    assert all("sum 120 of 120, process 0 read 42" in line for line in lines)
+    assert "process 0 of 2: 4 of 8 devices, rows [0, 1, 2, 3], whole array here: False" in lines[0]
+    assert "process 1 of 2: 4 of 8 devices, rows [4, 5, 6, 7], whole array here: False" in lines[1]
 
 # %% [markdown]
 # ## 2. The same video, from one process or two
@@ -305,7 +357,7 @@ assert sum(eight.collectives.values()) > 10 * sum(two.collectives.values())
 #   gpu-tpu-pedia, commit 3fa9ce1, CogVideoX README), assumed to double on a 4-chip host
 #   (an assumption about time, not memory: each chip of a 4-chip host has the same HBM, holds
 #   twice the transformer's shards, and still fits every stage; the results page's plans give
-#   each stage's per-chip peak there, and section 8 of notebook 06 shows that a 1360x768 VAE
+#   each stage's per-chip peak there, and section 9 of notebook 06 shows that a 1360x768 VAE
 #   frame batch fits one chip).
 
 # %%
@@ -321,7 +373,7 @@ for name in ("v6e:2x4", "v6e:4x4", "v6e:8x8", "v6e:16x16"):
     chips = topo.num_chips // topo.hosts
     floor = topo.hosts * 3600 / (floor_per_chip_s / chips)
     reported = topo.hosts * 3600 / (106.47 * 8 / chips)
-    rows[topo.accelerator_type] = (topo.hosts, floor, reported)
+    rows[topo.accelerator_type] = (topo.hosts, floor, reported, topo.num_chips)
     print(f"{topo.accelerator_type:>8} {topo.hosts:>5} {chips:>14} {floor:>17,.0f} {reported:>26,.0f}")
 
 # %%
@@ -329,15 +381,114 @@ assert rows["v6e-8"][0] == 1 and rows["v6e-16"][0] == 4 and rows["v6e-256"][0] =
 assert abs(rows["v6e-16"][2] / rows["v6e-8"][2] - 2.0) < 1e-9  # 16 chips, linear: twice the v6e-8
 
 # %% [markdown]
+# The two columns differ by 6.5x on every slice. Where does a v6e-8's time go, if not into
+# FLOPs at peak? Upstream's staged run splits its 720p video (reported upstream, TPU v6e-8,
+# same README): about 2 s of T5, about 103.8 s of denoising once compiled, 0.86 s of VAE decode.
+# So the gap is in the denoising step: 103.8 s / 50 = 2.08 s against a floor of 0.33 s, of
+# which attention's FLOPs are 0.22 s and the linear layers' 0.10 s. The plan of section 4 adds
+# what the all-reduces cost at best if nothing overlapped them. The rest is what a floor does
+# not count: matmuls below the MXUs' peak, the elementwise work between them (norms, RoPE,
+# the softmax inside splash), memory traffic, and collectives not hidden behind compute. Two
+# reports upstream say this rest is large and partly recoverable. Its 10-step history of the
+# same step went from 4.04 to 2.31 s per step through sharding and mesh changes alone, no FLOP
+# removed (768p; `tpu/CogVideoX/README.md`, commit 3fa9ce1). And its profile of a
+# HunyuanVideo-1.5 block on a TPU v6e-8 spent about 45 ms in the linear layers with their
+# all-reduces against about 35 ms in splash attention, although attention holds most of that
+# model's FLOPs at 720p (`tpu/HunyuanVideo-1.5/generate_hunyuan_torchax_staged/TORCHAX_MIGRATION_GUIDE.md`).
+
+# %%
+import matplotlib.pyplot as plt
+
+step_flops = cogvideox.step_flops(1280, 720, 81)
+peak = 8 * v6e.bf16_flops
+floor_parts = {"attention FLOPs at peak": step_flops["attention"] / peak,
+               "linear FLOPs at peak": step_flops["linear"] / peak,
+               "all-reduces at ICI floor (section 4)": one.floors["communication"]}
+reported_step = 103.8 / 50  # reported upstream: the staged run's denoising stage, 50 steps, TPU v6e-8
+fig, (left, right) = plt.subplots(1, 2, figsize=(8, 2.8))
+bottom = 0.0
+for (name, seconds), colour in zip(floor_parts.items(), ("tab:blue", "tab:cyan", "tab:orange")):
+    left.bar(["floor"], [seconds], bottom=bottom, color=colour, label=name)
+    bottom += seconds
+left.bar(["reported upstream"], [reported_step], color="tab:gray", label="reported step (all of it)")
+left.set_ylabel("seconds per step, v6e-8")
+left.legend(fontsize=7)
+names = list(rows)
+right.bar([n + " floor" for n in names], [rows[n][1] for n in names], color="tab:blue")
+right.bar([n + " reported" for n in names], [rows[n][2] for n in names], color="tab:gray")
+right.set_yscale("log")
+right.set_ylabel("videos per hour")
+right.tick_params(axis="x", labelrotation=60, labelsize=7)
+plt.tight_layout()
+plt.show()
+flop_floor = floor_parts["attention FLOPs at peak"] + floor_parts["linear FLOPs at peak"]
+print(f"FLOP floor {flop_floor:.2f} s per step (attention {floor_parts['attention FLOPs at peak']:.2f}, linear "
+      f"{floor_parts['linear FLOPs at peak']:.2f}); the all-reduces, if nothing overlapped them, at least "
+      f"{one.floors['communication']:.2f} s more; reported {reported_step:.2f} s: {reported_step / flop_floor:.1f}x the "
+      "FLOP floor")
+
+# %% [markdown]
+# More hosts buy videos per hour, not cheaper videos: with one pipeline per host, each video
+# costs the same chip-hours on any slice. At the on-demand list price of $2.70 per v6e
+# chip-hour (us-central1; dated and sourced on [What a video costs](../kb/cost-per-video.md)),
+# a video costs, from each estimate:
+
+# %%
+usd_per_chip_hour = 2.70  # on demand, v6e, us-central1: docs/kb/cost-per-video.md gives the source and date
+costs = {}
+for name, (hosts, floor, reported, chips) in rows.items():
+    costs[name] = chips * usd_per_chip_hour / reported
+    print(f"{name:>8}: ${chips * usd_per_chip_hour / floor:.3f} per video at the floor, ${costs[name]:.2f} at the "
+          "reported time")
+
+# %%
+assert max(costs.values()) - min(costs.values()) < 1e-9  # the same cost on every slice
+assert abs(costs["v6e-8"] - 8 * 2.70 * 106.47 / 3600) < 1e-9  # $0.64: 8 chips for 106.47 s
+assert 6 < reported_step / flop_floor < 7 and reported_step > sum(floor_parts.values())
+
+# %% [markdown]
+# ### The path to a real run
+#
+# Nothing in this notebook ran on a slice. On one, every host runs the same command, and
+# `gcloud` can start it on all of them at once (after [Set up a TPU VM](../guides/tpu-vm.md) on
+# each; `--outdir` on a disk every host can write, or a per-host folder):
+#
+#     gcloud compute tpus tpu-vm ssh NAME --zone ZONE --worker=all --command \
+#       "cd gpu-tpu-pedia && TPUPEDIA_PRESET=full .venv/bin/tpupedia generate cogvideox \
+#          --prompts prompts.jsonl --outdir /mnt/shared/videos"
+#
+# Each host first joins the job (`jax.distributed.initialize()` needs no arguments there), then
+# plans its own requests before loading a weight (the preflight of notebook 09), then works
+# through its share of the prompts, as the processes of section 3 did. Each host prints a line
+# per prompt it owns, the form section 3's rerun printed: `0002-rain-over-a-neon-city: wrote
+# 0002-rain-over-a-neon-city.mp4` followed by its timings, or `done already, skipped` for a prompt
+# an earlier run finished; and `index.jsonl` in the output folder gets one line per video, with
+# the process that made it. The same command again after a failure redoes only what is missing.
+
+# %% [markdown]
 # ## Takeaways
 #
 # - A multi-host slice is one JAX program per host; `jax.distributed.initialize()` makes
 #   `jax.devices()` global, and a mesh over it spans the slice. `tpupedia launch` reproduces that
 #   on one CPU host, with real cross-process collectives.
-# - The pipeline needed three changes to run across processes: inputs placed with global
-#   shardings, outputs replicated so every process can read them, and process 0 alone
-#   deciding and reading from its disk, its decisions and tensors broadcast to the others.
+# - The pipeline needed three changes to run across processes, each a line of section 1's
+#   script: inputs placed with global shardings (`jax.make_array_from_callback`), outputs
+#   replicated so every process can read them (`out_shardings=NamedSharding(mesh, P())`), and
+#   process 0 alone deciding and reading from its disk, what it read broadcast to the others
+#   (`multihost_utils.broadcast_one_to_all`).
 # - For many videos, give each host its own prompts: no cross-host traffic, and atomic
 #   per-prompt outputs make the job restartable at any point.
 # - Deployment: `docs/deploy/jobset-v6e-16.yaml` (GKE JobSet) and `docs/deploy/xpk-v6e-16.sh`
 #   run the same `tpupedia generate cogvideox --prompts ...` on every host of a v6e-16.
+
+# %% [markdown]
+# ## Further reading
+#
+# - [Scaling out to multi-host slices](../kb/scaling-out.md): multi-controller JAX, ICI and DCN,
+#   and the deployment files in depth.
+# - [Three-axis meshes: dp, sp, tp](../kb/three-axis-meshes.md): what to do when heads stop
+#   dividing, as on the v6e-64 of section 4.
+# - [What a video costs](../kb/cost-per-video.md): section 5's prices, their sources and dates,
+#   and the same arithmetic for 8x H100.
+# - ["Trillium (v6e): GKE, XPK, training recipes"](../guides/trillium-gke.md): creating the slices
+#   this notebook plans.

@@ -139,19 +139,29 @@ def test_mismatched_checkpoints_are_refused_before_anything_loads(case, tmp_path
 
 @requires_libtpu
 def test_the_plan_compiles_the_image_stage(checkpoints, tmp_path):
-    """`tpupedia plan wan --image` compiles the CLIP tower and the VAE encoder's three chunk programs
-    for the slice, and the denoising step with the condition and features as arguments."""
-    from tpupedia import plan
+    """`tpupedia plan wan --image` builds the CLIP tower and the VAE encoder's three chunk programs
+    (first frame, second chunk, later chunks: 9 frames need all three), and compiles the image
+    stage for the slice with the denoising step taking the condition and features as arguments
+    (at 5 frames, two encoder programs: each takes tens of seconds to compile for v6e here)."""
+    import jax
 
-    request = _request(_picture(tmp_path / "p.png", 20, 30), steps=2)
-    found = plan.make("wan", request, pipeline.Options(), configs=family.component_configs(str(checkpoints[1])),
-                      topology="v6e:2x2", dtype="float32", stages=("image", "denoise"))
-    assert [s.stage for s in found.stages] == ["image", "denoise"] and found.fits
-    names = [p.name for p in {s.stage: s for s in found.stages}["image"].programs]
+    from tpupedia import devices, plan
+
+    picture = _picture(tmp_path / "p.png", 20, 30)
+    configs = family.component_configs(str(checkpoints[1]))
+    mesh = devices.make_mesh((2, 2), ("dp", "tp"), devices=jax.devices()[:4])
+    built = plan.programs("wan", _request(picture, steps=2), pipeline.Options(), configs, mesh, "image",
+                          dtype="float32")
+    names = [p.name for p in built]
     assert names == ["CLIP vision tower, the picture at 32x32",
                      "VAE encode, first frame (the picture) (1 frame at 64x64, x 1)",
                      "VAE encode, second chunk of frames (4 frames at 64x64, x 1)",
                      "VAE encode, later chunks of frames (4 frames at 64x64, x 1)"], names
+    found = plan.make("wan", _request(picture, steps=2, frames=5), pipeline.Options(), configs=configs,
+                      topology="v6e:2x2", dtype="float32", stages=("image", "denoise"))
+    assert [s.stage for s in found.stages] == ["image", "denoise"] and found.fits
+    compiled = [p.name for p in {s.stage: s for s in found.stages}["image"].programs]
+    assert compiled == names[:3], compiled
     assert found.as_dict()["request"]["image"] is True
     release = family.full_configs(image_to_video=True)
     assert family.image_to_video(release) and release["transformer"]["in_channels"] == 36

@@ -253,12 +253,12 @@ def make(family: str, request: Any, options: Any, *, model: str | None = None, c
     request = _resolved(module, request, configs)
     programs = {}
     if "text" in stages:
-        programs["text"] = pipe._text_programs(request)
+        programs["text"] = _stage_programs(pipe, "text", request)
     image = "image" in stages and request.image is not None  # image-to-video: the picture's encoder, tiled as the decode
     if image:  # built now, so that its models' missing layers are counted; compiled once the tiling is known
-        image_programs = pipe._image_programs(_with_tiling(request, vae_tiling == "on"))
+        image_programs = _stage_programs(pipe, "image", _with_tiling(request, vae_tiling == "on"))
     if "denoise" in stages:
-        programs["denoise"] = pipe._denoise_programs(request, pipe._denoise_setup(request))
+        programs["denoise"] = _stage_programs(pipe, "denoise", request)
     extra = _missing_layers(pipe, layers)
     if any(extra.values()):
         notes.append(f"compiled {layers} layers per model; the missing layers' weight shards are added from their "
@@ -267,15 +267,15 @@ def make(family: str, request: Any, options: Any, *, model: str | None = None, c
     costs = {s: [_cost(p, extra) for p in ps] for s, ps in programs.items()}
     tiling = vae_tiling == "on"
     if "decode" in stages:
-        decode = [_cost(p, extra) for p in pipe._decode_programs(_with_tiling(request, tiling))]
+        decode = [_cost(p, extra) for p in _stage_programs(pipe, "decode", _with_tiling(request, tiling))]
         if vae_tiling == "auto" and not StageCost("decode", decode, 0.0).fits(hbm):
             untiled = max((p.peak or p.oom_required or 0) for p in decode)
             tiling = True
-            decode = [_cost(p, extra) for p in pipe._decode_programs(_with_tiling(request, True))]
+            decode = [_cost(p, extra) for p in _stage_programs(pipe, "decode", _with_tiling(request, True))]
             notes.append(f"VAE tiling: auto turned it on, the untiled decode does not fit "
                          f"({untiled / _GIB:.2f} GiB or more of {hbm / _GIB:.2f} GiB)")
             if image:  # the picture's encode is tiled as the decode is
-                image_programs = pipe._image_programs(_with_tiling(request, True))
+                image_programs = _stage_programs(pipe, "image", _with_tiling(request, True))
         costs["decode"] = decode
     else:
         notes.append(f"stages planned: {', '.join(s for s in STAGES if s in stages)} (the others are not in this plan)")
@@ -305,11 +305,16 @@ def programs(family: str, request: Any, options: Any, configs: dict[str, dict], 
     module = _pipeline_module(family)
     pipe = _abstract_pipeline(module.PIPELINE, configs, mesh, options, dtype, None)
     request = _resolved(module, request, configs)
-    build = {"text": pipe._text_programs, "image": pipe._image_programs,
-             "denoise": lambda r: pipe._denoise_programs(r, pipe._denoise_setup(r), **step)}
-    if stage not in build:
-        raise PlanError(f"stage {stage!r}: programs are built for {', '.join(build)} (the decode's: tpupedia.plan.make)")
-    return build[stage](request)
+    if stage not in ("text", "image", "denoise"):
+        raise PlanError(f"stage {stage!r}: programs are built for text, image, denoise (the decode's: tpupedia.plan.make)")
+    return _stage_programs(pipe, stage, request, **step)
+
+
+def _stage_programs(pipe, stage: str, request: Any, **step: Any) -> list[aot.Program]:
+    """The programs the abstract `pipe` runs for `stage` of `request` (`make` and `programs`)."""
+    if stage == "denoise":
+        return pipe._denoise_programs(request, pipe._denoise_setup(request), **step)
+    return {"text": pipe._text_programs, "image": pipe._image_programs, "decode": pipe._decode_programs}[stage](request)
 
 
 def _abstract_pipeline(pipe_cls, configs, mesh, options, dtype: str, layers: int | None):

@@ -463,14 +463,13 @@ class StagedPipeline:
         return cls.family.FULL_ID_I2V if cls.image_to_video and request.image is not None else cls.family.FULL_ID
 
     @classmethod
-    def plan_configs(cls, request: Request, model: str | None = None) -> dict[str, dict]:
-        """The component configs `tpupedia.plan` plans for `request`: `model`'s, default the
-        release the full preset loads (`release_id`). A release the family builds in
+    def plan_configs(cls, request: Request, model: str) -> dict[str, dict]:
+        """The component configs `tpupedia.plan` plans for `request` from `model` (a hub id or
+        folder; `plan.make` defaults it to `release_id`). A release the family builds in
         (`FamilySpec.releases`, from `family.full_configs`) needs no download; any other hub id or
         checkpoint folder is read (`family.component_configs`: configs only, no weights)."""
         from tpupedia.models import checkpoints
 
-        model = str(model) if model is not None else cls.release_id(request)
         built_in = cls.family.SPEC.releases.get(model)
         if built_in is not None:
             return cls.family.full_configs(**built_in)
