@@ -1,7 +1,8 @@
 """mkdocs hook: render tables that live in code, so the site never keeps a second copy.
 
 `{{ hardware_table }}` in a page becomes the chip table from `tpupedia.hardware`;
-`{{ figure:NAME }}` becomes one named number from its source (`tpupedia.figures`).
+`{{ figure:NAME }}` becomes one named number from its source (`tpupedia.figures`);
+`{{ zh_terms }}` becomes the Chinese edition's glossary from `docs/zh/terms.yml`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ _DRYRUNS = Path(__file__).parent / "results" / "dryruns.json"
 _UPSTREAM = Path(__file__).parent / "results" / "upstream.json"
 _PIPELINES = Path(__file__).parent / "results" / "pipelines.json"
 _PLANS = Path(__file__).parent / "results" / "plans.json"
+_ZH_TERMS = Path(__file__).parent / "zh" / "terms.yml"
 
 _COLUMNS = [
     "chip",
@@ -251,11 +253,23 @@ def _families_table() -> str:
     return "\n".join(lines)
 
 
+def _zh_terms() -> str:
+    """The Chinese edition's glossary (`docs/zh/terms.yml`), one row per English term."""
+    import yaml
+
+    keep = {"always": "始终", "first": "首次", "never": "不保留"}
+    lines = ["| English | 中文 | 保留英文 | 不要用 | 说明 |", "|---|---|---|---|---|"]
+    for term in sorted(yaml.safe_load(_ZH_TERMS.read_text(encoding="utf-8")), key=lambda t: t["en"].lower()):
+        lines.append(f"| {term['en']} | {term['zh']} | {keep[term['keep']]} | {'、'.join(term.get('avoid', [])) or '—'} | "
+                     f"{term.get('note', '')} |")
+    return "\n".join(lines)
+
+
 def on_page_markdown(markdown, page, config, files):  # noqa: ARG001 - mkdocs hook signature
     tables = {"families_table": _families_table, "hardware_table": _hardware_table, "bench_table": _bench_table,
               "results_table": _results_table, "deepcache_table": _deepcache_table,
               "pipeline_table": _pipeline_table, "mesh_table": _mesh_table, "plans_table": _plans_table,
-              "results_chart": _results_chart}
+              "results_chart": _results_chart, "zh_terms": _zh_terms}
     for name, render in tables.items():
         if "{{ " + name + " }}" in markdown:
             markdown = markdown.replace("{{ " + name + " }}", render())

@@ -167,7 +167,7 @@ devices.make_mesh((3, 4), ("data", "model"))
 # We are about to compare the result with NumPy at 1e-5, so the call asks for full float32
 # matmuls. A TPU's default runs a float32 matmul as bfloat16 passes, about 1e-2 off at this size;
 # a CPU ignores the request. Parity checks in this course ask for `"highest"` explicitly; paths
-# that are timed keep the default (lesson 08 measures the difference).
+# that are timed keep the default (lesson 06 measures the difference).
 
 # %%
 import jax.numpy as jnp

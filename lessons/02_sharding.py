@@ -134,7 +134,7 @@ Markdown("\n".join(lines))
 # %% [markdown]
 # The same `llama` tables serve Qwen2 and Mistral, which share the naming (the tests check
 # them on those families). A video family keeps its transformer's tables in its own module
-# (`tpupedia.models.cogvideox.SHARDING`, lesson 06; HunyuanVideo-1.5's, lesson 07), and
+# (`tpupedia.models.cogvideox.SHARDING`, lesson 07; HunyuanVideo-1.5's, lesson 09), and
 # `sharding.rules(spec, strategy)` takes them from the family's registry entry.
 #
 # **A naming trap from upstream.** Upstream's CogVideoX scripts (yangwhale/gpu-tpu-pedia, commit
@@ -256,7 +256,7 @@ results = {strategy: run(strategy) for strategy in setups}
 # First the claim everything else rests on: every layout computes the same function, to float32
 # rounding. `run` asked for full-precision matmuls (`jax.default_matmul_precision("highest")`):
 # a CPU ignores the request, but a TPU would otherwise run these float32 matmuls as bfloat16
-# passes and miss 1e-5 by orders of magnitude (lesson 08 shows the request in the compiled
+# passes and miss 1e-5 by orders of magnitude (lesson 06 shows the request in the compiled
 # program). The collectives below do not depend on it.
 
 # %%
@@ -361,7 +361,7 @@ assert sent["tp_transposed"] > 2 * sent["tp"] and sent["fsdp"] > sent["tp"]
 
 # %% [markdown]
 # **A variant from upstream: a replicated second layer.** The upstream HunyuanVideo-1.5 scripts
-# (lesson 07) keep Megatron's column-parallel first layer but replicate the second (`fc2`,
+# (lesson 09) keep Megatron's column-parallel first layer but replicate the second (`fc2`,
 # the `tp_fc2_replicated` table), described as having "no row-parallel all-reduce". The
 # column-parallel layer leaves each device a quarter of the hidden vector, and a replicated
 # `fc2` needs all of it: either the activations are all-gathered first, or each device
@@ -444,10 +444,10 @@ assert results["tp"]["plan"].specs() == d["tp"].specs()  # apply_rules did what 
 #
 # `run` moved each copy with `m.to("jax")` and then resharded it. The first step puts every
 # tensor, whole, on the default device: harmless for this model, fatal for a 16.6 GB video
-# transformer on a 31.25 GiB chip (lesson 07's, at full size). `sharding.place` builds each
+# transformer on a 31.25 GiB chip (lesson 09's, at full size). `sharding.place` builds each
 # device's shards straight from host memory (`jax.make_array_from_callback` hands every device
 # the slice of the CPU tensor its shard covers) after checking every spec, and is what the
-# pipelines of lessons 06 and 07 use. `devices.live_bytes()` sums what each device holds from
+# pipelines of lessons 07 and 09 use. `devices.live_bytes()` sums what each device holds from
 # `jax.live_arrays()`, so the difference is measured rather than claimed.
 
 # %%

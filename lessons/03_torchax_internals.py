@@ -20,7 +20,8 @@
 # This notebook opens the box. You will see what a torchax tensor is, how it trades places with
 # a `jax.Array`, how to replace one PyTorch operator with your own implementation, how to compile
 # methods other than `forward`, and how to move state that is not inside an `nn.Module`. It ends
-# with a small diffusers video pipeline whose every component is compiled.
+# with a small diffusers video pipeline whose every component is compiled, and with the other
+# routes from PyTorch to a TPU beside this one.
 #
 # Along the way we hit, on purpose, the failures that everyone meets when porting a model. Each
 # one gets a `### Pitfall` heading, the real error text, the cause, the fix, and an `assert`
@@ -36,6 +37,7 @@
 # | 5 | compiling `decode` and other methods | |
 # | 6 | state outside modules (schedulers) | `'Tensor' object has no attribute '_env'` |
 # | 7 | a whole diffusers pipeline, compiled | |
+# | 8 | three routes onto a TPU (torchax, torch_xla, TorchTPU), two of them run here | |
 #
 # The models are tiny and random on every preset: this notebook is about mechanics, not about
 # any particular checkpoint, so `full` loads nothing more.
@@ -45,7 +47,7 @@
 # | `tiny` (CPU, CI) | tiny random GPT-2, Llama and CogVideoX models built in code | about 1.2 GB of host RAM | about 20 s, measured here on a 2-core CPU |
 # | `full` (TPU v6e-8) | the same tiny models | a few MB per chip | under a minute, mostly compiling (not measured here: no TPU) |
 #
-# *Reading time: about 13 minutes.*
+# *Reading time: about 16 minutes.*
 
 # %% [markdown]
 # ## 0. Set-up
@@ -82,7 +84,7 @@ print(f"torchax {torchax.__version__}, jax {jax.__version__}, torch {torch.__ver
 # %% [markdown]
 # Every section ends by comparing a torchax result with PyTorch on the CPU at float32 rounding
 # (1e-5 or tighter). On a TPU, JAX runs float32 matmuls and convolutions as bfloat16 passes
-# unless asked otherwise (lesson 08 shows the request in the compiled program), which would
+# unless asked otherwise (lesson 06 shows the request in the compiled program), which would
 # break those checks by orders of magnitude; a CPU ignores the setting. This notebook is all
 # parity checks on float32 models, so it asks for full precision once, for every cell. (The one
 # timing in section 4 compares eager with compiled under the same setting.)
@@ -643,6 +645,92 @@ assert all(getattr(pipe, n).compiled_variants >= 1 for n in ("text_encoder", "tr
 # batch, the shapes and the static keywords are the same at each step. On a TPU the same recipe
 # is what makes the pipeline fast; later notebooks add sharding across eight chips.
 #
+# ## 8. Three routes onto a TPU, two of them run here
+#
+# torchax is one of three public ways to run PyTorch code on a TPU, and they differ in one
+# respect that decides the rest: **who builds the XLA program, and when**
+# ([PyTorch on TPU](../kb/torch-on-tpu.md) has each in depth, with sources).
+#
+# * **torch_xla** records the operators on its `xla` device without running them and compiles
+#   the recorded graph at a barrier (`torch_xla.sync()`), or under
+#   `torch.compile(backend="openxla")`.
+# * **TorchTPU**, Google's newer native backend, gives PyTorch a `tpu` device that runs eagerly,
+#   with `torch.compile` for whole programs; diffusers has an open pull request (#14039) that
+#   would let a pipeline's components go `.to("tpu")`.
+# * **torchax**, this course's route, turns each torch operator into a JAX call: one call at a
+#   time eagerly, or one program under `jax.jit`, in the same program as JAX's sharding, Pallas
+#   kernels and Flax modules, and compilable ahead of time for a slice this host does not have
+#   (notebook 00).
+#
+# torch_xla needs its own build of torch (upstream's comparison ran torch_xla 2.9.0 with torch
+# 2.9.0; this course pins torch 2.13) and TorchTPU needs a TPU, so on this CPU host two routes
+# run: eager PyTorch, which is what a GPU engineer starts from, and torchax, eagerly and under
+# `jax.jit`. One fresh tiny GPT-2, one forward each. JAX reports every program it compiles to
+# `jax.monitoring`, so we can count what each route builds.
+
+# %%
+import collections
+
+compile_events = collections.Counter()
+jax.monitoring.register_event_duration_secs_listener(lambda event, seconds, **_: compile_events.update([event]))
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # one event per XLA program compiled
+
+torch.manual_seed(1)
+model = transformers.GPT2LMHeadModel(  # shapes unlike section 4's, so no program is cached yet
+    transformers.GPT2Config(vocab_size=320, n_embd=48, n_layer=2, n_head=4, n_positions=64)
+).eval()
+prompt = torch.randint(0, 320, (1, 6))
+with torch.no_grad():
+    route_logits = {"eager PyTorch (CPU)": model(prompt, use_cache=False).logits}
+route_programs = {"eager PyTorch (CPU)": (0, 0)}
+with env:
+    model.to("jax")
+    prompt_j = prompt.to("jax")
+    jitted = tu.JitModule(model)
+    for route, forward in (("torchax, eager", lambda: model(prompt_j, use_cache=False).logits),
+                           ("torchax, jax.jit", lambda: jitted(prompt_j, use_cache=False).logits)):
+        counts = []
+        for _ in range(2):  # the first call and a second one
+            before = compile_events[BACKEND_COMPILE]
+            logits = forward()
+            jax.block_until_ready(logits.jax())
+            counts.append(compile_events[BACKEND_COMPILE] - before)
+        route_logits[route], route_programs[route] = logits.torch(), tuple(counts)
+reference_logits = route_logits["eager PyTorch (CPU)"]
+print(f"{'route':>20} {'programs compiled, 1st call':>28} {'2nd call':>9} {'max |diff| from PyTorch':>24}")
+for route, logits in route_logits.items():
+    first, second = route_programs[route]
+    error = float((logits - reference_logits).abs().max())  # float32 noise: shown as a bound
+    print(f"{route:>20} {first:>28} {second:>9} {'below 1e-6' if error < 1e-6 else f'{error:.1e}':>24}")
+
+# %% [markdown]
+# Eager torchax compiles one small program per distinct operator and shape, caches each, and
+# dispatches them one by one from Python on every call (pitfall 8's slowdown); under `jax.jit`
+# the whole forward is one program. torch_xla's lazy mode and TorchTPU's `torch.compile` also end
+# in one program per graph; where they differ from torchax is in what you write. The same
+# forward, route by route (torch_xla and TorchTPU from their documentation, not run here):
+#
+# | route | put the model on the chips | run a step | one compiled program | shard it | ran here |
+# |---|---|---|---|---|---|
+# | eager PyTorch | `.to("cuda")` | `model(x)` | `torch.compile(model)` | `torch.distributed` | yes, on the CPU |
+# | torchax | `.to("jax")` inside `with env:` | `model(x)` | `tu.JitModule(model)` (a `jax.jit` over the weights) | `NamedSharding` tables (notebook 02) | yes |
+# | torch_xla | `.to(torch_xla.device())` | `model(x)`, then `torch_xla.sync()` | the lazy graph per step, or `torch.compile(backend="openxla")` | `xs.mark_sharding` | no: its own torch build |
+# | TorchTPU | `.to("tpu")` | `model(x)` | `torch.compile` | `torch.distributed` | no: needs a TPU |
+#
+# Which route when: torch_xla for code that already runs on it; TorchTPU if a native `tpu`
+# device is what you want and its maturity suits you (announced in 2026; the knowledge-base page
+# says what could and could not be checked); torchax when the program should meet JAX, as every
+# video pipeline of this course does: Splash attention as a Pallas kernel (notebook 04), a Flax
+# VAE in the same program (notebook 05), shardings as data, and compiles for a TPU slice from a
+# CPU host.
+
+# %%
+for route in ("torchax, eager", "torchax, jax.jit"):
+    torch.testing.assert_close(route_logits[route], reference_logits, rtol=0, atol=1e-5)
+assert route_programs["torchax, jax.jit"] == (1, 0)  # one program, compiled once
+assert route_programs["torchax, eager"][0] > 10 and route_programs["torchax, eager"][1] == 0  # many, cached
+
+# %% [markdown]
 # ## Summary
 #
 # | pitfall | symptom | fix |

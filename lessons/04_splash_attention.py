@@ -66,7 +66,7 @@ print(preset.name, "preset, interpret mode:", interpret)
 # %% [markdown]
 # Sections 1–6 and 8 compare float32 kernels with a reference at 1e-5. On a TPU, JAX runs
 # float32 matmuls (inside a Pallas kernel too) as bfloat16 passes unless asked otherwise
-# (lesson 08 shows the request in the compiled program), so this notebook asks for full
+# (lesson 06 shows the request in the compiled program), so this notebook asks for full
 # precision for every cell; a CPU ignores the setting. Section 7, the one place that compiles
 # bfloat16 kernels for the TPU, explicitly goes back to the default, and shows why it must.
 

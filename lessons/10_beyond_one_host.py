@@ -37,7 +37,7 @@
 # | preset | loads | memory | compute time |
 # |---|---|---|---|
 # | `tiny` (CPU, CI) | tiny random checkpoints, in several local processes | about 1 GB of host RAM per process | about 4 minutes, measured here on a 2-core CPU (each launch starts fresh Python processes; section 4 compiles for three slices) |
-# | `full` (multi-host TPU slice) | the real checkpoints, on every host | as lessons 06 and 07, per chip | not measured here: the same commands run unchanged on a slice, but nothing here has been run on one by this project |
+# | `full` (multi-host TPU slice) | the real checkpoints, on every host | as lessons 07 and 09, per chip | not measured here: the same commands run unchanged on a slice, but nothing here has been run on one by this project |
 #
 # On the full preset sections 1 to 3 print the commands every host of a slice runs instead of
 # running them: a TPU VM's chips belong to one process at a time (this notebook's), and local
@@ -162,7 +162,7 @@ if preset.host_runs_whole_models:
 # ## 2. The same video, from one process or two
 #
 # `tpupedia generate cogvideox` calls `tpupedia.distributed.initialize()` first: under
-# `tpupedia launch` (or on a multi-host TPU VM) it joins the job, and the pipeline of notebook 06
+# `tpupedia launch` (or on a multi-host TPU VM) it joins the job, and the pipeline of notebook 07
 # builds its `dp=2, tp=4` mesh over `jax.devices()`, now spread over both processes. Every
 # process runs the same three stages, and the hosts need not share a disk: process 0 decides,
 # every process gets the tensors. Only process 0 looks at the work directory (which stages are
@@ -266,7 +266,7 @@ if preset.host_runs_whole_models:
 # describes a `v6e:4x4` slice (16 chips, 4 hosts) and a `v6e:8x8` (64 chips, 16 hosts) on this CPU. One layer compiled, weights
 # scaled to all 42, splash attention, the guidance pair on `dp` and the heads on `tp`.
 #
-# Each plan gets three floors on its step time (notebook 09): FLOPs at the bf16 peak, weights
+# Each plan gets three floors on its step time (notebook 08): FLOPs at the bf16 peak, weights
 # read once from HBM, and the bytes each chip sends in collectives over ICI. For that last one,
 # what matters is how fast *one chip* can send in *one collective*. Google's v6e page gives
 # 800 GB/s of ICI per chip, but that counts both directions of all 4 ports: one port carries
@@ -357,7 +357,7 @@ assert sum(eight.collectives.values()) > 10 * sum(two.collectives.values())
 #   gpu-tpu-pedia, commit 3fa9ce1, CogVideoX README), assumed to double on a 4-chip host
 #   (an assumption about time, not memory: each chip of a 4-chip host has the same HBM, holds
 #   twice the transformer's shards, and still fits every stage; the results page's plans give
-#   each stage's per-chip peak there, and section 9 of notebook 06 shows that a 1360x768 VAE
+#   each stage's per-chip peak there, and section 8 of notebook 05 shows that a 1360x768 VAE
 #   frame batch fits one chip).
 
 # %%
@@ -458,7 +458,7 @@ assert 6 < reported_step / flop_floor < 7 and reported_step > sum(floor_parts.va
 #          --prompts prompts.jsonl --outdir /mnt/shared/videos"
 #
 # Each host first joins the job (`jax.distributed.initialize()` needs no arguments there), then
-# plans its own requests before loading a weight (the preflight of notebook 09), then works
+# plans its own requests before loading a weight (the preflight of notebook 08), then works
 # through its share of the prompts, as the processes of section 3 did. Each host prints a line
 # per prompt it owns, the form section 3's rerun printed: `0002-rain-over-a-neon-city: wrote
 # 0002-rain-over-a-neon-city.mp4` followed by its timings, or `done already, skipped` for a prompt

@@ -19,7 +19,7 @@
 # Wan is the open video family every TPU project runs, so it is where this course meets the
 # others. It is also the test of the course's own structure: a third family should need its
 # model module, its pipeline, a scheduler step and this notebook, and nothing else
-# (`tests/test_families.py` checks it). Everything notebooks 06 and 07 built carries over: the
+# (`tests/test_families.py` checks it). Everything notebooks 07 and 09 built carries over: the
 # stage files, the guidance pair as a batch on `dp`, one compiled step for all steps, parity
 # with stock diffusers. This notebook teaches only what is new:
 #
@@ -214,7 +214,9 @@ assert tuple(decoded["frames"].shape) == (17, 64, 64, 3) and pipe.traces["decode
 #
 # Text, denoise and decode through `pipeline.run`, then stock `WanPipeline(output_type="np")`
 # from the same checkpoint, prompt and seed. Both tiny checkpoints: Wan 2.1, and Wan 2.2 with
-# two experts and two guidance scales. float32: the frames agree to 1e-4.
+# two experts and two guidance scales. float32: the frames agree to 1e-4, and in practice within
+# 1e-5, which is what the cell prints: the last digits change from run to run, because the
+# simulated devices' all-reduces add their partial sums in the order the threads arrive.
 
 # %%
 import dataclasses
@@ -238,7 +240,8 @@ for name, checkpoint, guidance_2 in (("Wan 2.1", checkpoint_21, None), ("Wan 2.2
                           output_type="np").frames[0]
     per_expert = {r.stage: r for r in reports}["denoise"].timings["steps_per_expert"]
     parity[name] = float(np.abs(frames - expected).max())
-    print(f"{name}: steps per expert {per_expert}; max abs difference from stock WanPipeline {parity[name]:.1e}")
+    print(f"{name}: steps per expert {per_expert}; max abs difference from stock WanPipeline "
+          f"{'below 1e-5' if parity[name] < 1e-5 else f'{parity[name]:.1e}'}")
 
 # %%
 assert all(error < 1e-4 for error in parity.values())
@@ -247,7 +250,7 @@ assert all(error < 1e-4 for error in parity.values())
 # ## 6. The full size, planned for a v6e-8
 #
 # `tpupedia plan wan` compiles every program of a `generate wan --preset full` run for a TPU
-# topology ahead of time, from the release's configs (notebook 09): the umT5 encoder, the
+# topology ahead of time, from the release's configs (notebook 08): the umT5 encoder, the
 # denoising step at 720p and 81 frames, the VAE's three frame programs. Compiling the full
 # depth on a CPU host takes long, so the recorded plan compiles one layer per model and adds
 # the other layers' weight shards from their shapes. On the tiny preset this cell reads the
@@ -302,7 +305,7 @@ mask = family.condition_mask(request.frames, 1, 1, facts)[0, :, :, 0, 0]
 print(f"mask for {request.frames} frames (channel x latent frame):\n{mask.int().numpy()}")
 
 # %% [markdown]
-# The pipeline adds an `image` stage between text and denoise, as CogVideoX's does (notebook 06
+# The pipeline adds an `image` stage between text and denoise, as CogVideoX's does (notebook 07
 # §9). Its file holds the condition (mask and picture latents) and the CLIP features, and its
 # settings hold the picture's SHA-256, so another picture at the same path reruns it. The VAE's
 # encoder runs as its decoder does in section 4: the first frame, then 4 frames at a time, the

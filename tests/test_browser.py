@@ -235,3 +235,26 @@ def test_search_returns_results(site, page):
     previews = " ".join(page.locator(".md-search-result__article").all_inner_texts())
     assert "Copied!" not in previews and "import numpy" not in previews, previews[:500]
     _shot(page, "search")
+
+
+def test_chinese_search_returns_a_chinese_page(site, page):
+    """A Chinese word finds the Chinese pages: the search plugin segments Chinese text with jieba
+    at build time (mkdocs.yml's separator splits on the U+200B it inserts), so "分片" (sharding)
+    is a word in the index, not a run of characters glued to its neighbours."""
+    base, _ = site
+    page.goto(f"{base}/zh/", wait_until="load")
+    box = page.locator("input.md-search__input")
+    if not box.is_visible():
+        page.locator("label.md-header__button[for='__search']").first.click()
+    box.wait_for(state="visible")
+    box.click()
+    box.fill("分片")  # one input event: typed character by character, the results of "分" alone could show first
+    page.locator(".md-search-result__item").first.wait_for(state="visible")
+    links = page.locator(".md-search-result__link")
+    hrefs = [links.nth(i).get_attribute("href") or "" for i in range(links.count())]
+    assert hrefs and "/zh/" in hrefs[0], f"the first result for 分片 is not a Chinese page: {hrefs[:5]}"
+    first = page.locator(".md-search-result__article").first.inner_text()
+    assert any("\u4e00" <= ch <= "\u9fff" for ch in first), first[:300]  # a Chinese title
+    marked = {m.replace("\u200b", "").strip() for m in page.locator(".md-search-result mark").all_inner_texts()} - {""}
+    assert marked and all(m.startswith("分片") for m in marked), marked  # the word, not 分析 or 分组
+    _shot(page, "search-zh")

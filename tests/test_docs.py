@@ -1,8 +1,12 @@
 """`mkdocs build --strict` succeeds and the site shows what the notebooks stored."""
 
+import json
 import os
+import re
 import subprocess
 import sys
+from collections import Counter
+from html.parser import HTMLParser
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,5 +35,82 @@ def test_strict_docs_build_renders_stored_notebook_outputs(tmp_path):
     results_page = (site / "results" / "index.html").read_text()
     assert "{{ plans_table }}" not in results_page and "v6e:2x4 (8 chips)" in results_page  # docs/results/plans.json
 
+    terms = (site / "zh" / "terms" / "index.html").read_text()  # the Chinese edition's glossary, from docs/zh/terms.yml
+    assert "{{ zh_terms }}" not in terms and "<td>张量并行</td>" in terms
+
+    worker = next((site / "assets" / "javascripts" / "workers").glob("search.*.min.js")).read_text()
+    assert "o<=t.length" in worker  # docs/search_hooks.py: Chinese queries keep their last word
+
     assert (site / "guides" / "tpu-vm" / "index.html").exists()
     assert not list(site.rglob("*.py")), "python sources leaked into the site"
+
+    for page in sorted((ROOT / "docs").rglob("*.md")):  # every link into a notebook's section lands on it
+        for stem, anchor in re.findall(r"notebooks/(\w+)\.ipynb#([\w-]+)", page.read_text()):
+            rendered = (site / "notebooks" / stem / "index.html").read_text()
+            assert f'id="{anchor}"' in rendered, f"{page.relative_to(ROOT)} links to {stem}#{anchor}, which it lacks"
+
+    for notebook in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        rendered = (site / "notebooks" / notebook.stem / "index.html").read_text()
+        missing = Counter(numbered_lists(notebook)) - Counter(ordered_list_lengths(rendered))
+        assert not missing, (f"{notebook.name}: numbered lists of these lengths (length: count) do not render as "
+                             f"one <ol> each: {dict(missing)}")
+
+
+def numbered_lists(notebook: Path) -> list[int]:
+    """The item count of each numbered list ("1. ...", "2. ...") in the notebook's markdown cells."""
+    lengths = []
+    for cell in json.loads(notebook.read_text())["cells"]:
+        if cell["cell_type"] != "markdown":
+            continue
+        items = None
+        for line in "".join(cell["source"]).splitlines():
+            item = re.match(r"(\d+)\. ", line)
+            if item and int(item.group(1)) == 1:
+                if items:
+                    lengths.append(items)
+                items = 1
+            elif item and items and int(item.group(1)) == items + 1:
+                items += 1
+            elif items and line.strip() and not line.startswith(" "):  # the list has ended
+                lengths.append(items)
+                items = None
+        if items:
+            lengths.append(items)
+    return lengths
+
+
+def ordered_list_lengths(html: str) -> list[int]:
+    """The number of direct `<li>` items of each `<ol>` in `html`."""
+
+    class Lists(HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.stack, self.lengths = [], []
+
+        def handle_starttag(self, tag, attrs):
+            if tag in ("ol", "ul"):
+                self.stack.append([tag, 0])
+            elif tag == "li" and self.stack:
+                self.stack[-1][1] += 1
+
+        def handle_endtag(self, tag):
+            if tag in ("ol", "ul") and self.stack:
+                kind, count = self.stack.pop()
+                if kind == "ol":
+                    self.lengths.append(count)
+
+    parser = Lists()
+    parser.feed(html)
+    return parser.lengths
+
+
+def test_numbered_lists_are_found_and_counted(tmp_path):
+    """The two helpers of the rendering check: lists in a notebook's markdown, `<ol>` items in HTML
+    (a list that renders whole, and one broken in two, as a list without its blank line renders)."""
+    source = "The parts:\n\n1. one;\n2. two, which goes on\n   over a line;\n3. three.\n\nThen:\n1. alone\n"
+    notebook = tmp_path / "00_lists.ipynb"
+    notebook.write_text(json.dumps({"cells": [{"cell_type": "markdown", "source": source},
+                                              {"cell_type": "code", "source": "1. + 2."}]}))
+    assert numbered_lists(notebook) == [3, 1]
+    assert ordered_list_lengths("<ol><li>a</li><li>b<ol><li>c</li></ol></li></ol>") == [1, 2]
+    assert ordered_list_lengths("<ol><li>a</li></ol><p>b</p><ol start=2><li>c</li></ol>") == [1, 1]

@@ -1,6 +1,6 @@
 """Full-size work in the video lessons sits behind a preset gate (issue 18).
 
-On the full preset, notebooks 06, 07 and 10 hold the released checkpoints: a stock diffusers
+On the full preset, notebooks 07, 09 and 10 hold the released checkpoints: a stock diffusers
 pipeline run end to end on the host CPU takes hours to days, an unsharded 8.3B transformer fills
 half a chip (two do not fit), and a local CPU process running the CLI runs the real model on the
 CPU. Each of these belongs to the tiny preset only, so it must sit under a *preset gate*: an
@@ -21,7 +21,7 @@ Outside a gate, a lesson may not:
 3. **Move a module to a device whole**: call `X.to("jax")` unless `X` is
    - *preset-sized*: a name every binding of which is made inside a gate, or from an expression
      that contains a gate or uses a preset-sized name, or a function whose body does (notebook
-     07's `load_transformer`, which reads two blocks of the checkpoint on the full preset, and
+     09's `load_transformer`, which reads two blocks of the checkpoint on the full preset, and
      whatever is bound from calling it); or
    - a *tensor the lesson builds*: an expression rooted in a call of a `torch.` function
      (`torch.randn(...).to(dtype)`, `(torch.arange(n) < m).to(dtype)`), or a name every binding
@@ -47,7 +47,7 @@ import pytest
 from tpupedia import presets
 
 ROOT = Path(__file__).resolve().parents[1]
-LESSONS = ("06_cogvideox_pipeline.py", "07_hunyuan_video.py", "10_beyond_one_host.py")
+LESSONS = ("07_cogvideox_pipeline.py", "09_hunyuan_video.py", "10_beyond_one_host.py")
 
 SUBPROCESS_CALLS = {("subprocess", name) for name in
                     ("run", "Popen", "call", "check_call", "check_output", "getoutput", "getstatusoutput")}
@@ -368,9 +368,9 @@ def test_the_rule_sees_the_gated_calls():
     """The gated stock runs and process launches are found, so a pass above is not a rule that
     looks past them."""
     reports = {lesson: find_problems((ROOT / "lessons" / lesson).read_text()) for lesson in LESSONS}
-    assert reports["06_cogvideox_pipeline.py"].gated["pipeline"] >= 2  # the whole video, one step
-    assert reports["07_hunyuan_video.py"].gated["pipeline"] >= 2
-    assert reports["07_hunyuan_video.py"].sized_moves >= 3  # the transformers of sections 2 and 3
+    assert reports["07_cogvideox_pipeline.py"].gated["pipeline"] >= 2  # the whole video, one step
+    assert reports["09_hunyuan_video.py"].gated["pipeline"] >= 2
+    assert reports["09_hunyuan_video.py"].sized_moves >= 3  # the transformers of sections 2 and 3
     assert reports["10_beyond_one_host.py"].gated["subprocess"] >= 5  # every `tpupedia(...)` launch
 
 

@@ -19,6 +19,19 @@ translation to match, then record the new hash:
 ``--update`` only rewrites the ``source_sha256`` line. Run it *after* the translation is updated,
 never instead of updating it. ``--update`` with no path updates every stale twin.
 
+A twin is a translation, not a summary, and these tests hold it to that (``check_twin``, which
+``--check`` runs on a draft before it is moved in):
+
+* every heading anchor of the English page exists in the twin (a Chinese heading keeps the English
+  anchor with ``{#english-anchor}``), so a link to ``page.md#section`` lands on both editions;
+* the twin has the same ``{{ figure:… }}`` and table placeholders, so its numbers are printed from
+  the same results files (``docs/hooks.py``);
+* every number the English prose quotes (a decimal, or three digits and more) appears in the twin,
+  and the twin quotes no such number the English page lacks;
+* the twin follows the one glossary of terms, ``docs/zh/terms.yml`` (rendered as ``zh/terms.md``, 译名表).
+
+    .venv/bin/python tests/test_i18n.py --check draft.md --as docs/zh/kb/deepcache.md
+
 The module also checks that every page of the site has a ``description`` (it becomes the page's
 meta description and search preview), that the language switch is configured, and that no
 committed page points outside this repository.
@@ -37,8 +50,16 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 ZH = DOCS / "zh"
-REQUIRED_TWINS = ["index.md", "learning-path.md", "guides/tpu-vm.md", "kb/corrections.md"]
+# Every knowledge-base page and guide has a twin, with the home page and the learning path. The
+# notebooks, the results page and the API reference are linked in English from the Chinese nav.
+REQUIRED_TWINS = ["index.md", "learning-path.md",
+                  *sorted(str(p.relative_to(DOCS)) for d in ("kb", "guides") for p in (DOCS / d).glob("*.md"))]
+TERMS = ZH / "terms.yml"
+NOT_TWINS = ["terms.md"]  # the glossary page itself: written in Chinese, translating no English page
 _FRONT = re.compile(r"\A---\n(.*?)\n---\n", re.S)
+_FENCE = re.compile(r"(?ms)^ *(```|~~~).*?^ *\1")
+_NUMBER = re.compile(r"(?<![A-Za-z0-9_.\-])(\d+(?:[.,]\d+)+|\d{3,})")
+_PLACEHOLDER = re.compile(r"\{\{ *[\w:.-]+ *\}\}")
 
 
 def front_matter(path: Path) -> dict:
@@ -51,7 +72,66 @@ def source_hash(source: Path) -> str:
 
 
 def twins() -> list[Path]:
-    return sorted(ZH.rglob("*.md"))
+    return sorted(p for p in ZH.rglob("*.md") if str(p.relative_to(ZH)) not in NOT_TWINS)
+
+
+def terms() -> list[dict]:
+    return yaml.safe_load(TERMS.read_text(encoding="utf-8"))
+
+
+def body(text: str) -> str:
+    return _FRONT.sub("", text, count=1)
+
+
+def prose(text: str) -> str:
+    """The page without its front matter, fenced code blocks, inline code and link targets."""
+    text = _FENCE.sub("", body(text))
+    text = re.sub(r"`[^`\n]*`", "", text)
+    return re.sub(r"\]\([^)\s]*\)", "]", text)
+
+
+def anchors(text: str) -> list[str]:
+    """The ids of the page's headings below the title, as mkdocs renders them (toc + attr_list)."""
+    import markdown
+
+    md = markdown.Markdown(extensions=["toc", "attr_list", "md_in_html", "admonition", "tables", "def_list",
+                                       "pymdownx.superfences", "pymdownx.details", "pymdownx.tabbed"])
+    html = md.convert(body(text))
+    return re.findall(r'<h[2-6][^>]* id="([^"]+)"', html)
+
+
+def numbers(text: str) -> set[str]:
+    return set(_NUMBER.findall(text))
+
+
+def check_twin(text: str, source: Path) -> list[str]:
+    """What keeps `text` (a Chinese page) from being a faithful twin of the English page `source`."""
+    english = source.read_text(encoding="utf-8")
+    problems = []
+    missing = [a for a in anchors(english) if a not in set(anchors(text))]
+    if missing:
+        problems.append(f"headings without the English anchor (write '## 标题 {{#anchor}}'): {missing}")
+    if sorted(_PLACEHOLDER.findall(english)) != sorted(_PLACEHOLDER.findall(text)):
+        problems.append(f"placeholders differ: English {sorted(_PLACEHOLDER.findall(english))}, "
+                        f"twin {sorted(_PLACEHOLDER.findall(text))}")
+    dropped = sorted(numbers(prose(english)) - numbers(body(text)))
+    if dropped:
+        problems.append(f"numbers the English prose quotes and the twin lacks: {dropped}")
+    added = sorted(numbers(body(text)) - numbers(body(english)))
+    if added:
+        problems.append(f"numbers the twin quotes and the English page lacks: {added}")
+    english_prose, twin_prose = prose(english).lower(), prose(text)
+    for term in terms():
+        for avoid in term.get("avoid", []):
+            if avoid in text:
+                problems.append(f"uses {avoid!r}; the glossary's term for {term['en']!r} is {term['zh']!r}")
+        used = re.search(rf"(?<![\w-]){re.escape(term['en'].lower())}(?![\w-])", english_prose)
+        if used and term["zh"].lower() not in twin_prose.lower():
+            problems.append(f"the English page says {term['en']!r}; the twin never uses the glossary's {term['zh']!r}")
+    han = len(re.findall(r"[\u4e00-\u9fff]", body(text)))
+    if han <= 200:
+        problems.append(f"only {han} Chinese characters")
+    return problems
 
 
 def stale(page: Path) -> tuple[str, str] | None:
@@ -90,6 +170,28 @@ def test_chinese_pages_match_their_english_source(page):
     )
 
 
+@pytest.mark.parametrize("page", twins(), ids=lambda p: str(p.relative_to(ZH)))
+def test_chinese_pages_are_faithful_twins(page):
+    """Anchors, placeholders, numbers and terms: `check_twin`."""
+    problems = check_twin(page.read_text(encoding="utf-8"), DOCS / front_matter(page)["source"])
+    assert not problems, f"{page.relative_to(ROOT)}:\n  " + "\n  ".join(problems)
+
+
+def test_the_twin_check_finds_what_it_is_for(tmp_path):
+    """A page that drops a number, a heading's anchor and a placeholder, and uses a word the
+    glossary avoids, fails on each; the same page with them fixed passes."""
+    source = tmp_path / "page.md"
+    source.write_text("---\ndescription: x\n---\n# Title\n\n## The step time\n\nThe floor is 0.33 s per step "
+                      "on the mesh, {{ figure:run.07 }}.\n", encoding="utf-8")
+    filler = "这是一段用来凑够字数的中文说明文字。" * 15
+    bad = f"# 标题\n\n## 单步时间\n\n{filler}在设备网格上，下限是每步 0.34 秒。\n"
+    good = f"# 标题\n\n## 单步时间 {{#the-step-time}}\n\n{filler}在 mesh 上，下限是每步 0.33 秒，{{{{ figure:run.07 }}}}。\n"
+    problems = "\n".join(check_twin(bad, source))
+    for expected in ("the-step-time", "placeholders differ", "'0.33'", "'0.34'", "'设备网格'"):
+        assert expected in problems, f"{expected} not reported in:\n{problems}"
+    assert check_twin(good, source) == []
+
+
 def test_chinese_pages_are_chinese():
     for page in twins():
         body = _FRONT.sub("", page.read_text(encoding="utf-8"))
@@ -114,6 +216,20 @@ def test_language_switch_and_chinese_nav():
         assert f"zh/{twin}" in config, f"mkdocs.yml nav lacks zh/{twin}"
 
 
+def test_chinese_nav_mirrors_the_english_one():
+    """The 中文 section lists the knowledge base and the guides in the English order, each as its
+    twin, and links every notebook and the results and reference pages in English."""
+    config = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+    nav = config[config.index("\nnav:\n"):config.index("\nplugins:")]
+    english, chinese = nav[:nav.index("\n  - 中文:")], nav[nav.index("\n  - 中文:"):]
+    pages = lambda text, pattern: re.findall(rf"^ +- .+: ({pattern})$", text, re.M)  # noqa: E731
+    for pattern in (r"kb/[\w-]+\.md", r"guides/[\w-]+\.md"):
+        assert pages(chinese, "zh/" + pattern) == ["zh/" + p for p in pages(english, pattern)]
+    for pattern in (r"notebooks/\w+\.ipynb", r"results/index\.md", r"reference/[\w-]+\.md"):
+        assert pages(chinese, pattern) == pages(english, pattern), f"the Chinese nav does not link every {pattern}"
+    assert "zh/terms.md" in chinese
+
+
 def test_no_page_points_outside_the_repository():
     forbidden = re.compile(r"\.\./shared|shared/reference|upstream-digest|stack-probe|seeds/")
     offenders = [
@@ -124,6 +240,15 @@ def test_no_page_points_outside_the_repository():
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--check"] and len(argv) == 4 and argv[2] == "--as":
+        draft, target = Path(argv[1]), Path(argv[3]).resolve()
+        source = DOCS / target.relative_to(ZH)
+        problems = check_twin(draft.read_text(encoding="utf-8"), source)
+        meta = front_matter(draft)
+        if meta.get("source") != str(source.relative_to(DOCS)) or str(meta.get("source_sha256")) != source_hash(source):
+            problems.append(f"front matter needs source: {source.relative_to(DOCS)} and source_sha256: {source_hash(source)}")
+        print("\n".join(problems) or "ok")
+        return int(bool(problems))
     if argv[:1] == ["--update"]:
         targets = [Path(a).resolve() for a in argv[1:]] or [p for p in twins() if stale(p)]
         for page in targets:

@@ -1,4 +1,4 @@
-"""The CogVideoX pipeline (notebook 06): parity with stock diffusers, one compile for all
+"""The CogVideoX pipeline (notebook 07): parity with stock diffusers, one compile for all
 steps, stage files that resume and refuse, bad input refused before any model is loaded."""
 
 from __future__ import annotations

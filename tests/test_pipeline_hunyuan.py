@@ -1,4 +1,4 @@
-"""The HunyuanVideo-1.5 pipeline (notebook 07): parity with stock diffusers, the guidance pair as
+"""The HunyuanVideo-1.5 pipeline (notebook 09): parity with stock diffusers, the guidance pair as
 one batch, DeepCache that is exact at interval 1 and reproduces upstream's schedule, bad input
 refused before any model is loaded, and the command line."""
 

@@ -32,7 +32,7 @@ def _lowered(precision: str | None) -> str:
 
 
 def test_highest_precision_reaches_every_dot_of_a_torchax_forward():
-    """`jax.default_matmul_precision("highest")` around the traced call (how notebooks 06 and 07
+    """`jax.default_matmul_precision("highest")` around the traced call (how notebooks 07 and 09
     and the pipelines' `matmul_precision="highest"` run their parity checks) marks every dot of
     a torchax-traced Hugging Face model HIGHEST; without it, the program leaves them DEFAULT."""
     highest, default = _lowered("highest"), _lowered(None)
@@ -41,8 +41,8 @@ def test_highest_precision_reaches_every_dot_of_a_torchax_forward():
 
 
 def test_highest_precision_reaches_the_convolutions_of_a_torchax_function():
-    """Lesson 08's blur (two depthwise `F.conv2d`) and lesson 05's VAE are convolutions: the same
-    request marks them, as lesson 08 shows in a cell."""
+    """Lesson 06's blur (two depthwise `F.conv2d`) and lesson 05's VAE are convolutions: the same
+    request marks them, as lesson 06 shows in a cell."""
     from torchax.interop import jax_view
 
     from tpupedia import image
@@ -58,7 +58,7 @@ def test_highest_precision_reaches_the_convolutions_of_a_torchax_function():
 
 # Lessons whose float32 parity checks must hold on a TPU, and the tolerance patterns that mark one.
 PARITY_LESSONS = ["00_start_here", "01_hf_model_in_jax", "02_sharding", "03_torchax_internals",
-                  "04_splash_attention", "05_cogvideox_vae_flax", "08_image_processing"]
+                  "04_splash_attention", "05_cogvideox_vae_flax", "06_image_processing"]
 _FP32_CHECK = re.compile(r"(atol=1e-[4-7]|[<]=? ?1e-[4-7]\b|tolerance = 1e-5|llm\.compare_logits\(.*preset\.dtype)")
 _REQUEST = re.compile(r"""default_matmul_precision(\(|", )"highest"\)?""")
 

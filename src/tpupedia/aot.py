@@ -5,7 +5,7 @@ data. Pointed at the devices of a TPU slice (`tpupedia.devices.tpu_topology`) it
 real TPU compiler on a CPU host and reports per-chip memory; a program too big for the chip
 comes back as the compiler's own out-of-memory figures instead of an exception.
 
-Introduced in notebook 00 (start here); the dry-run planner of notebook 09 builds on it.
+Introduced in notebook 00 (start here); the dry-run planner of notebook 08 builds on it.
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ class Program:
 
     def flops(self) -> float:
         """XLA's FLOP count of one call: the whole program, lowered, before it is split over
-        devices (no compile). Notebook 07 compares a DeepCache step's two programs with it."""
+        devices (no compile). Notebook 09 compares a DeepCache step's two programs with it."""
         import contextlib
 
         import jax

@@ -525,7 +525,7 @@ def install_attention(
 
 
 # ---------------------------------------------------------------------------------------------
-# padding declared as a vector (HunyuanVideo-1.5, notebook 07)
+# padding declared as a vector (HunyuanVideo-1.5, notebook 09)
 
 
 def padded_attend(backend: str, *, mesh=None, interpret=None, block_sizes=None, batch_axis="dp", head_axis="tp"):
@@ -550,7 +550,7 @@ def padded_attention(q, k, v, valid, *, backend="splash", scale=None, block_size
     """Joint attention with padding: token ``j`` is visible to token ``i`` iff ``valid[:, i]``
     and ``valid[:, j]`` (``valid``: ``(B, S)`` booleans; ``q, k, v``: ``(B, H, S, D)``).
 
-    This is the mask a joint text-video processor builds as a ``(B, 1, S, S)`` matrix (notebook 07), declared
+    This is the mask a joint text-video processor builds as a ``(B, 1, S, S)`` matrix (notebook 09), declared
     by its structure instead: the splash path turns ``valid`` into segment ids and never forms an
     ``S x S`` mask; the reference path broadcasts it inside the score computation. Query rows that
     see no key (the padded tokens) return 0 on both paths. ``block_sizes`` are upper bounds, capped

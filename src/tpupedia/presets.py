@@ -52,7 +52,7 @@ class Preset:
         end on the CPU as parity references, a whole transformer on one device, the CLI in local
         CPU processes that stand in for the hosts of a slice. True for random tiny models
         (seconds); False for the released checkpoints, where that takes hours to days of CPU time
-        and more than one chip's memory. There notebooks 06 and 07 compare one denoising step at
+        and more than one chip's memory. There notebooks 07 and 09 compare one denoising step at
         a small size, or the checkpoint's first blocks, and notebook 10 prints its multi-process
         commands instead of running them; `tests/test_full_preset_gates.py` checks that such code
         sits under a preset gate. A property, not a field: it follows from `pretrained`."""

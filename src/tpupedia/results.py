@@ -6,7 +6,7 @@ one), every write is atomic (a temporary file in the same folder, then a rename)
 measurement carries `machine()`: where it was taken.
 
 Introduced with `tpupedia bench llama` (notebook 01); used by `tpupedia.bench`,
-`tpupedia.dryrun`, the pipelines' stage files (notebook 06) and `tpupedia doctor`.
+`tpupedia.dryrun`, the pipelines' stage files (notebook 07) and `tpupedia doctor`.
 """
 
 from __future__ import annotations

@@ -387,7 +387,7 @@ def place(module: torch.nn.Module, rule_table: Iterable[tuple[str, Any]], mesh: 
     validated first (`plan`), so an error moves nothing. The module's tensors become torchax
     tensors (as after `module.to("jax")`), for `env` (default: torchax's default environment).
 
-    Used by the pipelines of notebooks 06 and 07; notebook 02 shows the per-device bytes.
+    Used by the pipelines of notebooks 07 and 09; notebook 02 shows the per-device bytes.
     """
     import jax
     from jax.sharding import NamedSharding

@@ -3,8 +3,8 @@
 One loading path for both presets: `from_pretrained(..., use_safetensors=True)` on a diffusers
 directory or hub id. The tiny preset first writes a random pipeline with `save_pretrained`
 (safetensors) into a cache folder named by everything that shapes it, so a changed config never
-reuses a stale checkpoint. Introduced with the CogVideoX pipeline (notebook 06); HunyuanVideo-1.5
-(notebook 07) uses the same functions.
+reuses a stale checkpoint. Introduced with the CogVideoX pipeline (notebook 07); HunyuanVideo-1.5
+(notebook 09) uses the same functions.
 """
 
 from __future__ import annotations

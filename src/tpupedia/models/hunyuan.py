@@ -32,7 +32,7 @@ order), `blocks` and `final`; `deepcache_full` also returns the state entering t
 blocks, and `deepcache_cached` runs only those blocks from a cached state
 (`tpupedia.pipelines.deepcache`).
 
-Introduced for the dry-run planner of notebook 09; notebook 07 (HunyuanVideo-1.5 text-to-video)
+Introduced for the dry-run planner of notebook 08; notebook 09 (HunyuanVideo-1.5 text-to-video)
 explains and uses all of it.
 """
 
@@ -601,7 +601,7 @@ def make_vae_jit_friendly(vae):
 
 
 # Sharding tables for the transformer (diffusers `HunyuanVideo15Transformer3DModel` names; notebook
-# 07 compares them). `tp_fc2_replicated` is upstream's default: the row-parallel layers replicated.
+# 09 compares them). `tp_fc2_replicated` is upstream's default: the row-parallel layers replicated.
 _COL = (
     r"(attn\.to_q|attn\.to_k|attn\.to_v|attn\.add_q_proj|attn\.add_k_proj|attn\.add_v_proj"
     r"|ff\.net\.0\.proj|ff_context\.net\.0\.proj)"

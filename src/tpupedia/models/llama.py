@@ -3,7 +3,7 @@
 Configs, depth, FLOPs of a forward and what `tpupedia.dryrun` needs to build and call it. The
 tiny model and the offline tokenizer live in `tpupedia.llm`, which loads both presets.
 
-Introduced in notebook 01 (a Hugging Face model in JAX); the dry-run of notebook 09 reads it.
+Introduced in notebook 01 (a Hugging Face model in JAX); the dry-run of notebook 08 reads it.
 """
 
 from __future__ import annotations

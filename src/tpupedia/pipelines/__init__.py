@@ -1,4 +1,4 @@
-"""Text-to-video pipelines in stages: `cogvideox` (notebook 06) and `hunyuan` (notebook 07) on
+"""Text-to-video pipelines in stages: `cogvideox` (notebook 07) and `hunyuan` (notebook 09) on
 what they share in `common` (requests, validation, the stage runner), with the stage-file
 contract in `stages`, scheduler steps as pure functions in `schedulers` (CogVideoX's DDIM and
 DPM solvers, the flow-match Euler step of HunyuanVideo-1.5) and DeepCache's schedule and

@@ -1,7 +1,7 @@
 """What every staged text-to-video pipeline shares: requests and options, validation of what is
 not model-specific, meshes, the stage runner and the host <-> device conversions.
 
-A family pipeline (`cogvideox`, notebook 06; `hunyuan`, notebook 07) is a `StagedPipeline`
+A family pipeline (`cogvideox`, notebook 07; `hunyuan`, notebook 09) is a `StagedPipeline`
 subclass with three stages, `encode_text`, `denoise` and `decode`, each returning
 `(tensors, timings)`; `run` drives them through the stage files of `tpupedia.pipelines.stages`
 (skip what is done, read what the next stage needs, write atomically, one writer per job) and
@@ -11,7 +11,7 @@ Memory comes back: every weight is built on its devices straight from host memor
 receiving only its shards (`tpupedia.sharding.place`), and a stage frees the models it loaded
 when it ends, so the text encoders are gone before the transformer loads. A `resident` pipeline
 (batch mode) keeps them, and its compiled programs, from one prompt to the next.
-Introduced in notebook 06, reused by notebook 07.
+Introduced in notebook 07, reused by notebook 09.
 """
 
 from __future__ import annotations
@@ -231,7 +231,7 @@ def denoise_loop(step: Callable[[int, Any], Any], state: Any, steps: int,
     whatever the family's compiled step carries from one step to the next (the latents; with a
     multistep solver its previous prediction; with DeepCache the cached features), `latents`
     picks the latents out of it. Returns `(state, timings)`: the first call (it compiles), the
-    median of the others, and every step's seconds. Introduced in notebook 06."""
+    median of the others, and every step's seconds. Introduced in notebook 07."""
     import jax
     import numpy as np
 

@@ -25,7 +25,7 @@ with the VAE's weights as abstract arguments replicated on the host's chips and 
 so an ahead-of-time compile for a TPU says what each decoder call needs there: whether 720p fits
 untiled, and what tiling saves.
 
-Introduced in notebooks 06 and 07 (the decode stages); `tpupedia plan` compiles the programs.
+Introduced in notebooks 07 and 09 (the decode stages); `tpupedia plan` compiles the programs.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def in_waves(pieces: list, decode_one: Callable[[Any], Any], mesh: Any = None, *
     Without `mesh` nothing is placed (`chips` pieces a wave): how `tpupedia.plan` traces the same
     waves on shapes only (`jax.eval_shape`). The `TileRunner` of the Flax VAE
     (`tpupedia.models.cogvideox_vae`); the HunyuanVideo-1.5 decode (and image-to-video's encode) use it through `tpupedia.pipelines.hunyuan.through_tiles`.
-    Introduced in notebook 06 (the decode stage)."""
+    Introduced in notebook 07 (the decode stage)."""
     import jax
     import jax.numpy as jnp
     import numpy as np

@@ -1,6 +1,6 @@
 """Wan 2.1 / 2.2 text-to-video in three stages, under torchax, on a mesh.
 
-What is Wan's own, on top of what notebooks 06 and 07 built (`tpupedia.pipelines.common`):
+What is Wan's own, on top of what notebooks 07 and 09 built (`tpupedia.pipelines.common`):
 
 1. `encode_text`: umT5 with its attention mask, each prompt cleaned as `WanPipeline` cleans it;
    the embeddings past the prompt's last token are zeros (diffusers cuts them off and pads with

@@ -14,7 +14,7 @@
 # ---
 
 # %% [markdown]
-# # 09 · Plan a TPU run without a TPU
+# # 08 · Plan a TPU run without a TPU
 #
 # Before renting eight TPU chips for a video model, you want three answers: how long a step can
 # take at best, whether the step fits in each chip's memory, and what the chips will spend their
@@ -38,7 +38,7 @@
 # | `tiny` (CPU, CI) | no weights: abstract shapes only; the compiles read from their records | about 1.8 GB of host RAM | about 3.5 minutes, measured here on a 2-core CPU |
 # | `full` (TPU VM or any host with libtpu) | no weights either: this notebook only compiles, on the host CPU | the program it plans: 3.8 GiB of arguments + 1.6 GiB of temporaries per chip (AOT here); host RAM for the 42-layer compile not recorded (the 54-block HunyuanVideo-1.5 compiles took 3.6–8.7 GB, measured here) | adds one live compile at all 42 layers, the splash-attention step of section 3: 182 s, measured on a shared 2-core CPU; the 42-layer reference-attention compile is read from its record, and section 4 compiles at one layer, as on tiny |
 #
-# *Reading time: about 11 minutes.*
+# *Reading time: about 12 minutes.*
 
 # %%
 # %xmode Minimal
@@ -316,6 +316,38 @@ assert all(0.05 < m < 0.5 for m in mfu.values())
 # about 35 ms in splash attention and 45 ms in linear layers plus all-reduces) agrees that both
 # halves matter. The roofline says how much room there is; the profile says where to look.
 #
+# Drawn to scale, each floor split into its attention and linear FLOPs at the bf16 peak, beside
+# the time reported for it. The CogVideoX bar is the whole run over 50 (106.47 s for a 720p
+# video, yangwhale/gpu-tpu-pedia, commit 3fa9ce1, `tpu/CogVideoX/README.md`), so part of its
+# gap is the text encoder and the VAE; the HunyuanVideo-1.5 bar times the denoising steps alone.
+# Notebook 09 (section 10) splits that model's gap with upstream's per-block profile, and
+# notebook 10 (section 5) prices both gaps per video.
+
+# %%
+fig, ax = plt.subplots(figsize=(7.5, 2.8))
+labels = []
+for i, (name, (f, seconds)) in enumerate(reported.items()):
+    model = name.split(",")[0]
+    attention, linear = f["attention"] / peak, f["linear"] / peak
+    ax.barh(2 * i + 1, attention, color="tab:blue", label="floor: attention FLOPs at peak" if i == 0 else None)
+    ax.barh(2 * i + 1, linear, left=attention, color="tab:orange", label="floor: linear FLOPs at peak" if i == 0 else None)
+    ax.barh(2 * i, seconds, color="tab:gray", label="reported upstream (v6e-8)" if i == 0 else None)
+    ax.text(seconds, 2 * i, f" {seconds} s = {seconds / (attention + linear):.1f}x the floor", va="center", fontsize=9)
+    labels += [f"{model} reported", f"{model} floor"]
+ax.set_yticks(range(4), labels)
+ax.set_xlim(0, 11)
+ax.set_xlabel("seconds per denoising step")
+ax.legend(loc="lower right", fontsize=8)
+ax.set_title("Roofline floor against reported step time, TPU v6e-8")
+plt.tight_layout()
+plt.show()
+
+# %%
+gaps = {name.split(",")[0]: seconds / (f["total"] / peak) for name, (f, seconds) in reported.items()}
+print({name: round(gap, 1) for name, gap in gaps.items()})
+assert 6 < gaps["CogVideoX1.5-5B"] < 7 and 4 < gaps["HunyuanVideo-1.5"] < 4.5
+
+# %% [markdown]
 # ## 6. The whole run: every stage, planned before it runs
 #
 # A denoising step is one program of a run, not the run. Before it, the text encoders turn the
@@ -399,6 +431,26 @@ assert {(f, c) for f, c in peaks} == {(f, c) for f in ("cogvideox", "hunyuan") f
 assert all(r["fits"] and r["binding"] == "denoise" for r in full_plans)
 for f in ("cogvideox", "hunyuan"):  # half the chips: each chip holds twice the shard
     assert peaks[(f, 4)]["denoise"] > peaks[(f, 8)]["denoise"] and peaks[(f, 4)]["text"] > peaks[(f, 8)]["text"]
+
+# %% [markdown]
+# Those plans leave the decode out. The recorded full-depth CogVideoX plans for the v6e-8 put it
+# back (`tpupedia plan cogvideox --topology v6e:2x4 --stages text,denoise --record`, then
+# `--stages decode`). The stages run one after another and each frees its model, so the run's
+# peak per chip is its largest stage, not the sum, and the largest is the decode: the VAE's
+# activations at 1360x768, split over the host's chips, outweigh the transformer's shards.
+
+# %%
+cogvideox_plans = [r for r in results.load(Path("..") / plan.DEFAULT_RECORDS)
+                   if r["family"] == "cogvideox" and r["topology"] == "v6e:2x4" and r["layers"] is None]
+budget = {s["stage"]: s["peak"] for r in cogvideox_plans for s in r["stages"]}
+hbm = cogvideox_plans[0]["hbm"]
+for stage, size in sorted(budget.items(), key=lambda item: ("text", "denoise", "decode").index(item[0])):
+    print(f"{stage:>8}: {size / 2**30:6.2f} GiB per chip of {hbm / 2**30:.2f}")
+print("binding stage:", max(budget, key=budget.get))
+
+# %%
+assert set(budget) == {"text", "denoise", "decode"} and max(budget, key=budget.get) == "decode"
+assert all(size < hbm for size in budget.values())
 
 # %% [markdown]
 # On a TPU VM, `tpupedia generate --preset full` runs these checks itself, before it loads any

@@ -14,9 +14,9 @@
 # ---
 
 # %% [markdown]
-# # 07 · HunyuanVideo-1.5 text-to-video on TPU
+# # 09 · HunyuanVideo-1.5 text-to-video on TPU
 #
-# The second destination of the course. Notebook 06 built a staged pipeline for CogVideoX:
+# The second destination of the course. Notebook 07 built a staged pipeline for CogVideoX:
 # stage files, a scheduler step as a pure function, one compiled program for all steps, the
 # guidance pair as one batch. HunyuanVideo-1.5 (an 8.3B-parameter transformer of 54 dual-stream
 # blocks) goes down the same path, `tpupedia.pipelines.common`, and meets three new problems:
@@ -29,14 +29,15 @@
 # 3. at 50 steps it is slow, and **DeepCache** (reuse deep features between steps) needs a
 #    different program on cached steps, which `jax.jit` cannot branch between cheaply.
 #
-# The sections:
+# The notebook first makes a video in one call, the way `tpupedia generate hunyuan` does, and
+# then takes that call apart:
 #
 # 1. the model's facts;
 # 2. a forward jit can trace;
 # 3. masks without the S x S matrix;
 # 4. stage 1, two text encoders;
 # 5. flow matching as a pure step;
-# 6. stage 2, denoise;
+# 6. stage 2, the denoising step written out here, and its collectives;
 # 7. stage 3, decode, and parity with stock diffusers;
 # 8. DeepCache;
 # 9. three sharding tables planned for a v6e-8;
@@ -46,7 +47,7 @@
 # | preset | loads | memory | compute time |
 # |---|---|---|---|
 # | `tiny` (CPU, CI) | a random 2-block HunyuanVideo-1.5 checkpoint written with `save_pretrained`, 8 simulated devices | about 2 GB of host RAM | about 120 s, measured here on a 2-core CPU |
-# | `full` (TPU v6e-8) | `hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_t2v`: bf16 transformer 16.7 GB, Qwen2.5-VL-7B text model 15.2 GB, ByT5 and the VAE under 1 GB each (from their parameter counts) | per chip: the text stage about 3 GiB (Qwen split over `tp`, AOT here); the transformer step at 720p, 121 frames, 7.8 GiB of arguments + 2.3 GiB of temporaries (AOT here, the `tp` table on the 2×4 mesh); the tiled VAE decode under 29 GiB (AOT here, one 256-pixel tile per chip) | 7.29 s per step at 720p, 121 frames (reported upstream, TPU v6e-8): about 6 minutes for 50 steps, plus compiles |
+# | `full` (TPU v6e-8) | `hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_t2v`: bf16 transformer 16.7 GB, Qwen2.5-VL-7B text model 15.2 GB, ByT5 and the VAE under 1 GB each (from their parameter counts) | per chip: the text stage about 3 GiB (Qwen split over `tp`, AOT here); the transformer step at 720p, 121 frames, 7.8 GiB of arguments + 2.3 GiB of temporaries (AOT here, the `tp` table on the 2×4 mesh); the tiled VAE decode under 29 GiB (AOT here, one 256-pixel tile per chip) | 7.29 s per step at 720p, 121 frames (reported upstream, TPU v6e-8): about 6 minutes for 50 steps, plus compiles, twice over: the opening call and sections 4 to 7 each make the video, and section 6 runs the denoising loop twice |
 #
 # Section 9 reads recorded AOT compiles on the tiny preset and compiles live on the full one
 # (tens of minutes on a CPU host). On the full preset the checks against stock diffusers run what
@@ -56,7 +57,7 @@
 # The full preset downloads HunyuanVideo-1.5, released under the **Tencent Hunyuan Community
 # License Agreement**. Its territory excludes the European Union, the United Kingdom and South
 # Korea: the agreement grants no licence to use the model there. Read it before you run the full
-# preset. *Reading time: about 23 minutes.*
+# preset. *Reading time: about 26 minutes.*
 
 # %%
 # %xmode Minimal
@@ -64,6 +65,43 @@ from tpupedia import session
 
 preset = session.start()  # preset, simulated devices, known warnings silenced (notebook 01)
 preset.name
+
+# %% [markdown]
+# ## The whole thing in one call
+#
+# As in notebook 07: a request, one call that runs the stages and writes the mp4, and the video.
+# This is what `tpupedia generate hunyuan --prompt ...` does; the preset picks the checkpoint and
+# the default size. The prompt quotes a word, which wakes the second text encoder (section 4).
+
+# %%
+import tempfile
+from pathlib import Path
+
+from tpupedia.models import hunyuan as family
+from tpupedia.pipelines import hunyuan as pipeline
+
+scratch = Path(tempfile.mkdtemp(prefix="tpupedia-09-"))
+request = pipeline.Request(prompt='A neon sign that says "OPEN" flickers on a rainy street at night.',
+                           negative_prompt="blurry, low quality", **family.default_request(preset))
+log = []  # one line per stage, with its timings and paths: kept off the page
+reports = pipeline.run(request, pipeline.Options(quiet=True), preset=preset, workdir=scratch / "run",
+                       out=scratch / "first.mp4", log=log.append)
+for r in reports:
+    print(f"{r.stage:>8}: {r.path.name}")
+
+# %% [markdown]
+# The video (random weights on the tiny preset, so random pixels; its bytes depend on the ffmpeg
+# build, so nbval does not compare this cell's output):
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+from IPython.display import Video
+
+Video(str(scratch / "first.mp4"), embed=True, width=256, html_attributes="controls loop autoplay muted")
+
+# %%
+assert [r.stage for r in reports] == ["text", "denoise", "decode"] and all(r.ran for r in reports)
+assert (scratch / "first.mp4").stat().st_size > 0
 
 # %% [markdown]
 # ## 1. One home for the model's facts
@@ -75,8 +113,6 @@ preset.name
 # no memory) from diffusers' defaults for the 720p t2v checkpoint and count.
 
 # %%
-from tpupedia.models import hunyuan as family
-
 full = family.build()  # on `meta`: 54 blocks, no weights allocated
 config = full.config
 params = sum(p.numel() for p in full.parameters())
@@ -116,10 +152,7 @@ assert family.mask_elements(1280, 720, 121) == (111_600 + 1_985) ** 2  # about 1
 
 # %%
 from tpupedia.errors import expect
-from tpupedia.pipelines import hunyuan as pipeline
 
-request = pipeline.Request(prompt='A neon sign that says "OPEN" flickers on a rainy street at night.',
-                           negative_prompt="blurry, low quality", **family.default_request(preset))
 expect(lambda: pipeline.validate(pipeline.Request(**{**request.__dict__, "frames": 120}), pipeline.Options()),
        family.ModelInputError, max_lines=1)
 _ = expect(lambda: pipeline.validate(pipeline.Request(**{**request.__dict__, "height": 100}), pipeline.Options()),
@@ -254,7 +287,7 @@ print(f"NaN in the output: {np.isnan(naive).mean():.0%} of the values")
 # torchax that is `tpupedia.attention.padded_attention`, where splash (notebook 04) takes the
 # vector as segment ids and the reference path broadcasts it inside the score computation.
 #
-# The fixed forward is compared with the stock one as notebook 06 compares its stages: in
+# The fixed forward is compared with the stock one as notebook 07 compares its stages: in
 # float32 (tiny) to rounding, an absolute bound; in bfloat16 (full) relative to the largest
 # value, at most 2^-4 (notebook 01's `llm.BF16_RELATIVE_BOUND`), because bfloat16 rounds each
 # value relative to its size.
@@ -344,7 +377,7 @@ _ = gc.collect()
 
 # %% [markdown]
 # At full size the same comparison comes from an ahead-of-time compile for a `v6e:2x4` slice
-# (notebook 09's dry-run; `--mask matrix` keeps diffusers' processor, `--mask vector` is the
+# (notebook 08's dry-run; `--mask matrix` keeps diffusers' processor, `--mask vector` is the
 # pipeline's). One block is compiled at 720p and 121 frames, the other 53 blocks' weights are
 # added from their shapes. The tiny preset reads the recorded compiles.
 
@@ -408,7 +441,6 @@ assert materialized > 5 * temps["vector"] / GiB  # storing the matrix would have
 
 # %%
 from tpupedia import devices
-from tpupedia.pipelines import hunyuan as pipeline
 
 mesh = devices.make_mesh(pipeline.common.default_mesh_shape(jax.device_count()), ("dp", "tp"))
 # section 7 compares these stages with stock diffusers: full fp32 matmuls on a TPU too
@@ -578,36 +610,163 @@ assert all(u <= 1.0 for u in ulps.values())
 assert pure._cache_size() == 2  # one program per dtype, whatever the step
 
 # %% [markdown]
-# ## 6. Stage 2: denoise
+# ## 6. Stage 2: the denoising step, written out
 #
-# One compiled step for all steps, as in notebook 06:
+# One compiled step for all steps, as in notebook 07, with what this model changes:
 #
-# * the input is the latents with the 32 condition channels and the mask channel, which are
-#   zeros for text-to-video (diffusers' `prepare_cond_latents_and_mask`);
-# * the guidance pair (negative, positive prompt) is **one batch of 2** on the `dp` axis, where
-#   diffusers' guider runs two batch-1 forwards;
-# * the timestep is cast to the latents' dtype before the model sees it, as diffusers casts it
-#   (in bfloat16, 937.5 becomes 936);
-# * guidance `uncond + g * (cond - uncond)`, then the pure Euler step; the latents are donated;
-# * the conditioning slots (Qwen's 1000, ByT5's 256 and the image slot's tokens) are put valid
-#   tokens first and cut after the most valid tokens of the pair, rounded up to 128
-#   (`family.kept_text_tokens`): what is cut is padding, which every query masks out anyway,
-#   so the video does not change, and on this tiny model most of a step's work goes with it.
+# 1. the transformer's input is the latents with 33 more channels, the picture's latents and a
+#    mask, which are zeros for text-to-video (diffusers' `prepare_cond_latents_and_mask`);
+# 2. the guidance pair (negative, positive prompt) is **one batch of 2** on the `dp` axis, where
+#    diffusers' guider runs two batch-1 forwards;
+# 3. the timestep is cast to the latents' dtype before the model sees it, as diffusers casts it
+#    (in bfloat16, 937.5 becomes 936);
+# 4. the transformer over `tp`, with section 3's exact padded attention;
+# 5. guidance `uncond + g * (cond - uncond)`, then section 5's pure Euler step, the latents
+#    donated.
 #
-# The initial latents come from diffusers' `randn_tensor` with a CPU `torch.Generator(seed)`.
+# The conditioning slots (Qwen's 1000, ByT5's 256 and the image slot's tokens) are put valid
+# tokens first and cut after the most valid tokens of the pair, rounded up to 128
+# (`family.kept_text_tokens`). What is cut is padding, which every query masks out anyway, so
+# the video does not change, and on this tiny model most of a step's work goes with it.
+#
+# First the transformer, placed as notebook 07 placed CogVideoX's: each chip receives only its
+# shards of the family's `tp` table, and `family.make_jit_friendly` installs section 2's traceable
+# forward with section 3's attention.
 
 # %%
-latents, denoise_timings = pipe.denoise(request, embeds)
+from tpupedia import sharding
+from tpupedia.pipelines import common
+
+backend = common.attention_backend("auto", mesh)  # splash on a TPU, the reference elsewhere
+step_transformer = HunyuanVideo15Transformer3DModel.from_pretrained(source, subfolder="transformer", dtype=dtype,
+                                                                    use_safetensors=True).eval()
+family.make_jit_friendly(step_transformer, attention.padded_attend(
+    backend, mesh=mesh, interpret=not common.on_tpu(mesh), block_sizes=pipe.block_sizes))
+placement = sharding.place(step_transformer, sharding.rules(family.SPEC, "tp", axis="tp"), mesh, env)
+forward = torchax_utils.FunctionalModule(step_transformer, return_dict=False)
+weights, buffers = forward.state()
+step_blocks = step_transformer.config.num_layers  # all of them, on both presets
+print(f"{step_blocks} blocks, {len(weights)} weight tensors on the mesh, "
+      f"{placement.bytes_per_device / 2**20:.1f} MiB per device")
+
+# %% [markdown]
+# Then what the host prepares. The initial latents come from `torch.Generator(seed)` through
+# diffusers' own `randn_tensor`, so the same seed starts from the same noise as the stock
+# pipeline. The schedule is section 5's tables at the request's step count and the checkpoint's
+# shift. The text is the guidance pair, negative first, with the kept token count. This
+# checkpoint's guider guides every step with the plain formula (its `start`, `stop` and
+# `use_original_formulation` are the defaults), which the step below assumes and the assert
+# checks.
+
+# %%
+from diffusers.utils.torch_utils import randn_tensor
+
+guider = pipe.configs["guider"]
+assert (guider.get("start", 0.0), guider.get("stop", 1.0), guider.get("use_original_formulation", False)) == (0.0, 1.0, False)
+step_scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(source, subfolder="scheduler", shift=resolved.shift)
+step_scheduler.set_timesteps(sigmas=np.linspace(1.0, 0.0, resolved.steps + 1)[:-1])
+step_tables = {k: jnp.asarray(v) for k, v in schedulers.flow_match_tables(step_scheduler).items()}
+latent_shape = family.latent_shape(request.frames, request.height, request.width, pipe.shapes)
+start = randn_tensor(latent_shape, generator=torch.Generator().manual_seed(request.seed), dtype=dtype)
+text_keys = ("prompt_embeds", "prompt_embeds_mask", "prompt_embeds_2", "prompt_embeds_mask_2")
+text_pair = [torch.cat([embeds[f"negative_{k}"], embeds[k]]) for k in text_keys]
 slots = family.slot_tokens(pipe.configs)
 valid_pair = [int(embeds[f"{p}prompt_embeds_mask"].sum() + embeds[f"{p}prompt_embeds_mask_2"].sum())
               for p in ("negative_", "")]
-print("latents", tuple(latents["latents"].shape), latents["latents"].dtype, "| traced", pipe.traces["denoise"],
-      "time(s) for", request.steps, "steps")
-print(f"conditioning tokens the blocks see: {denoise_timings['text_tokens']} of {slots} slots "
-      f"(valid: {valid_pair[0]} negative, {valid_pair[1]} positive)")
+kept = family.kept_text_tokens(valid_pair, slots)
+no_picture = torch.zeros(2, family.image_tokens(pipe.configs), t_cfg.image_embed_dim, dtype=dtype)
+print("latents", latent_shape, "| text pair", tuple(text_pair[0].shape), "+", tuple(text_pair[2].shape),
+      f"| conditioning tokens kept: {kept} of {slots} (valid: {valid_pair[0]} negative, {valid_pair[1]} positive)")
 
 # %% [markdown]
-# Where the first block's weights went (Megatron tensor parallelism, notebook 02: q/k/v and the
+# The step. `i` and `guidance` are traced, so one program serves every step; the latents come
+# back with the sharding they came in with and are donated.
+
+# %%
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+pair = NamedSharding(mesh, P("dp"))  # the guidance pair: one half per dp group
+replicated = NamedSharding(mesh, P())
+
+
+def denoise_step(weights, buffers, latents, text, no_picture, i, guidance):
+    condition = jnp.zeros((1, latents.shape[1] + 1, *latents.shape[2:]), latents.dtype)  # 1. no picture
+    single = jnp.concatenate([latents, condition], axis=1)
+    both = jax.lax.with_sharding_constraint(jnp.concatenate([single, single]), pair)  # 2. the pair, over dp
+    t_model = jnp.broadcast_to(step_tables["timesteps"][i].astype(latents.dtype), (2,))  # 3.
+    v = forward(weights, buffers, both, t_model, text[0], text[1], None, text[2], text[3], no_picture,
+                text_tokens=kept)[0]  # 4. the transformer, over tp
+    uncond, cond = v[:1], v[1:]
+    v = (uncond.astype(jnp.float32) + guidance * (cond - uncond).astype(jnp.float32)).astype(v.dtype)  # 5.
+    return schedulers.flow_match_euler_step(step_tables, i, latents, v)
+
+
+step = jax.jit(denoise_step, donate_argnums=(2,), out_shardings=replicated)
+
+# %% [markdown]
+# The loop, under the attention the pipeline installs and the precision section 4 asked for:
+
+# %%
+step_latents = jax.device_put(common.to_jax_array(start), replicated)
+text_on_mesh = [jax.device_put(common.to_jax_array(t), pair) for t in text_pair]
+picture_slot = jax.device_put(common.to_jax_array(no_picture), pair)
+with common.attention_installed(env, mesh, backend, pipe.block_sizes), jax.default_matmul_precision("highest"):
+    step_hlo = step.lower(weights, buffers, step_latents, text_on_mesh, picture_slot, np.int32(0),
+                          np.float32(resolved.guidance)).compile().as_text()  # kept for the collectives below
+    for i in range(resolved.steps):
+        step_latents = step(weights, buffers, step_latents, text_on_mesh, picture_slot, np.int32(i),
+                            np.float32(resolved.guidance))
+ours = common.to_torch(step_latents).to(dtype)
+print("latents", tuple(ours.shape), ours.dtype, "| compiled", step._cache_size(), "program(s) for", resolved.steps, "steps")
+
+# %% [markdown]
+# The pipeline module runs the same step (`pipeline.Hunyuan.denoise`, which also loads and frees
+# the transformer, handles image-to-video, DeepCache and the step-distilled releases, and times
+# each call). Our copy goes first, so the chips hold one at a time; then the module's result
+# against ours, bit for bit:
+
+# %%
+del step_transformer, weights, buffers, step_latents, text_on_mesh, picture_slot
+forward = None  # the last reference to our copy's weights
+latents, denoise_timings = pipe.denoise(request, embeds)
+print("module:", tuple(latents["latents"].shape), "| traced", pipe.traces["denoise"], "time(s) for", request.steps,
+      f"steps | {denoise_timings['text_tokens']} conditioning tokens | equal to the step written here:",
+      torch.equal(latents["latents"], ours))
+
+# %%
+assert step._cache_size() == 1 and pipe.traces["denoise"] == 1  # one program for every step
+assert denoise_timings["text_tokens"] == kept and max(valid_pair) <= kept < slots
+assert torch.equal(latents["latents"], ours)
+
+# %% [markdown]
+# What the `tp` split costs. Each row-parallel layer leaves partial sums that an **all-reduce**
+# over `tp` adds up, as in notebook 07's step. A dual-stream block has four such layers (each
+# stream's attention output and second MLP layer), and the text refiner and the glyph embedder
+# have their own. The placement lists them; the compiled step has at least one all-reduce for
+# each, and the other collectives the compiler chose to move activations between layouts:
+
+# %%
+from collections import Counter
+
+from tpupedia import aot
+
+row_parallel = [p.name for p in placement.placements if p.spec == P(None, "tp")]
+collectives = aot.collective_ops(step_hlo, jax.device_count())
+kinds = Counter(op.kind for op in collectives)
+in_blocks = sum(name.startswith("transformer_blocks.") for name in row_parallel)
+print(f"row-parallel layers: {len(row_parallel)} ({in_blocks} in the {step_blocks} blocks, "
+      f"{len(row_parallel) - in_blocks} in the text refiner and glyph embedder)")
+print("collectives in the compiled step:", dict(kinds))
+print(f"all-reduce bytes sent per chip per step: "
+      f"{sum(op.bytes_sent for op in collectives if op.kind == 'all-reduce') / 2**10:.1f} KiB")
+
+# %%
+assert in_blocks == 4 * step_blocks
+assert kinds["all-reduce"] >= len(row_parallel)
+
+# %% [markdown]
+# Where the module put the first block's weights (Megatron tensor parallelism, notebook 02: q/k/v and the
 # first MLP layer split by output rows, the attention output and second MLP layer by input
 # columns):
 
@@ -618,8 +777,6 @@ plan = pipe.plans["transformer"]
 Markdown(plan.table(r"^transformer_blocks\.0\.(attn\.(to_q|to_out\.0)|ff\.net\.(0\.proj|2))\.weight$"))
 
 # %%
-assert pipe.traces["denoise"] == 1
-assert max(valid_pair) <= denoise_timings["text_tokens"] == family.kept_text_tokens(valid_pair, slots) < slots
 assert plan["transformer_blocks.0.attn.to_q.weight"].spec == jax.sharding.PartitionSpec("tp", None)
 assert plan["transformer_blocks.0.ff.net.2.weight"].spec == jax.sharding.PartitionSpec(None, "tp")
 
@@ -649,7 +806,7 @@ video.show_frames(frames, f"{label}: {request.frames} frames at {request.width}x
 # about 6e17 FLOPs (`family.step_flops`), and each block's `(B, 1, S, S)` mask over 113,585
 # tokens alone is 12.9 G elements (section 1). There both pipelines take one step at 9 frames
 # and 256x256 from our stage-1 embeddings and the same seed, without guidance (as in notebook
-# 06: guidance would multiply the difference by up to `2g - 1`), and the latents are compared
+# 07: guidance would multiply the difference by up to `2g - 1`), and the latents are compared
 # with section 3's bfloat16 measure.
 
 # %%
@@ -693,7 +850,7 @@ assert frames.std() > 0.01  # not a constant image that would match anything
 # This decoder takes all latent frames in one call, and its causal convolutions run in time
 # order, so time cannot be split between chips. Space can. At 720p and 121 frames the untiled
 # decoder's last stage alone is a 121 x 720 x 1280 x 128 bfloat16 tensor, 28.5 GB, on one
-# 31.25 GiB chip: 720p decodes in 256-pixel tiles, and the plan (notebook 09) turns tiling on
+# 31.25 GiB chip: 720p decodes in 256-pixel tiles, and the plan (notebook 08) turns tiling on
 # when the untiled decode does not fit. diffusers decodes the tiles one after another, so one
 # chip works while seven wait. The tiles are independent until they are blended, so the
 # pipeline decodes the tiles of one shape side by side, one per chip
@@ -739,7 +896,7 @@ del stock
 _ = gc.collect()
 
 # %% [markdown]
-# `tpupedia generate hunyuan` runs these three stages with the stage files of notebook 06
+# `tpupedia generate hunyuan` runs these three stages with the stage files of notebook 07
 # (atomic writes, fingerprints, resume, refusal of a file made for another request):
 #
 # ```
@@ -911,6 +1068,34 @@ for (s, mesh_shape), r in plans.items():
 print("(per chip; collectives: ops in the compiled step / bytes sent per chip per step)")
 
 # %% [markdown]
+# The same rows as bars: what each chip sends per step, by kind of collective, beside what it
+# holds.
+
+# %%
+fig, (sent_ax, held_ax) = plt.subplots(1, 2, figsize=(9, 3.4), sharey=True)
+row_names = [f"{s} {m[0]}x{m[1]}" for s, m in plans]
+for y, r in enumerate(plans.values()):
+    sent = r["collective_bytes"]
+    parts = {"all-reduce": sent.get("all-reduce", 0), "all-gather": sent.get("all-gather", 0)}
+    parts["other"] = sum(sent.values()) - sum(parts.values())
+    held = {"arguments": r["arguments_bytes"], "temporaries": r["temporaries_bytes"]}
+    for ax, bars, colours in ((sent_ax, parts, ("tab:blue", "tab:orange", "tab:gray")),
+                              (held_ax, held, ("tab:green", "tab:olive"))):
+        left = 0.0
+        for (kind, size), colour in zip(bars.items(), colours):
+            ax.barh(y, size / GiB, left=left, color=colour, label=kind if y == 0 else None)
+            left += size / GiB
+sent_ax.set_yticks(range(len(row_names)), row_names)
+sent_ax.invert_yaxis()
+sent_ax.set_xlabel("GiB sent per chip per step")
+held_ax.set_xlabel("GiB held per chip")
+for ax in (sent_ax, held_ax):
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3, frameon=False)
+fig.suptitle("HunyuanVideo-1.5 step, 720p, 121 frames, v6e-8 (AOT here)", fontsize=10)
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
 # Read the rows against the three bullet points above (recorded compile, libtpu 0.0.42.1):
 #
 # * Replicating `fc2` and the attention output projection **halves the all-reduce bytes** (70.2
@@ -983,7 +1168,7 @@ assert modulation / params > 0.25  # a quarter of the weights, replicated by eve
 #
 # What this repository can add without a TPU is the floor under those numbers: the compiled
 # step's FLOPs over the slice's peak, its weight bytes over HBM bandwidth and its collective bytes
-# over ICI bandwidth (notebook 09), per table:
+# over ICI bandwidth (notebook 08), per table:
 
 # %%
 for (s, mesh_shape), r in plans.items():
@@ -1082,7 +1267,7 @@ assert release["transformer"]["in_channels"] == family.full_configs()["transform
 assert family.image_to_video(release) and not family.image_to_video(family.full_configs())
 
 # %% [markdown]
-# The pipeline adds an `image` stage between text and denoise, as CogVideoX's does (notebook 06
+# The pipeline adds an `image` stage between text and denoise, as CogVideoX's does (notebook 07
 # §9): its file holds `image_latents` and `image_embeds`, and its settings hold the picture's
 # SHA-256, so another picture at the same path reruns it and every stage after it. SigLIP runs as
 # one compiled program with a copy on every chip (one picture, 0.4B parameters); the VAE's
@@ -1147,7 +1332,7 @@ if preset.host_runs_whole_models:
 # in the decode's 256-pixel tiles, one per chip; `tpupedia plan hunyuan --image PICTURE` compiles
 # them with the other stages for a v6e-8. The record below holds the two stages image-to-video
 # changes, image and denoise (the picture is this section's 96x64 shape, so the video is
-# 1168x784; the decode is section 7's at that size), read as in notebook 09:
+# 1168x784; the decode is section 7's at that size), read as in notebook 08:
 
 # %%
 from tpupedia import plan as planner

@@ -14,7 +14,7 @@
 # ---
 
 # %% [markdown]
-# # 08 · Image processing, GPU → TPU: crop, resize, blur
+# # 06 · Image processing, GPU → TPU: crop, resize, blur
 #
 # Before a video model sees a frame, the frame is usually cropped around a subject, resized so
 # its sides are multiples of 16 (the model's patch grid) and sometimes blurred. On a GPU this is
