@@ -259,8 +259,8 @@ def test_stop_escalates_to_sigkill_for_a_process_that_ignores_sigterm():
 
 
 def test_a_process_killed_mid_batch_stops_the_job_within_seconds(tmp_path):
-    """As a user would meet it: two real JAX processes (gloo) generating a batch; SIGKILL one after
-    its first video. The launcher names it and stops the other within the grace period, instead of
+    """As a user would meet it: two real JAX processes (gloo) generating a batch; SIGKILL one once
+    each has written its first video. The launcher names it and stops the other within the grace period, instead of
     leaving it to wait for gloo's timeouts (about 90 s before `stop` escalated to SIGKILL)."""
     import signal
     import threading
@@ -276,7 +276,7 @@ def test_a_process_killed_mid_batch_stops_the_job_within_seconds(tmp_path):
 
         def write(self, line):
             self.text.append(line)
-            firsts.difference_update(f for f in list(firsts) if line.startswith(f))
+            firsts.difference_update({f for f in firsts if line.startswith(f)})
             if not firsts:  # both processes wrote their first video
                 first_video.set()
 

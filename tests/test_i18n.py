@@ -120,13 +120,13 @@ def check_twin(text: str, source: Path) -> list[str]:
     added = sorted(numbers(body(text)) - numbers(body(english)))
     if added:
         problems.append(f"numbers the twin quotes and the English page lacks: {added}")
-    english_prose, twin_prose = prose(english).lower(), prose(text)
+    english_prose, twin_prose = prose(english).lower(), prose(text).lower()
     for term in terms():
         for avoid in term.get("avoid", []):
             if avoid in text:
                 problems.append(f"uses {avoid!r}; the glossary's term for {term['en']!r} is {term['zh']!r}")
         used = re.search(rf"(?<![\w-]){re.escape(term['en'].lower())}(?![\w-])", english_prose)
-        if used and term["zh"].lower() not in twin_prose.lower():
+        if used and term["zh"].lower() not in twin_prose:
             problems.append(f"the English page says {term['en']!r}; the twin never uses the glossary's {term['zh']!r}")
     han = len(re.findall(r"[\u4e00-\u9fff]", body(text)))
     if han <= 200:
@@ -190,13 +190,6 @@ def test_the_twin_check_finds_what_it_is_for(tmp_path):
     for expected in ("the-step-time", "placeholders differ", "'0.33'", "'0.34'", "'设备网格'"):
         assert expected in problems, f"{expected} not reported in:\n{problems}"
     assert check_twin(good, source) == []
-
-
-def test_chinese_pages_are_chinese():
-    for page in twins():
-        body = _FRONT.sub("", page.read_text(encoding="utf-8"))
-        han = len(re.findall(r"[\u4e00-\u9fff]", body))
-        assert han > 200, f"{page}: only {han} Chinese characters; is it translated?"
 
 
 def test_every_page_has_a_description():
