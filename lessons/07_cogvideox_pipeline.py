@@ -46,7 +46,7 @@
 #
 # | preset | loads | memory | compute time |
 # |---|---|---|---|
-# | `tiny` (CPU, CI) | a random 2-layer CogVideoX checkpoint written with `save_pretrained`, 8 simulated devices | about 1 GB of host RAM | about 80 s, measured here on a 2-core CPU |
+# | `tiny` (CPU, CI) | a random 2-layer CogVideoX checkpoint written with `save_pretrained`, 8 simulated devices | about 1 GB of host RAM | about 45 s, measured here on a 2-core CPU |
 # | `full` (TPU v6e-8) | `zai-org/CogVideoX1.5-5B`: about 21 GB of bf16 weights (T5-XXL 9.5 GB, transformer 11.2 GB, VAE 0.4 GB, from their parameter counts); on the host CPU too, for section 7's one-step parity check | per chip: T5-XXL 2.2 GiB while encoding (9.5 GB split over `tp`, AOT here); the transformer step at 1360x768, 81 frames, 3.8 GiB of arguments + 1.8 GiB of temporaries (AOT here, the `tp` table on the 2×4 mesh, splash); the VAE decode at 1360x768 split over a host's chips, under 19 GiB per chip (AOT here, 4 chips; about 22 GiB on one) | about 107 s for 50 steps at 720p once compiled (reported upstream, TPU v6e-8), twice over: the opening call and sections 2 to 6 each make the video |
 #
 # The full preset downloads `zai-org/CogVideoX1.5-5B`, released under the **CogVideoX LICENSE**
@@ -558,12 +558,10 @@ def layer_error(batch: P) -> float:
     return float((common.to_torch(out) - reference_out).abs().max())
 
 
-def shown(error: float) -> str:
-    """An error as printed here: float32 noise (its last digits change from run to run, as the
-    simulated devices add partial sums in the order their threads arrive) as a bound."""
-    return "below 1e-5" if error < 1e-5 else f"{error:.1e}"
-
-
+# Errors print as `results.error_text` prints them: float32 noise only as its bound (its last
+# digits change from run to run, as the simulated devices add partial sums in the order their
+# threads arrive), real errors to two digits.
+shown = results.error_text
 stock_whole, stock_split = layer_error(P()), layer_error(P("dp"))
 layer.set_processor(family.FunctionalRoPEAttnProcessor())  # what make_jit_friendly installs
 fixed_split = layer_error(P("dp"))

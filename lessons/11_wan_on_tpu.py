@@ -225,6 +225,8 @@ import tempfile
 from diffusers import WanPipeline
 from safetensors.numpy import load_file
 
+from tpupedia import results
+
 parity = {}
 for name, checkpoint, guidance_2 in (("Wan 2.1", checkpoint_21, None), ("Wan 2.2", checkpoint_22, 3.0)):
     request = dataclasses.replace(request, guidance_2=guidance_2)  # a second scale only for a second expert
@@ -241,7 +243,7 @@ for name, checkpoint, guidance_2 in (("Wan 2.1", checkpoint_21, None), ("Wan 2.2
     per_expert = {r.stage: r for r in reports}["denoise"].timings["steps_per_expert"]
     parity[name] = float(np.abs(frames - expected).max())
     print(f"{name}: steps per expert {per_expert}; max abs difference from stock WanPipeline "
-          f"{'below 1e-5' if parity[name] < 1e-5 else f'{parity[name]:.1e}'}")
+          f"{results.error_text(parity[name])}")
 
 # %%
 assert all(error < 1e-4 for error in parity.values())
@@ -259,7 +261,7 @@ assert all(error < 1e-4 for error in parity.values())
 # %%
 from pathlib import Path
 
-from tpupedia import plan, results
+from tpupedia import plan
 
 if preset.pretrained:
     full_request = pipeline.Request(prompt="a video", **family.default_request(preset))

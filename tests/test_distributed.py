@@ -266,7 +266,7 @@ def test_a_process_killed_mid_batch_stops_the_job_within_seconds(tmp_path):
     import threading
     import time
 
-    (tmp_path / "p.txt").write_text("\n".join(f"prompt number {i}" for i in range(12)) + "\n")
+    (tmp_path / "p.txt").write_text("\n".join(f"prompt number {i}" for i in range(48)) + "\n")  # long: never done first
     first_video = threading.Event()
     firsts = {"[p0] 0000-", "[p1] 0001-"}  # each process's first video; on a busy host one can lag the other
 
@@ -305,7 +305,7 @@ def test_a_process_killed_mid_batch_stops_the_job_within_seconds(tmp_path):
     assert outcome["error"] == "process 1 of 2 exited with status -9; the others were stopped"
     assert outcome["ended"] - killed < 3.0 + 5.0  # the grace period, then SIGKILL: seconds, not gloo's timeouts
     made = (tmp_path / "out" / "index.jsonl").read_text().splitlines()
-    assert 2 <= len(made) < 12  # process 0 had started; it did not run on alone
+    assert 2 <= len(made) < 48  # process 0 had started; it did not run on alone
 
 
 def _is_rank(proc: Path, rank: int) -> bool:
