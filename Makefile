@@ -1,6 +1,7 @@
 # gpu-tpu-pedia: every target creates the environment it needs on a fresh machine.
 #   make serve      build the site and serve it at http://127.0.0.1:8000
 #   make test       ruff, unit + parity tests, notebook hygiene, nbval (strict) over every notebook, strict docs build
+#   make check      ruff, notebook hygiene and the tests that take under 5 s each: minutes, for iterating
 #   make lab        JupyterLab with jupytext pairing (edit lessons/*.py or notebooks/*.ipynb)
 #   make notebooks  re-execute every lesson with the tiny preset and write notebooks/*.ipynb
 SHELL := /bin/bash
@@ -22,10 +23,10 @@ LESSONS := $(sort $(wildcard lessons/[0-9][0-9]_*.py))
 # The stored notebook outputs are those of the tiny preset on CPU, so everything that executes or
 # compares notebooks runs that way. `make lab` and `make serve` keep your environment: on a TPU VM,
 # `TPUPEDIA_PRESET=full make lab` runs the notebooks on the real chips.
-test unit nbval notebooks: export TPUPEDIA_PRESET := tiny
-test unit nbval notebooks: export JAX_PLATFORMS := cpu
+test check unit nbval notebooks: export TPUPEDIA_PRESET := tiny
+test check unit nbval notebooks: export JAX_PLATFORMS := cpu
 
-.PHONY: env test unit nbval docs serve lab notebooks clean chromium
+.PHONY: env test check unit nbval docs serve lab notebooks clean chromium
 
 env: $(STAMP)
 
@@ -37,16 +38,29 @@ $(STAMP): requirements/ci.txt requirements/lock.txt pyproject.toml
 	@touch $@
 
 # tests/ holds the unit and parity tests, the notebook hygiene checks and the strict docs build
-# (tests/test_docs.py runs `mkdocs build --strict`); nbval re-runs every notebook beside it. The
-# two run side by side (either alone leaves part of a 2-core machine idle): a fresh-clone
-# `bash .ci/run` took 35:56 that way against 41:21 one after the other (2-core CPU host). nbval's
-# output is printed when both are done; the target fails if either does.
+# (tests/test_docs.py runs `mkdocs build --strict`); nbval re-runs every notebook. One pytest
+# session runs both on two pytest-xdist workers, a file (a notebook: its cells in order, in one
+# kernel) at a time on whichever worker is free, the notebooks first (tests/conftest.py). The
+# workers share JAX's persistent compilation cache, made empty for this run and removed after it
+# (a program compiled once, a tiny step or a decode, is read back by the other worker and by the
+# command-line processes the tests start). Compiles for TPU topologies, which JAX's cache cannot
+# hold, are kept by `tpupedia.aot` in ~/.cache/tpupedia/aot, keyed by the program and the compiler
+# (TPUPEDIA_AOT_CACHE=off compiles everything). It writes tests/slow.txt, what `make check` skips.
 test: env chromium
 	$(BIN)/ruff check .
-	$(BIN)/python -m tpupedia.notebooks nbval notebooks > .nbval.log 2>&1 & nbval=$$!; \
-	$(BIN)/python -m pytest tests --durations=25; py=$$?; \
-	wait $$nbval; nb=$$?; cat .nbval.log; \
-	echo "pytest exit $$py, nbval exit $$nb"; test $$py = 0 && test $$nb = 0
+	@caches=$$(mktemp -d -t tpupedia-make-test-XXXXXX); trap 'rm -rf "$$caches"' EXIT; \
+	export JAX_COMPILATION_CACHE_DIR=$$caches/jax \
+	  JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=-1 \
+	  JAX_COMPILATION_CACHE_MAX_SIZE=$$((8 * 2**30)); \
+	$(BIN)/python -m tpupedia.notebooks nbval tests notebooks -n 2 --dist loadfile --durations=30 --record-slow
+
+# For iterating: lint, the notebooks' pairing and hygiene, and every test that took under 5 s in
+# the last `make test` (tests/slow.txt lists the others; a test not listed yet runs). Under 3
+# minutes on the 2-core machine; run `make test` before you push.
+check: env
+	$(BIN)/ruff check .
+	$(BIN)/python -m tpupedia.notebooks check
+	$(BIN)/python -m pytest tests --quick -q
 
 # The browser test (tests/test_browser.py) drives the system Chromium and checks that the Chinese
 # pages render real glyphs, which needs a CJK font. Install what is missing (chromium,
@@ -81,7 +95,7 @@ unit: env
 	$(BIN)/python -m pytest tests
 
 nbval: env
-	$(BIN)/python -m tpupedia.notebooks nbval notebooks
+	$(BIN)/python -m tpupedia.notebooks nbval notebooks -n 2 --dist loadfile
 
 docs: env
 	$(BIN)/mkdocs build --strict

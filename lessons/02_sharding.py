@@ -190,9 +190,11 @@ assert all(not tp_plan[name].sharded for name in tp_plan.unmatched)
 
 # %% [markdown]
 # A spec must divide the dimension it splits. Real vocabularies often do not: many Llama-2
-# fine-tunes add one pad token, giving 32,001 rows. The check runs before any data moves and
-# names the parameter, the dimension and the mesh axis. (The model is built on the `meta`
-# device: shapes only, no memory.)
+# fine-tunes add one pad token, giving 32,001 rows. A rule says what to do then. An embedding's
+# lookups are the same split or whole, so its rule replicates the table and the plan lists it
+# (`plan.indivisible`); a matmul's rule refuses. The check runs before any data moves and names
+# the parameter, the dimension, the mesh axis and the axis sizes that would divide it: here the
+# `lm_head`. (The model is built on the `meta` device: shapes only, no memory.)
 
 # %% tags=["raises-exception"]
 with torch.device("meta"):

@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 
 import pytest
@@ -17,14 +18,18 @@ os.environ["TPUPEDIA_PRESET"] = "tiny"  # tests assert tiny-preset behaviour
 # read back by the next test and by the CLI subprocesses, which inherit these variables. Every
 # program still compiles once per session. (On this 2-core host two test files took 297 s without
 # it and 221 s with it.) A size limit turns on JAX's file lock, so the processes of a multi-process
-# test never read an entry another is still writing. Set before anything imports JAX, which reads
-# them at import.
-_jax_cache = tempfile.mkdtemp(prefix="tpupedia-tests-jax-cache-")
-atexit.register(shutil.rmtree, _jax_cache, ignore_errors=True)
-os.environ.update(JAX_COMPILATION_CACHE_DIR=_jax_cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                  JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1", JAX_COMPILATION_CACHE_MAX_SIZE=str(8 * 2**30))
+# test never read an entry another is still writing. `make test` makes one for the whole run and
+# shares it with nbval; a session started another way makes its own. (Compiles for TPU topologies
+# are kept by `tpupedia.aot` in the package's cache folder instead: JAX's cannot hold them.) Set
+# before anything imports JAX, which reads them at import.
+if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    _jax_cache = tempfile.mkdtemp(prefix="tpupedia-tests-jax-cache-")
+    atexit.register(shutil.rmtree, _jax_cache, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _jax_cache
+os.environ.update(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1",
+                  JAX_COMPILATION_CACHE_MAX_SIZE=str(8 * 2**30))
 
-from tpupedia import devices  # noqa: E402 - after the environment it reads
+from tpupedia import devices
 
 devices.simulate_cpu_devices(8)
 warnings.filterwarnings("ignore", message="Explicitly requested dtype")
@@ -41,3 +46,111 @@ def run_cli():
                               text=True, timeout=600)
 
     return run
+
+
+# -- make check: the quick tests ------------------------------------------------------------------
+# `make check` runs the tests that cost under QUICK_SECONDS each, counting what a test needs that
+# it shares with others (a module's tiny pipeline, built once) as if it ran alone: `tests/slow.txt`
+# lists the others, and every `make test` writes it anew from what it measured. A test not listed
+# (a new one) runs in `make check` too.
+QUICK_SECONDS = 5.0
+SLOW_LIST = os.path.join(os.path.dirname(__file__), "slow.txt")
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("tpupedia")
+    group.addoption("--quick", action="store_true",
+                    help=f"run only the tests that cost under {QUICK_SECONDS:g} s (those not in tests/slow.txt)")
+    group.addoption("--record-slow", action="store_true",
+                    help=f"write tests/slow.txt: the tests that cost {QUICK_SECONDS:g} s or more in this run")
+
+
+def _read_slow() -> set[str]:
+    try:
+        with open(SLOW_LIST) as f:
+            return {line.strip() for line in f if line.strip() and not line.startswith("#")}
+    except FileNotFoundError:
+        return set()
+
+
+def pytest_collection_modifyitems(config, items):
+    """`--quick`: leave out what tests/slow.txt lists. And the notebooks first: each is one long
+    unit for pytest-xdist (`--dist loadfile` keeps a notebook's cells in order on one worker), and
+    the longest units started first end the run soonest; the test files then fill the gaps."""
+    items.sort(key=lambda item: not item.nodeid.split("::")[0].endswith(".ipynb"))  # stable: order kept within
+    if not config.getoption("--quick"):
+        return
+    slow = _read_slow()
+    keep = [item for item in items if item.nodeid not in slow]
+    dropped = [item for item in items if item.nodeid in slow]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
+
+
+_costs: dict[str, float] = {}  # test id -> seconds: its own setup, call and teardown, and what it borrowed
+_shared: dict[tuple, tuple[float, str]] = {}  # a shared fixture's instance -> (seconds to set up, test that did)
+_current: list[str] = [""]
+
+
+def _shared_fixtures(item) -> list[tuple]:
+    """The module- or session-scoped fixture instances `item` uses (each parametrization its own)."""
+    info = getattr(item, "_fixtureinfo", None)
+    indices = getattr(getattr(item, "callspec", None), "indices", {})
+    keys = []
+    for name in getattr(item, "fixturenames", ()):
+        defs = info.name2fixturedefs.get(name) if info else None
+        if defs and defs[-1].scope != "function":
+            keys.append((defs[-1].baseid, name, indices.get(name, 0)))
+    return keys
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _current[0] = item.nodeid
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    start = time.perf_counter()
+    try:
+        return (yield)
+    finally:
+        if fixturedef.scope != "function":
+            key = (fixturedef.baseid, fixturedef.argname, getattr(request, "param_index", 0))
+            _shared[key] = (time.perf_counter() - start, _current[0])
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test's teardown report carries the seconds of the shared fixtures it uses that another
+    test set up (in the process that ran it, which with pytest-xdist is not the one that writes
+    tests/slow.txt)."""
+    report = yield
+    if call.when == "teardown":
+        borrowed = (_shared.get(key, (0.0, item.nodeid)) for key in _shared_fixtures(item))
+        report.user_properties.append(("borrowed_seconds", sum(s for s, by in borrowed if by != item.nodeid)))
+    return report
+
+
+def pytest_runtest_logreport(report):
+    borrowed = sum(v for k, v in report.user_properties if k == "borrowed_seconds")
+    _costs[report.nodeid] = _costs.get(report.nodeid, 0.0) + report.duration + borrowed
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Write tests/slow.txt (`--record-slow`): the tests that cost QUICK_SECONDS or more this run,
+    and those listed before that did not run; once, in the process that collected the reports."""
+    config = session.config
+    if not config.getoption("--record-slow") or hasattr(config, "workerinput") or not _costs:
+        return
+    ran = {n for n in _costs if not n.endswith(".ipynb") and ".ipynb::" not in n}
+    slow = {n for n in ran if _costs[n] >= QUICK_SECONDS}
+    root = os.path.dirname(os.path.dirname(__file__))
+    kept = {n for n in _read_slow() - ran if os.path.exists(os.path.join(root, n.split("::")[0]))}
+    lines = [f"# Tests that cost {QUICK_SECONDS:g} s or more on the machine that last ran `make test`, counting the",
+             "# shared fixtures they use as if they ran alone (tests/conftest.py writes this file; `make check` skips",
+             "# what it lists)."]
+    with open(SLOW_LIST, "w") as f:
+        f.write("\n".join(lines + sorted(slow | kept)) + "\n")

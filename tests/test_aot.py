@@ -128,3 +128,75 @@ def test_a_vmem_overflow_is_a_result_with_the_compilers_figures(monkeypatch):
     result = aot.compile_aot(lambda a: a, jnp.ones(2))
     assert not result.fits and result.vmem_required_bytes == 60.66 * 2**20 and result.vmem_limit_bytes == 32 * 2**20
     assert "scoped VMEM" in result.summary() and "32.00 MiB" in result.summary()
+
+
+@requires_libtpu
+def test_a_compile_for_a_topology_is_kept_and_read_back_by_its_program(tmp_path, monkeypatch):
+    """`compile_aot` keeps what it read of a TPU compile under a key of the program, the devices
+    and the compiler (`$TPUPEDIA_AOT_CACHE`): the same program comes back from the folder without
+    compiling, with the same memory, collectives, HLO text and cost; another program or another
+    slice compiles; a damaged entry compiles again; `off` keeps nothing."""
+    monkeypatch.setenv(aot.CACHE_ENV, str(tmp_path / "aot"))
+    mesh = devices.topology_mesh("v6e:2x2", (4,), ("x",))
+    x = aot.abstract((512, 256), jnp.bfloat16, NamedSharding(mesh, P("x", None)))
+    w = aot.abstract((256, 512), jnp.bfloat16, NamedSharding(mesh, P()))
+    matmul = lambda a, b: jnp.tanh(a @ b) @ b.T  # noqa: E731
+    first = aot.compile_aot(matmul, x, w)
+    (entry,) = (tmp_path / "aot").rglob("*.json.gz")
+    compiles = []
+    real_compile = aot._compile_uncached
+    monkeypatch.setattr(aot, "_compile_uncached", lambda lowered: compiles.append(1) or real_compile(lowered))
+    again = aot.compile_aot(matmul, x, w)
+    assert compiles == [] and isinstance(again.compiled, aot.CachedCompile)
+    assert (again.fits, again.memory, again.collectives) == (first.fits, first.memory, first.collectives)
+    assert again.compiled.as_text() == first.compiled.as_text()
+    assert again.compiled.cost_analysis()["flops"] == first.compiled.cost_analysis()["flops"] > 0
+
+    aot.compile_aot(lambda a, b: jnp.sin(a @ b) @ b.T, x, w)  # another program
+    other = devices.topology_mesh("v6e:2x4", (8,), ("x",))  # the same program for another slice
+    aot.compile_aot(matmul, aot.abstract((512, 256), jnp.bfloat16, NamedSharding(other, P("x", None))),
+                    aot.abstract((256, 512), jnp.bfloat16, NamedSharding(other, P())))
+    assert len(compiles) == 2
+    entry.write_bytes(b"not gzip")  # damaged: compiled again, and kept anew
+    assert aot.compile_aot(matmul, x, w).memory == first.memory and len(compiles) == 3
+    monkeypatch.setenv(aot.CACHE_ENV, "off")
+    aot.compile_aot(matmul, x, w)
+    assert len(compiles) == 4 and len(list((tmp_path / "aot").rglob("*.json.gz"))) == 3
+
+
+@requires_libtpu
+def test_an_out_of_memory_compile_is_kept_with_its_figures(tmp_path, monkeypatch):
+    monkeypatch.setenv(aot.CACHE_ENV, str(tmp_path))
+    one = devices.tpu_topology("v6e:2x2")[:1]
+    from jax.sharding import Mesh
+
+    q = aot.abstract((131_072, 128), jnp.bfloat16, NamedSharding(Mesh(one, ("x",)), P()))
+    scores = lambda a, b: jax.nn.softmax((a @ b.T).astype(jnp.float32), axis=-1)  # noqa: E731
+    first = aot.compile_aot(scores, q, q)
+    monkeypatch.setattr(aot, "_compile_uncached", lambda lowered: pytest.fail("read back, not compiled"))
+    again = aot.compile_aot(scores, q, q)
+    assert not again.fits and again.memory is None and again.compiled is None
+    assert (again.oom_required_bytes, again.oom_available_bytes) == (first.oom_required_bytes, first.oom_available_bytes)
+    assert again.summary() == first.summary()
+
+
+@pytest.mark.parametrize("text", [
+    "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. Used 50.35G of "
+    "31.25G hbm. Exceeded hbm capacity by 19.10G.\n\nTotal hbm usage >= 51.35G:",
+    "RESOURCE_EXHAUSTED: Program hbm requirement 50.35G:\n    HLO temp          50.35G\n"
+    "Largest program allocations in hbm: ... 50.35G required for HLO temporaries (50.35G) exceeds available HBM (31.25G)",
+], ids=["used-of-hbm", "required-for-temporaries"])
+def test_both_of_libtpus_hbm_messages_give_the_figures(monkeypatch, text):
+    """libtpu words an HBM overflow two ways; both give the same required and available bytes,
+    so `hbm_budget` (and every plan built on it) reads either."""
+
+    class Lowered:
+        def compile(self):
+            raise RuntimeError(text)
+
+    monkeypatch.setattr(jax, "jit", lambda fn, **kw: type("J", (), {"lower": lambda self, *a: Lowered()})())
+    result = aot.compile_aot(lambda a: a, jnp.ones(2))
+    assert not result.fits and result.oom_required_bytes == 50.35 * 2**30 and result.oom_available_bytes == 31.25 * 2**30
+    assert "31.25 GiB of HBM available" in result.summary()
+    monkeypatch.setattr(aot, "_BUDGETS", {})
+    assert aot.hbm_budget(jax.devices()[:1]) == 31.25 * 2**30

@@ -3,6 +3,7 @@ a job killed mid-batch that a rerun finishes with every prompt done exactly once
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tpupedia import batch
+from tpupedia import batch, presets
 
 
 def test_prompts_files_text_and_jsonl(tmp_path):
@@ -75,3 +76,83 @@ def test_a_killed_batch_resumes_and_every_prompt_is_done_once(tmp_path):
     (out / "0001-a-cat-on-a-skateboard.mp4").write_bytes(b"truncated")  # a damaged output is not "done"
     meta = json.loads((out / "0001-a-cat-on-a-skateboard.json").read_text())
     assert not batch.is_done(out, items[1], meta["fingerprint"])
+
+
+def test_a_finished_batch_leaves_only_videos_and_records_and_reads_no_stage_file_twice(tmp_path, monkeypatch):
+    """Each finished prompt leaves its mp4 and its JSON record (its stage files, a float32 decode
+    file of about 1 GB per video at full size, are removed), and the decode file a stage wrote is
+    never read back: the video comes from the frames in memory."""
+    from tpupedia.models import cogvideox as family
+    from tpupedia.pipelines import cogvideox, stages
+
+    reads = []
+    read_bytes, read = Path.read_bytes, stages.read
+    monkeypatch.setattr(Path, "read_bytes", lambda self: reads.append(self) or read_bytes(self))
+    monkeypatch.setattr(stages, "read", lambda workdir, stage, settings: reads.append(stages.path(workdir, stage))
+                        or read(workdir, stage, settings))
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a panda\na cat\nrain over a city\n")
+    base = cogvideox.Request(prompt="-", negative_prompt="", frames=5, height=16, width=16, steps=2, seed=3, fps=8)
+    made = cogvideox.run_batch(prompts, base, cogvideox.Options(quiet=True), preset=presets.get("tiny"),
+                               model=str(family.tiny_checkpoint(tmp_path / "cog")), outdir=tmp_path / "out",
+                               log=lambda _: None)
+    names = [i.name for i in batch.read_prompts(prompts)]
+    assert made == names
+    decode_reads = [p for p in reads if p.name == "decode.safetensors"]
+    assert decode_reads == [], decode_reads  # each decode file written once, never read back
+    left = sorted(str(p.relative_to(tmp_path / "out")) for p in (tmp_path / "out").rglob("*"))
+    assert left == sorted(["index.jsonl"] + [f"{n}{ext}" for n in names for ext in (".json", ".mp4")])
+
+
+def test_the_processes_of_a_job_each_append_to_their_own_index_and_process_0_merges_them(tmp_path, monkeypatch):
+    """A Cloud Storage FUSE mount loses lines that several hosts append to one file: each process
+    of a job appends only to `index.<process>.jsonl`; `manifest` reads them merged, and process
+    0's `gather_manifest` writes `index.jsonl` alone from every process's lines."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a panda\na cat\nrain over a city\na boat\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    appended, real_open = {}, os.open
+
+    def opening(path, flags, *args):
+        if flags & os.O_APPEND:
+            appended.setdefault(Path(path).name, set()).add(writer)
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", opening)
+    for item in batch.read_prompts(prompts):
+        writer = item.index % 2
+        batch.record(out, item, "f", lambda p: p.write_bytes(b"mp4"), {"seed": item.index, "process": writer},
+                     process=writer, processes=2)
+    assert all(len(writers) == 1 for writers in appended.values()), appended  # one writer per file
+    assert "index.jsonl" not in appended
+    assert [(e["index"], e["process"]) for e in batch.manifest(out)] == [(0, 0), (1, 1), (2, 0), (3, 1)]
+    texts = [(out / batch.manifest_file(p, 2)).read_text() for p in (0, 1)]  # what each process gathers
+    for p in (0, 1):
+        (out / batch.manifest_file(p, 2)).unlink()
+    batch.gather_manifest(out, texts)
+    lines = [json.loads(x) for x in (out / "index.jsonl").read_text().splitlines()]
+    assert [(e["index"], e["seed"]) for e in lines] == [(0, 0), (1, 1), (2, 2), (3, 3)]
+    assert batch.manifest(out) == lines
+
+
+def test_a_batchs_checks_read_the_checkpoints_configs_once(monkeypatch):
+    """The full-size pre-run check of every line of a batch on one checkpoint reads its configs
+    from the Hub once, not once per line (thousands of requests; one rate-limit answer ends it)."""
+    import argparse
+
+    from tpupedia import cli, plan
+    from tpupedia.pipelines import cogvideox
+
+    family, reads = cogvideox.PIPELINE.family, []
+    monkeypatch.setattr(family, "component_configs", lambda source: reads.append(source) or {"read": source})
+    monkeypatch.setattr(cogvideox.PIPELINE, "source", classmethod(lambda cls, preset, model, request:
+                                                                  (family.FULL_ID, family.FULL_ID)))  # no Hub here
+    monkeypatch.setattr(plan, "preflight", lambda name, request, options, configs, *a, **k: (request, configs))
+    args = argparse.Namespace(no_plan=False, prompts="p.txt", model_family="cogvideox", model=None, vae_tiling="auto",
+                              quiet=True)
+    check = cli._preflight(args, family, presets.get("full"), cogvideox.Options(), None)
+    base = cogvideox.Request(prompt="-", frames=9, height=32, width=32, steps=2, seed=3)
+    checked = [check(dataclasses.replace(base, prompt=f"prompt {i}", seed=i)) for i in range(5)]
+    assert reads == [family.FULL_ID]
+    assert all(configs == {"read": family.FULL_ID} for _, configs in checked)

@@ -128,6 +128,28 @@ def test_an_input_process_0_cannot_read_stops_every_process(one_process, tmp_pat
             in printed), printed[-3000:]
 
 
+@pytest.mark.parametrize("preset, env", [(["--preset", "full"], "tiny"), (["--preset=full"], None), ([], "full")],
+                         ids=["flag", "flag=", "environment"])
+def test_launch_refuses_the_full_preset_in_one_line_before_any_process_starts(monkeypatch, capsys, preset, env):
+    """`launch` runs every process on simulated CPU devices: the full preset's models used to run
+    there quietly, for hours. Now it is one line, and nothing starts."""
+    from tpupedia import cli, devices
+
+    monkeypatch.setattr(devices, "tpu_present", lambda: False)
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("a process was started"))
+    if env is None:
+        monkeypatch.delenv("TPUPEDIA_PRESET", raising=False)
+    else:
+        monkeypatch.setenv("TPUPEDIA_PRESET", env)
+    command = [word for word in GENERATE if word not in ("--preset", "tiny")] + preset
+    assert cli.main(["launch", "--local-processes", "2", "--", *command]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "tpupedia launch:" in err and "full preset" in err and "no TPU" in err, err
+    monkeypatch.setenv("TPUPEDIA_PRESET", "full")
+    distributed._check_preset([*command, "--preset", "tiny"])  # the tiny preset still launches
+    distributed._check_preset(["distributed-check"])  # and a command that loads no model
+
+
 @pytest.fixture
 def two_processes(monkeypatch):
     """`as_process(rank, fn)`: `fn()` as process `rank` of a 2-process job, in this one process.
@@ -239,6 +261,10 @@ def test_a_batch_is_split_over_the_processes(tmp_path):
 
     made_by = {e["index"]: e["process"] for e in map(json.loads, (tmp_path / "out" / "index.jsonl").read_text().splitlines())}
     assert made_by == {0: 0, 1: 1, 2: 0}  # prompt i on process i mod 2, each on its own 4 devices
+    # index.jsonl written by process 0 alone from both processes' lines; nothing else is left
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
+        ["index.jsonl"] + [f"{n}{ext}" for n in ("0000-a-panda", "0001-a-cat", "0002-rain-over-a-city")
+                           for ext in (".json", ".mp4")])
 
 
 def test_stop_escalates_to_sigkill_for_a_process_that_ignores_sigterm():
@@ -304,7 +330,9 @@ def test_a_process_killed_mid_batch_stops_the_job_within_seconds(tmp_path):
     assert not job.is_alive()
     assert outcome["error"] == "process 1 of 2 exited with status -9; the others were stopped"
     assert outcome["ended"] - killed < 3.0 + 5.0  # the grace period, then SIGKILL: seconds, not gloo's timeouts
-    made = (tmp_path / "out" / "index.jsonl").read_text().splitlines()
+    from tpupedia import batch
+
+    made = batch.manifest(tmp_path / "out")  # each process's own index.<process>.jsonl: the job did not end
     assert 2 <= len(made) < 48  # process 0 had started; it did not run on alone
 
 

@@ -114,3 +114,14 @@ def test_numbered_lists_are_found_and_counted(tmp_path):
     assert numbered_lists(notebook) == [3, 1]
     assert ordered_list_lengths("<ol><li>a</li><li>b<ol><li>c</li></ol></li></ol>") == [1, 2]
     assert ordered_list_lengths("<ol><li>a</li></ol><p>b</p><ol start=2><li>c</li></ol>") == [1, 1]
+
+
+def test_the_guides_that_install_the_tpu_extra_install_the_video_extra_too():
+    """The TPU VM guides (and their Chinese twins) install the course, then write videos with
+    `--out`: the mp4 writer (`imageio-ffmpeg`) is in the `video` extra, and an install of `.[tpu]`
+    alone failed after the decode stage."""
+    installs = [(page.relative_to(ROOT).as_posix(), set(extras.split(",")))
+                for page in sorted((ROOT / "docs").rglob("*.md"))
+                for extras in re.findall(r'pip install -e "\.\[([\w,]+)\]"', page.read_text(encoding="utf-8"))]
+    assert {"docs/guides/tpu-vm.md", "docs/zh/guides/tpu-vm.md"} <= {page for page, _ in installs}
+    assert [page for page, extras in installs if "tpu" in extras and "video" not in extras] == []

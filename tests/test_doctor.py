@@ -54,3 +54,29 @@ def test_cli_doctor_json_and_exit_code(capsys, monkeypatch):
     assert cli.main(["doctor"]) == 1
     out = capsys.readouterr().out
     assert "-- preset" in out and "-> unset TPUPEDIA_PRESET" in out
+
+
+def test_doctor_checks_the_video_encoder(monkeypatch):
+    import importlib.util
+
+    assert _checks(doctor.run())["video encoder"].ok  # the video extra is installed here
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "imageio_ffmpeg" else real(name, *a))
+    c = _checks(doctor.run())["video encoder"]
+    assert not c.ok and "imageio-ffmpeg" in c.value and "pip install imageio-ffmpeg" in c.hint
+
+
+def test_doctor_checks_free_disk_against_what_a_full_size_video_writes(monkeypatch):
+    import shutil
+
+    from tpupedia import families, presets, video
+
+    full = [spec.facts.default_request(presets.get("full")) for spec in families.video()]
+    need = max(video.output_bytes(r["frames"], r["height"], r["width"]) for r in full)
+    assert need >= max(r["frames"] * r["height"] * r["width"] * 3 * 4 for r in full)  # the float32 decode file
+    usage = shutil.disk_usage(".")
+    monkeypatch.setattr(shutil, "disk_usage", lambda folder: usage._replace(free=need + 1))
+    assert _checks(doctor.run())["disk space"].ok
+    monkeypatch.setattr(shutil, "disk_usage", lambda folder: usage._replace(free=need - 1))
+    c = _checks(doctor.run())["disk space"]
+    assert not c.ok and f"writes up to {need / 2**30:.1f} GiB" in c.value and "--workdir" in c.hint

@@ -187,3 +187,15 @@ def test_kept_text_tokens_round_up_to_a_multiple_and_never_past_the_slots(counts
     from tpupedia.models import hunyuan
 
     assert hunyuan.kept_text_tokens(counts, slots) == kept
+
+
+def test_a_full_size_step_keeps_every_text_slot_so_it_compiles_once():
+    """At 720p and 121 frames the 1,985 text slots are under 2% of the sequence: every prompt keeps
+    all of them (one compiled 54-layer step, the plan's), where the tiny model, text-heavy, cuts."""
+    from tpupedia.models import hunyuan
+
+    slots = sum(n for n, _ in hunyuan.TEXT_SLOTS.values())
+    video = hunyuan.video_tokens(1280, 720, 121)
+    assert slots / (slots + video) < hunyuan.KEEP_ALL_TEXT_BELOW
+    assert {hunyuan.kept_text_tokens(counts, slots, video_tokens=video) for counts in ([5, 7], [470], [1985])} == {slots}
+    assert hunyuan.kept_text_tokens([5, 7], slots, video_tokens=hunyuan.video_tokens(64, 64, 9)) == 128

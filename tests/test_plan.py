@@ -282,13 +282,17 @@ def test_the_release_configs_text_and_denoise_fit_at_reduced_depth(family, topol
 
     module = importlib.import_module(f"tpupedia.pipelines.{family}")
     defaults = module.PIPELINE.family.default_request(presets.get("full"))
-    p = plan.make(family, module.Request(prompt="a video", **defaults), module.Options(), topology=topology,
+    prompt = 'a neon sign that says "OPEN"'  # text to draw: HunyuanVideo-1.5's ByT5 glyph encoder runs too
+    p = plan.make(family, module.Request(prompt=prompt, **defaults), module.Options(), topology=topology,
                   layers=1, stages=("text", "denoise"))
     assert (p.chips, p.mesh) == (chips, {"dp": 2, "tp": chips // 2})
     assert p.checkpoint == module.PIPELINE.family.FULL_ID and f"{family} ({p.checkpoint})" in p.summary()
     assert [s.stage for s in p.stages] == ["text", "denoise"] and p.fits, p.summary()
-    (text,) = p.stage("text").programs
+    text, *glyphs = p.stage("text").programs
     assert ("226 tokens" if family == "cogvideox" else "1108 tokens") in text.name  # T5-XXL; Qwen with template
+    if family == "hunyuan":  # the released glyph vocabulary, 1510 rows, divides no tp: replicated, and said so
+        assert [g.name for g in glyphs] == ["ByT5 glyph encoder, 256 bytes"]
+        assert any("text_encoder_2 shared.weight (1510, 1472)" in n for n in p.notes), p.notes
     (step,) = p.stage("denoise").programs
     assert step.calls == defaults["steps"] and step.weights > 2 * 2**30  # the whole transformer's shard
     assert any("missing layers' weight shards" in n for n in p.notes)

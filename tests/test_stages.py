@@ -208,3 +208,59 @@ def test_importing_stages_does_not_import_jax_or_torch():
             "print(sorted(m for m in ('jax', 'torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_one_checkpoint_folder_however_spelled_makes_the_same_request(tmp_path, monkeypatch):
+    """`--model DIR//ckpt`, `--model DIR/ckpt/` and a relative path to the same folder are one
+    checkpoint: stage files name a local folder by its resolved path (they were refused as "made
+    for another request"); the folder is still loaded as typed, and a hub id stays as it is."""
+    from tpupedia import presets
+    from tpupedia.models import checkpoints
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "model_index.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TPUPEDIA_NO_SUCH_VARIABLE", raising=False)
+
+    def choose(model):
+        return checkpoints.choose_source(presets.get("tiny"), model, "TPUPEDIA_NO_SUCH_VARIABLE", "owner/name",
+                                         lambda: tmp_path)
+
+    spellings = [f"{tmp_path}//ckpt", f"{tmp_path}/ckpt/", "ckpt", "./ckpt", ckpt]
+    assert [choose(m)[0] for m in spellings] == [str(m) for m in spellings]  # loaded from as typed
+    assert {choose(m)[1] for m in spellings} == {str(ckpt.resolve())}
+    stages.write(tmp_path / "run", "text", _tensors(), dict(SETTINGS, source=choose(spellings[0])[1]))
+    for model in spellings[1:]:
+        assert stages.status(tmp_path / "run", "text", dict(SETTINGS, source=choose(model)[1])) is None, model
+    assert checkpoints.source_label("owner/name") == "owner/name"  # a hub id: no such folder here
+
+
+@pytest.mark.parametrize("libtpu", [None, "0.0.42.1"], ids=["without-libtpu", "with-libtpu"])
+def test_every_stage_file_records_the_library_versions(tmp_path, monkeypatch, libtpu):
+    """A stage's JSON twin says which torch, jax, jaxlib, torchax, diffusers and transformers
+    made its tensors (and libtpu, where it is installed): `run_stages` records `machine()`."""
+    from types import SimpleNamespace
+
+    from tpupedia import results
+    from tpupedia.pipelines import common
+
+    monkeypatch.setattr(results, "version", lambda d: libtpu if d == "libtpu" else f"{d}-1.2.3")
+
+    class Pipe:  # the one text stage of a pipeline, without a model
+        options, mesh, plans = common.Options(), SimpleNamespace(shape={"dp": 1, "tp": 1}), {}
+
+        def indivisible_note(self, exclude=()):
+            return ""
+
+        def settings(self, stage, request):
+            return dict(SETTINGS, stage=stage)
+
+        def encode_text(self, request):
+            return {"prompt_embeds": torch.zeros(1, 2)}, {"first_s": 0.1}
+
+    common.run_stages(Pipe(), common.Request(prompt="a panda"), stage="text", workdir=tmp_path, log=lambda _: None,
+                      collective=False)
+    recorded = json.loads((tmp_path / "text.json").read_text())["extra"]["machine"]["versions"]
+    wanted = {d: f"{d}-1.2.3" for d in ("torch", "jax", "jaxlib", "torchax", "diffusers", "transformers")}
+    assert recorded == wanted | ({"libtpu": libtpu} if libtpu else {})

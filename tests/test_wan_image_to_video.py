@@ -6,6 +6,7 @@ plan compiles the image stage's programs."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from test_image_to_video import _picture, frames_against_stock, stage_tensors
 
 from tpupedia import presets
 from tpupedia.models import wan as family
+from tpupedia.pipelines import stages
 from tpupedia.pipelines import wan as pipeline
 
 TINY = presets.get("tiny")
@@ -36,6 +38,12 @@ def _request(picture: str, **changes) -> pipeline.Request:
 
 def _stage(workdir: Path, checkpoint: Path, request: pipeline.Request, stage: str) -> dict:
     return stage_tensors(pipeline, workdir, checkpoint, request, stage)
+
+
+def _settings(checkpoint: Path, request: pipeline.Request, stage: str) -> dict:
+    """What `stage`'s file for `request` from `checkpoint` must say (fp32, default options)."""
+    configs = family.component_configs(str(checkpoint))
+    return pipeline.PIPELINE.settings_for(str(checkpoint), configs, request, pipeline.Options(), torch.float32, stage)
 
 
 @pytest.mark.parametrize("experts, picture, size", [(1, (40, 72, 3), (64, 64)), (2, (96, 48, 4), (64, 96))],
@@ -81,7 +89,7 @@ def _check_image_stage(ours: dict, pipe, request: pipeline.Request) -> None:
 
 def test_a_jsonl_batch_with_a_picture_per_line(checkpoints, tmp_path):
     """A JSONL batch whose lines name pictures relative to the file: one video per line, each
-    line's stage files made from its own picture (their settings hold its SHA-256), the manifest
+    line's video made from its own picture (its record's fingerprint: settings that hold its SHA-256), the manifest
     naming the picture; a rerun skips both; a changed picture redoes only its line."""
     from tpupedia import batch
 
@@ -98,11 +106,12 @@ def test_a_jsonl_batch_with_a_picture_per_line(checkpoints, tmp_path):
                                      model=str(checkpoints[2]), outdir=tmp_path / "out", log=lambda _: None)
     assert run() == ["0000-a-cat", "0001-a-dog"]
     assert [Path(e["image"]).name for e in batch.manifest(tmp_path / "out")] == ["a.png", "b.png"]
-    videos = [_stage(tmp_path / "out" / ".stages" / name, checkpoints[2], _request(str(folder / image), prompt=prompt,
-                                                                                 **small, **seed), "decode")["frames"]
-              for name, image, prompt, seed in (("0000-a-cat", "a.png", "a cat", {}),
-                                                ("0001-a-dog", "b.png", "a dog", {"seed": 5}))]
-    assert not torch.equal(*videos)
+    records = [json.loads((tmp_path / "out" / f"{name}.json").read_text()) for name in ("0000-a-cat", "0001-a-dog")]
+    for meta, image, prompt, seed in zip(records, ("a.png", "b.png"), ("a cat", "a dog"), ({}, {"seed": 5})):
+        settings = _settings(checkpoints[2], _request(str(folder / image), prompt=prompt, **small, **seed), "decode")
+        assert meta["fingerprint"] == stages.fingerprint(settings)  # made from its own picture (its SHA-256)
+    assert records[0]["sha256"] != records[1]["sha256"]
+    assert not (tmp_path / "out" / ".stages").exists()  # a finished prompt keeps no stage file
     assert run() == []  # both done
     _picture(folder / "a.png", 40, 40, seed=3)
     assert run() == ["0000-a-cat"]

@@ -5,16 +5,33 @@ data. Pointed at the devices of a TPU slice (`tpupedia.devices.tpu_topology`) it
 real TPU compiler on a CPU host and reports per-chip memory; a program too big for the chip
 comes back as the compiler's own out-of-memory figures instead of an exception.
 
+A compile for a topology cannot be stored by JAX's persistent compilation cache (there is no
+TPU client on a CPU host to load it back), and the TPU compiler takes tens of seconds for one
+layer of a video transformer. So `compile_aot` keeps what it read of each compile (the memory
+per chip, the compiled HLO text, the compiler's cost analysis, or the out-of-memory figures) in
+`$TPUPEDIA_AOT_CACHE` (default: `aot/` in the package's cache folder, `tpupedia.files.cache_dir`;
+`off` keeps nothing), under a key made of the lowered program's text, the devices it is
+compiled for (kind, id, coordinates), the compiler options and flags, and the versions of jax,
+jaxlib and libtpu: the same program for the same slice with the same compiler gives the same
+answer, and any change to the program is a new key. A second `tpupedia plan` of the same run,
+or a notebook's dry-run a test already compiled, reads the answer back in milliseconds.
+
 Introduced in notebook 00 (start here); the dry-run planner of notebook 08 builds on it.
 """
 
 from __future__ import annotations
 
+import gzip
+import hashlib
+import json
 import math
+import os
 import re
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable
+
+from tpupedia import files
 
 __all__ = [
     "hbm_budget",
@@ -29,10 +46,17 @@ __all__ = [
     "format_bytes",
     "Program",
     "lowered_flops",
+    "CACHE_ENV",
+    "CachedCompile",
 ]
+
+CACHE_ENV = "TPUPEDIA_AOT_CACHE"
+"""The environment variable naming the folder of `compile_aot`'s kept results (unset: `aot/` in
+`tpupedia.files.cache_dir()`; `off`: none kept)."""
 
 _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _OOM = re.compile(r"required for ([\w ]+?) \(([\d.]+)G\) exceeds available HBM \(([\d.]+)G\)")
+_OOM_USED = re.compile(r"memory space hbm\. Used ([\d.]+)([KMG]) of ([\d.]+)([KMG]) hbm")  # libtpu's other wording
 _VMEM = re.compile(r"Scoped allocation with size ([\d.]+)([KMG]) and limit ([\d.]+)([KMG])")
 _GIB = 1024**3
 _UNIT = {"K": 2**10, "M": 2**20, "G": 2**30}
@@ -246,35 +270,161 @@ def compile_aot(fn: Callable[..., Any], *args: Any, **jit_kwargs: Any) -> AOTRes
 
     Out-of-memory is a result (`fits=False` with the compiler's figures), not an exception:
     HBM (`oom_required_bytes`, `oom_available_bytes`) or a Pallas kernel's scoped VMEM
-    (`vmem_required_bytes`, `vmem_limit_bytes`). Any other compile error propagates.
+    (`vmem_required_bytes`, `vmem_limit_bytes`). Any other compile error propagates. A compile
+    for TPU devices is read back from `$TPUPEDIA_AOT_CACHE` when the same program was compiled
+    for the same devices before (the module docstring); `compiled` is then a `CachedCompile`.
     """
     import jax
 
     lowered = jax.jit(fn, **jit_kwargs).lower(*args)
+    key = _cache_key(lowered)
+    kept = _cache_read(key)
+    if kept is not None:
+        return kept
     try:
-        compiled = lowered.compile()
+        compiled = _compile_uncached(lowered)
     except Exception as err:  # jax raises JaxRuntimeError; match on the status text
         text = str(err)
         if "RESOURCE_EXHAUSTED" not in text:
             raise
         m = _OOM.search(text)
+        u = None if m else _OOM_USED.search(text)
         v = _VMEM.search(text)  # a Pallas kernel's tiles overflowing VMEM (CompileTimeScopedVmemOom)
-        return AOTResult(
+        result = AOTResult(
             fits=False,
             memory=None,
             collectives={},
-            oom_required_bytes=float(m.group(2)) * _GIB if m else None,
-            oom_available_bytes=float(m.group(3)) * _GIB if m else None,
+            oom_required_bytes=float(m.group(2)) * _GIB if m else float(u.group(1)) * _UNIT[u.group(2)] if u else None,
+            oom_available_bytes=float(m.group(3)) * _GIB if m else float(u.group(3)) * _UNIT[u.group(4)] if u else None,
             oom_message=" ".join(line.strip() for line in text.strip().splitlines()[:2]),
             vmem_required_bytes=float(v.group(1)) * _UNIT[v.group(2)] if v else None,
             vmem_limit_bytes=float(v.group(3)) * _UNIT[v.group(4)] if v else None,
         )
-    return AOTResult(
+        _cache_write(key, result)
+        return result
+    result = AOTResult(
         fits=True,
         memory=MemoryPerChip.from_compiled(compiled),
         collectives=collective_counts(compiled.as_text()),
         compiled=compiled,
     )
+    _cache_write(key, result)
+    return result
+
+
+class CachedCompile:
+    """What `compile_aot` kept of a compile (`$TPUPEDIA_AOT_CACHE`), standing in for the
+    compiled executable where only its text and cost analysis are read."""
+
+    def __init__(self, hlo_text: str, cost: dict[str, float] | None):
+        self._text, self._cost = hlo_text, cost
+
+    def as_text(self) -> str:
+        return self._text
+
+    def cost_analysis(self) -> dict[str, float] | None:
+        return self._cost
+
+
+def _compile_uncached(lowered: Any) -> Any:
+    """`lowered.compile()` without JAX's persistent compilation cache: it cannot load a program
+    compiled for a topology on a host without its chips, so writing one there costs time for
+    nothing and reading it back warns."""
+    import jax
+
+    if _tpu_devices(lowered) and jax.config.jax_compilation_cache_dir:
+        from jax._src import config
+
+        with config.enable_compilation_cache(False):
+            return lowered.compile()
+    return lowered.compile()
+
+
+def _tpu_devices(lowered: Any) -> list:
+    """The TPU devices a lowered program is compiled for, in its device assignment's order."""
+    lowering = getattr(lowered, "_lowering", None)  # jax 0.10: a MeshComputation
+    found = getattr(lowering, "_device_list", None)
+    if found is None:  # pragma: no cover - another jax's internals: the argument shardings' devices
+        shardings = (getattr(lowering, "compile_args", None) or {}).get("in_shardings", ())
+        found = [d for s in shardings for d in getattr(s, "_device_assignment", ())]
+    return [d for d in found if getattr(d, "platform", "") == "tpu"]
+
+
+def _versions() -> str:
+    from importlib import metadata
+
+    found = []
+    for name in ("jax", "jaxlib", "libtpu"):
+        try:
+            found.append(f"{name}={metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            found.append(f"{name}=none")
+    return " ".join(found)
+
+
+def _cache_folder() -> str | None:
+    folder = os.environ.get(CACHE_ENV, "")
+    if folder.lower() in ("off", "0", "none"):
+        return None
+    return folder or str(files.cache_dir() / "aot")
+
+
+def _cache_key(lowered: Any) -> str | None:
+    """The key of a compile in the kept results (`_cache_folder`): the lowered program, the TPU
+    devices it is compiled for (kind, id, coordinates, process), the compiler options and flags,
+    and the compiler's versions; None when nothing is kept or the program is not for TPU devices."""
+    if _cache_folder() is None:
+        return None
+    chips = _tpu_devices(lowered)
+    if not chips:
+        return None
+    where = [f"{d.device_kind}|{d.id}|{getattr(d, 'coords', '')}|{getattr(d, 'core_on_chip', '')}|{d.process_index}"
+             for d in chips]
+    options = repr(getattr(getattr(lowered, "_lowering", None), "_compiler_options_kvs", ()))
+    flags = " ".join(f"{k}={os.environ.get(k, '')}" for k in ("LIBTPU_INIT_ARGS", "XLA_FLAGS"))
+    digest = hashlib.sha256()
+    for part in (_versions(), "\n".join(where), options, flags, lowered.as_text()):
+        digest.update(part.encode())
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def _cache_path(key: str) -> str:
+    return os.path.join(_cache_folder(), key[:2], f"{key}.json.gz")
+
+
+def _cache_read(key: str | None) -> AOTResult | None:
+    """The kept result of compile `key`, or None (none kept, or an entry that does not parse)."""
+    if key is None:
+        return None
+    try:
+        with gzip.open(_cache_path(key), "rt") as f:
+            kept = json.load(f)
+        memory = MemoryPerChip(**kept["memory"]) if kept["memory"] else None
+        compiled = CachedCompile(kept["hlo"], kept["cost"]) if kept["hlo"] is not None else None
+        rest = {k: v for k, v in kept.items() if k not in ("memory", "hlo", "cost")}
+        return AOTResult(memory=memory, compiled=compiled, **rest)
+    except (OSError, ValueError, KeyError, TypeError, EOFError):
+        return None
+
+
+def _cache_write(key: str | None, result: AOTResult) -> None:
+    if key is None:
+        return
+    cost = None
+    if result.compiled is not None:
+        try:
+            raw = result.compiled.cost_analysis()
+            raw = raw[0] if isinstance(raw, list) else raw
+            cost = {k: float(v) for k, v in (raw or {}).items()}
+        except Exception:  # noqa: BLE001 - a cost analysis the compiler cannot give is not kept
+            cost = None
+    kept = {f.name: getattr(result, f.name) for f in fields(result) if f.name not in ("memory", "compiled")}
+    kept |= {"memory": asdict(result.memory) if result.memory else None,
+             "hlo": result.compiled.as_text() if result.compiled is not None else None, "cost": cost}
+    path = _cache_path(key)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    files.write_atomic(path, lambda tmp: tmp.write_bytes(gzip.compress(json.dumps(kept).encode(), 1)))
 
 
 _BUDGETS: dict[str, float] = {}

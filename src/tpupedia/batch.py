@@ -8,8 +8,11 @@ rename; the JSON last), and a prompt counts as done only when its JSON parses, n
 prompt's settings fingerprint and the mp4's checksum matches. So a job killed at any moment
 loses at most the prompts in flight, and a rerun redoes exactly those. `OUTDIR/index.jsonl`
 gets one line per finished prompt (prompt, seed, file, timings, which process made it, its
-picture if any),
-appended as one write per line, never duplicated by a rerun.
+picture if any), appended as one write per line, never duplicated by a rerun. A file has one
+writer: a Cloud Storage FUSE mount does not coordinate appends from several hosts (lines are
+lost), so in a job each process appends to its own `index.<process>.jsonl` and, when the batch
+ends, process 0 writes `index.jsonl` from every process's lines (`gather_manifest`, fed by the
+pipelines' batch runner); `manifest` reads them all, merged.
 
 With several processes (`tpupedia launch`, or the hosts of a TPU slice), each process takes
 the prompts whose index modulo the process count is its id and runs them on its own devices:
@@ -33,7 +36,7 @@ from tpupedia import files
 from tpupedia.errors import TpupediaError
 
 __all__ = ["BatchError", "Item", "read_prompts", "slug", "share", "item_request", "is_done", "record", "relist",
-           "manifest"]
+           "manifest", "manifest_file", "gather_manifest"]
 
 _FIELDS = {"prompt": str, "negative_prompt": str, "seed": int, "frames": int, "height": int, "width": int,
            "image": str}
@@ -124,49 +127,84 @@ def is_done(outdir: str | os.PathLike, item: Item, fingerprint: str) -> bool:
         return False
 
 
+def manifest_file(process: int = 0, processes: int = 1) -> str:
+    """The manifest file process `process` of `processes` appends to: `index.jsonl` alone,
+    `index.<process>.jsonl` in a job (one writer per file)."""
+    return MANIFEST if processes == 1 else f"index.{process}.jsonl"
+
+
 def record(outdir: str | os.PathLike, item: Item, fingerprint: str, write_video: Callable[[Path], Any],
-           extra: Mapping[str, Any]) -> Path:
+           extra: Mapping[str, Any], *, process: int = 0, processes: int = 1) -> Path:
     """Write the item's mp4 (through `write_video(path)`, which must write atomically), then its
-    JSON (atomically), then its manifest line. Returns the mp4's path."""
+    JSON (atomically), then its manifest line (`manifest_file(process, processes)`). Returns the
+    mp4's path."""
     outdir = Path(outdir)
     video, twin = _paths(outdir, item)
     write_video(video)
     meta = {"index": item.index, "prompt": item.prompt, "overrides": dict(item.overrides),
             "fingerprint": fingerprint, "file": video.name, "sha256": _sha256(video), **extra}
     files.write_text_atomic(twin, json.dumps(meta, indent=2, default=str) + "\n")
-    _append(outdir, meta)
+    _append(outdir / manifest_file(process, processes), meta)
     return video
 
 
-def _append(outdir: Path, meta: Mapping[str, Any]) -> None:
+def _line(meta: Mapping[str, Any]) -> str:
     keys = ("index", "prompt", "file", "seed", "timings", "process") + (("image",) if meta.get("image") else ())
-    line = json.dumps({k: meta.get(k) for k in keys}, default=str) + "\n"
-    fd = os.open(outdir / MANIFEST, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    return json.dumps({k: meta.get(k) for k in keys}, default=str) + "\n"
+
+
+def _append(path: Path, meta: Mapping[str, Any]) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
-        os.write(fd, line.encode())  # one write per line: lines from several processes never interleave
+        os.write(fd, _line(meta).encode())  # one write per line, by the file's one writer
     finally:
         os.close(fd)
 
 
-def relist(outdir: str | os.PathLike, item: Item) -> bool:
-    """Append a done item's manifest line if a crash came between its JSON and that line.
-    Returns True when it had to."""
+def relist(outdir: str | os.PathLike, item: Item, *, process: int = 0, processes: int = 1) -> bool:
+    """Append a done item's manifest line (to this process's `manifest_file`) if a crash came
+    between its JSON and that line. Returns True when it had to."""
     if any(e["index"] == item.index for e in manifest(outdir)):
         return False
-    _append(Path(outdir), json.loads(_paths(Path(outdir), item)[1].read_text()))
+    _append(Path(outdir) / manifest_file(process, processes), json.loads(_paths(Path(outdir), item)[1].read_text()))
     return True
+
+
+def _entries(texts: list[str], entries: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """`entries` updated with the lines of `texts`, in order (a later line for an index wins); a
+    line cut short by a crash is skipped (its prompt's record relists it)."""
+    for text in texts:
+        for line in text.splitlines():
+            try:
+                entry = json.loads(line)
+                entries[entry["index"]] = entry
+            except (ValueError, KeyError, TypeError):
+                continue
+    return entries
+
+
+def _process_files(outdir: Path) -> list[Path]:
+    found = [(int(p.name.split(".")[1]), p) for p in outdir.glob("index.*.jsonl") if p.name.split(".")[1].isdigit()]
+    return [p for _, p in sorted(found)]
 
 
 def manifest(outdir: str | os.PathLike) -> list[dict[str, Any]]:
     """The manifest's entries, one per finished prompt, latest line per index (a prompt redone
-    with `--force` appears once, with its latest run)."""
+    with `--force` appears once, with its latest run): `index.jsonl`, then the lines of a job's
+    processes not gathered into it yet (`index.<process>.jsonl`, an interrupted job's)."""
+    outdir = Path(outdir)
+    paths = [p for p in [outdir / MANIFEST, *_process_files(outdir)] if p.is_file()]
+    entries = _entries([p.read_text() for p in paths], {})
+    return [entries[k] for k in sorted(entries)]
+
+
+def gather_manifest(outdir: str | os.PathLike, texts: list[str]) -> list[dict[str, Any]]:
+    """Process 0 at the end of a job's batch: rewrite `index.jsonl` (atomically, one line per
+    prompt, by index) from its own lines and `texts`, every process's `index.<process>.jsonl` as
+    that process read it (they need not share a disk). Returns the entries."""
     path = Path(outdir) / MANIFEST
-    entries: dict[int, dict[str, Any]] = {}
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                entry = json.loads(line)
-                entries[entry["index"]] = entry
+    entries = _entries(texts, _entries([path.read_text()] if path.is_file() else [], {}))
+    files.write_text_atomic(path, "".join(_line(entries[k]) for k in sorted(entries)))
     return [entries[k] for k in sorted(entries)]
 
 

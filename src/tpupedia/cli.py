@@ -250,9 +250,15 @@ def _preflight(args: argparse.Namespace, family, preset, options, configs):
     dtype = str(common.torch_dtype(options, preset)).removeprefix("torch.")
     pipeline_cls = _pipeline_module(args.model_family).PIPELINE
 
+    read: dict[str, dict] = {}  # by checkpoint: a batch of thousands of lines reads its configs once
+
     def check(request):  # the configs of the checkpoint this request loads (image-to-video picks its own)
-        the_configs = configs if configs is not None else family.component_configs(
-            pipeline_cls.source(preset, args.model, request)[0])
+        the_configs = configs
+        if the_configs is None:
+            source = pipeline_cls.source(preset, args.model, request)[0]
+            if source not in read:
+                read[source] = family.component_configs(source)
+            the_configs = read[source]
         return plan.preflight(args.model_family, request, options, the_configs, chips,
                               cache_dir=checkpoints.cache_dir() / "plans", tiling=args.vae_tiling, resident=batch,
                               dtype=dtype, log=(lambda _: None) if args.quiet else print)
@@ -266,6 +272,10 @@ def _generate(args: argparse.Namespace) -> int:
         raise CommandLineError("give either --prompt TEXT (one video) or --prompts FILE --outdir DIR (a batch)")
     if args.prompts is not None and args.outdir is None:
         raise CommandLineError("--prompts FILE needs --outdir DIR for the videos")
+    if args.out is not None or args.prompts is not None:  # an mp4 at the end: the encoder now, not after decode
+        from tpupedia import video
+
+        video.check_encoder()
     preset, pipeline, request, options, check = _generate_setup(args)
     if args.prompts is not None:
         pipeline.run_batch(args.prompts, request, options, preset=preset, outdir=args.outdir, model=args.model,

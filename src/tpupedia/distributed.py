@@ -14,7 +14,7 @@ and nothing hand-made on top of it:
   starts N local processes with those variables, so one CPU host runs a real multi-controller
   job (each process's output prefixed with its id); a failing process stops the others.
 * `is_leader()`, `barrier(name)`: process 0 writes shared outputs; everyone waits for it.
-* `leader_decides(values)`, `on_leader(fn)`, `broadcast_tensors(tensors)`: the hosts of a slice
+* `leader_decides(values)`, `on_leader(fn)`, `broadcast_tensors(tensors)`, `gather_bytes(data)`: the hosts of a slice
   share no disk, so process 0 decides, every process gets the tensors. Only process 0 looks at
   files (is a stage done? read it; write it); what it decides and reads is broadcast, and what
   fails there fails on every process, instead of each host deciding from its own disk (the
@@ -39,7 +39,7 @@ from tpupedia.errors import TpupediaError
 __all__ = [
     "ENV_COORDINATOR", "ENV_NUM_PROCESSES", "ENV_PROCESS_ID", "ENV_DEVICES_PER_PROCESS",
     "DistributedError", "Processes", "requested", "initialize", "is_leader", "barrier", "leader_decides", "on_leader",
-    "broadcast_tensors", "free_port", "stop", "launch", "check",
+    "broadcast_tensors", "gather_bytes", "free_port", "stop", "launch", "check",
 ]
 
 ENV_COORDINATOR = "TPUPEDIA_COORDINATOR"
@@ -189,6 +189,23 @@ def broadcast_tensors(tensors: Mapping[str, Any] | None) -> Mapping[str, Any]:
     return load(_broadcast_bytes(data))
 
 
+def gather_bytes(data: bytes) -> list[bytes]:
+    """Every process's `data` on every process, in process order (`[data]` with one process): the
+    lengths first, then the bytes as zero-padded 32-bit words, one row per process. For small
+    things every process made (a batch's manifest lines), which process 0 alone then writes."""
+    import jax
+
+    if jax.process_count() == 1:
+        return [data]
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    sizes = np.asarray(multihost_utils.process_allgather(np.array([len(data)], np.int32))).reshape(-1)
+    words = max(1, -(-int(sizes.max()) // 4))
+    rows = np.asarray(multihost_utils.process_allgather(np.frombuffer(data.ljust(4 * words, b"\0"), np.uint32)))
+    return [rows[i].tobytes()[:int(size)] for i, size in enumerate(sizes)]
+
+
 _CHUNK = 1 << 26  # bytes per collective (a multiple of 4): bounded device memory, one compiled broadcast per size
 
 
@@ -272,6 +289,35 @@ def stop(children: Sequence[subprocess.Popen], grace_s: float = 5.0) -> None:
             child.wait()
 
 
+_RUNS_MODELS = (("generate",), ("bench", "generate"), ("bench", "deepcache"))
+
+
+def _check_preset(command: Sequence[str]) -> None:
+    """Refuse a launched command that would run a preset's models on the host CPU although the
+    host cannot run them whole (`Preset.host_runs_whole_models`: the full preset): every launched
+    process runs on simulated CPU devices (`initialize`), on a TPU VM too, so the released
+    checkpoints would quietly take hours to days of CPU time. The preset is `--preset NAME` in
+    the command, else `$TPUPEDIA_PRESET`, which the processes inherit."""
+    from tpupedia import devices, presets
+
+    if not any(tuple(command[:len(words)]) == words for words in _RUNS_MODELS):
+        return
+    name = None
+    for i, word in enumerate(command):
+        if word == "--preset" and i + 1 < len(command):
+            name = command[i + 1]
+        elif word.startswith("--preset="):
+            name = word.split("=", 1)[1]
+    preset = presets.get(name) if name else presets.current()
+    if preset.host_runs_whole_models:
+        return
+    where = ("on this TPU VM run the command itself, without launch (on every host of a multi-host slice: "
+             "it joins the slice)" if devices.tpu_present() else
+             "this host has no TPU: run it on a TPU VM, without launch")
+    raise DistributedError(f"launch runs every process on simulated CPU devices, so the {preset.name} preset's "
+                           f"models would run on the host CPU (hours to days); use --preset tiny, or {where}")
+
+
 def launch(command: Sequence[str], processes: int, devices_per_process: int, grace_s: float = 5.0,
            out=None, err=None, cwds: Sequence[str | os.PathLike] | None = None,
            timeout_s: float | None = None) -> int:
@@ -286,6 +332,8 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int, gra
     `cwds`, one folder per process (default: this one's), runs each process in its own folder,
     so a relative path (`--workdir runs`) names a different folder in each, as on hosts that
     share no disk. A job still running after `timeout_s` is stopped the same way, and named.
+    A command that would run the full preset's models is refused before any process starts: the
+    processes run on CPU devices (`_check_preset`).
     """
     if processes < 1 or devices_per_process < 1:
         raise DistributedError(f"--local-processes {processes} and --devices-per-process {devices_per_process} "
@@ -294,6 +342,7 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int, gra
         raise DistributedError("nothing to launch: give the tpupedia command after --")
     if cwds is not None and len(cwds) != processes:
         raise DistributedError(f"{len(cwds)} working folders for {processes} processes: give one per process")
+    _check_preset(command)
     out, err = out or sys.stdout, err or sys.stderr
     port = free_port()
     children, relays = [], []

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import platform as _platform
+import shutil
 from dataclasses import dataclass, field
 
 from tpupedia import devices, presets, results
@@ -111,6 +112,39 @@ def _probe_aot(report: Report, topology: str) -> None:
         report.add("TPU AOT compile", False, f"{type(err).__name__}: {err}", PACKAGES["libtpu"])
 
 
+def _probe_video(report: Report) -> None:
+    from tpupedia import video
+
+    try:
+        video.check_encoder()
+        report.add("video encoder", True, f"{video.ENCODER} {results.version(video.ENCODER)}")
+    except video.VideoError as err:
+        report.add("video encoder", False, str(err), f"pip install {video.ENCODER}  (or pip install -e '.[video]')")
+
+
+def _probe_disk(report: Report, folder: str = ".") -> None:
+    """Free space where a run writes (`--workdir` and `--out` default to this folder) against
+    what one full-size video writes (`video.output_bytes`), for the family whose default full
+    request is largest."""
+    try:
+        from tpupedia import families, video
+
+        full = presets.get("full")
+        sizes = {}
+        for spec in families.video():
+            r = spec.facts.default_request(full)
+            sizes[spec.name] = (video.output_bytes(r["frames"], r["height"], r["width"]), r)
+        name, (need, r) = max(sizes.items(), key=lambda item: item[1][0])
+        free = shutil.disk_usage(folder).free
+        report.add("disk space", free >= need,
+                   f"{free / 2**30:.1f} GiB free in {os.path.abspath(folder)}; one full-size video writes up to "
+                   f"{need / 2**30:.1f} GiB ({name}, {r['frames']} frames at {r['width']}x{r['height']}: "
+                   "its decode file and mp4)",
+                   "" if free >= need else "free some space, or give --workdir and --out on a larger disk")
+    except Exception as err:  # noqa: BLE001 - doctor must report, not crash
+        report.add("disk space", False, f"{type(err).__name__}: {err}", "check the install (tpupedia.families)")
+
+
 def run(topology: str = "v6e:2x4") -> Report:
     """Probe this machine. Never raises for a missing optional piece."""
     report = Report()
@@ -120,6 +154,8 @@ def run(topology: str = "v6e:2x4") -> Report:
     _probe_devices(report)
     _probe_torchax(report)
     _probe_aot(report, topology)
+    _probe_video(report)
+    _probe_disk(report)
     if os.environ.get("JAX_PLATFORMS"):
         report.add("JAX_PLATFORMS", True, os.environ["JAX_PLATFORMS"])
     return report

@@ -15,7 +15,13 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["write_atomic", "write_text_atomic", "directory_atomic"]
+__all__ = ["cache_dir", "write_atomic", "write_text_atomic", "directory_atomic"]
+
+
+def cache_dir() -> Path:
+    """The package's cache folder: `$TPUPEDIA_CACHE`, or `~/.cache/tpupedia` (tiny checkpoints,
+    plans, kept AOT compiles, JAX's compilation cache for the full preset)."""
+    return Path(os.environ.get("TPUPEDIA_CACHE") or Path.home() / ".cache" / "tpupedia")
 
 
 def write_atomic(target: str | os.PathLike, write: Callable[[Path], object], *, suffix: str = ".tmp") -> Path:

@@ -264,6 +264,8 @@ def make(family: str, request: Any, options: Any, *, model: str | None = None, c
         notes.append(f"compiled {layers} layers per model; the missing layers' weight shards are added from their "
                      f"shapes ({sum(extra.values()) / _GIB:.2f} GiB per chip in all); temporaries are as compiled "
                      "for the shallow models (full depth may need more)")
+    if pipe.indivisible_note():
+        notes.append(pipe.indivisible_note())
     costs = {s: [_cost(p, extra) for p in ps] for s, ps in programs.items()}
     tiling = vae_tiling == "on"
     if "decode" in stages:

@@ -21,7 +21,7 @@ from typing import Any, Callable
 from tpupedia import files
 from tpupedia.errors import TpupediaError
 
-__all__ = ["ResultsError", "LIBRARIES", "version", "machine", "write_json_atomic", "load", "merge", "error_text"]
+__all__ = ["ResultsError", "LIBRARIES", "version", "versions", "machine", "write_json_atomic", "load", "merge", "error_text"]
 
 LIBRARIES = ("torch", "jax", "jaxlib", "libtpu", "flax", "torchax", "transformers", "diffusers")
 
@@ -50,8 +50,16 @@ def machine() -> dict[str, Any]:
         "processes": jax.process_count(),
         "cpu_count": os.cpu_count(),
         "python": _platform.python_version(),
-        "versions": {d: version(d) for d in ("torch", "jax", "jaxlib", "torchax", "transformers")},
+        "versions": versions(),
     }
+
+
+def versions() -> dict[str, str | None]:
+    """The versions of the libraries that make the numbers (torch, jax, jaxlib, torchax,
+    diffusers, transformers; libtpu only where it is installed): what every stage file's JSON twin
+    and every measurement records in `machine()`, so that a stage file says what made it."""
+    found = {d: version(d) for d in ("torch", "jax", "jaxlib", "torchax", "diffusers", "transformers", "libtpu")}
+    return {d: v for d, v in found.items() if v is not None or d != "libtpu"}
 
 
 def write_json_atomic(path: str | os.PathLike, data: Any) -> Path:

@@ -31,9 +31,23 @@ Strategies, for PyTorch's `Linear.weight` of shape `(out_features, in_features)`
   columns of its replicated weight and all-reduces the partial outputs: the same all-reduce as
   `"tp"`, with 4x the fc2 weight memory on a 4-way `tp` axis.
 
+A rule may also say what to do with a dimension its spec does not divide: `Rule(regex, spec,
+indivisible="replicate")` keeps that dimension whole on every device. The embedding rules say
+so: a checkpoint's vocabulary is whatever its tokenizer needed (HunyuanVideo-1.5's ByT5 glyph
+encoder has 1510 rows, 384 bytes plus the colour and font tokens its glyph tokenizer adds; a
+fine-tune resized to its tokenizer has 151,665), and a lookup table gives the same rows whether
+it is split or not. Replication, rather than padding the table with zero rows to a multiple of
+the axis (exact for lookups too), because it leaves the tensor the checkpoint's own (no copy, no
+shape a tied head or a resize would see) and costs rows x width bytes per chip: 4.2 MiB for
+ByT5's 1510 x 1472 in bf16, 1.0 GiB for a 151,665-row Qwen2.5-VL table, 0.76 GiB more than a
+4-way split; the plan says which tensors and how much (`ShardingPlan.indivisible`). Every other
+rule refuses (`"refuse"`, the default): a large matmul weight that does not divide stays a
+`ShardingError`, which names the axis sizes that would divide it.
+
 `apply_rules(module, rules, mesh)` validates every spec against the tensor's shape first (a
-spec that does not divide a dimension raises `ShardingError` naming the tensor, the dimension
-and the mesh axis), then places parameters and buffers in place. `describe(module)` reads
+spec that does not divide a dimension raises `ShardingError` naming the tensor, the dimension,
+the mesh axis and the sizes that would divide it, unless its rule replicates it), then places
+parameters and buffers in place. `describe(module)` reads
 back where every tensor actually lives, with bytes per device.
 
 Introduced in notebook 02 (distributed sharding).
@@ -53,6 +67,8 @@ from tpupedia.errors import TpupediaError
 
 __all__ = [
     "ShardingError",
+    "Rule",
+    "INDIVISIBLE",
     "RULES",
     "ARCHITECTURES",
     "rules",
@@ -65,14 +81,45 @@ __all__ = [
     "place",
     "free",
     "describe",
+    "indivisible_note",
 ]
 
 SpecTuple = tuple[Any, ...]
-Rule = tuple[str, SpecTuple]
+INDIVISIBLE = ("refuse", "replicate")
+"""What a rule does with a dimension its spec does not divide: stop with `ShardingError`, or keep
+that dimension whole on every device (the plan records it)."""
+
+
+class Rule(tuple):
+    """A rule: `(regex, spec)`, unpacking as that pair, with `indivisible`, what to do with a
+    dimension `spec` does not divide (`INDIVISIBLE`; default `"refuse"`). A plain `(regex, spec)`
+    pair, or a triple `(regex, spec, indivisible)`, is read as a rule too; a rule prints as its
+    pair. Introduced in notebook 02."""
+
+    indivisible: str
+
+    def __new__(cls, pattern: str, spec: Any, indivisible: str = "refuse"):
+        if indivisible not in INDIVISIBLE:
+            raise ShardingError(f"rule {pattern!r}: indivisible={indivisible!r} is not one of {', '.join(INDIVISIBLE)}")
+        rule = super().__new__(cls, (pattern, spec))
+        rule.indivisible = indivisible
+        return rule
+
+    def __getnewargs__(self):
+        return (*self, self.indivisible)
+
+
+def _as_rule(entry: Any) -> Rule:
+    if isinstance(entry, Rule):
+        return entry
+    return Rule(*entry)
+
 
 _COL_LLAMA = r"(q_proj|k_proj|v_proj|gate_proj|up_proj)"
 _ROW_LLAMA = r"(o_proj|down_proj)"
 _LLAMA_MATRICES = r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+
+_EMBEDDING = "replicate"  # a lookup table's rows are exact split or whole: replicate what does not divide
 
 RULES: dict[tuple[str, str], list[Rule]] = {
     # Llama naming, shared by Qwen2 and Mistral (Qwen2 adds q/k/v biases).
@@ -82,18 +129,18 @@ RULES: dict[tuple[str, str], list[Rule]] = {
         (rf".*\.{_ROW_LLAMA}\.weight", (None, "tp")),  # row-parallel: in features (dim 1)
         # (vocab, hidden): vocabulary-parallel, as Megatron's VocabParallelEmbedding: each device
         # looks up the ids in its rows, zeros the rest, and one all-reduce sums the lookups
-        (r"(model\.)?embed_tokens\.weight", ("tp", None)),
-        (r"lm_head\.weight", ("tp", None)),  # (vocab, hidden): vocab-parallel logits
+        Rule(r"(model\.)?embed_tokens\.weight", ("tp", None), _EMBEDDING),
+        (r"lm_head\.weight", ("tp", None)),  # (vocab, hidden): vocab-parallel logits, a matmul: refused
     ],
     ("llama", "tp_transposed"): [
         (rf".*\.{_COL_LLAMA}\.weight", (None, "tp")),
         (rf".*\.{_ROW_LLAMA}\.weight", ("tp", None)),
-        (r"(model\.)?embed_tokens\.weight", ("tp", None)),
+        Rule(r"(model\.)?embed_tokens\.weight", ("tp", None), _EMBEDDING),
         (r"lm_head\.weight", (None, "tp")),
     ],
     ("llama", "fsdp"): [
         (rf".*\.{_LLAMA_MATRICES}\.weight", ("fsdp", None)),
-        (r"(model\.)?embed_tokens\.weight", ("fsdp", None)),
+        Rule(r"(model\.)?embed_tokens\.weight", ("fsdp", None), _EMBEDDING),
         (r"lm_head\.weight", ("fsdp", None)),
     ],
     ("llama", "replicated"): [],
@@ -106,7 +153,8 @@ RULES: dict[tuple[str, str], list[Rule]] = {
         (r".*\.SelfAttention\.o\.weight", (None, "tp")),
         (r".*\.DenseReluDense\.(wi|wi_0|wi_1)\.weight", ("tp", None)),
         (r".*\.DenseReluDense\.wo\.weight", (None, "tp")),
-        (r"(shared|encoder\.embed_tokens)\.weight", ("tp", None)),
+        # (vocab, d_model): ByT5's released glyph encoder has 1510 rows, which no tp of 4 or 8 divides
+        Rule(r"(shared|encoder\.embed_tokens)\.weight", ("tp", None), _EMBEDDING),
     ],
     ("t5", "replicated"): [],
 }
@@ -123,7 +171,8 @@ class ShardingError(TpupediaError, ValueError):
 
 def rules(table: str | Mapping[str, Sequence[Rule]] | Any, strategy: str,
           axis: str | Sequence[str] | None = None) -> list[tuple[str, Any]]:
-    """The rule table for `strategy`, as `(regex, PartitionSpec)` pairs.
+    """The rule table for `strategy`, as `Rule`s: `(regex, PartitionSpec)` pairs that keep what
+    each does with a dimension it does not divide (`Rule.indivisible`).
 
     `table` is a family's tables by strategy (a mapping, or anything with a `sharding` mapping:
     a family's `SPEC`, `tpupedia.families`) or the name of an architecture table here:
@@ -150,7 +199,8 @@ def rules(table: str | Mapping[str, Sequence[Rule]] | Any, strategy: str,
     def rename(entry):
         return new if (axis is not None and entry == default) else entry
 
-    return [(pattern, P(*(rename(e) for e in spec))) for pattern, spec in tables[strategy]]
+    return [Rule(rule[0], P(*(rename(e) for e in rule[1])), rule.indivisible)
+            for rule in map(_as_rule, tables[strategy])]
 
 
 def architecture_tables(name: str) -> dict[str, list[Rule]]:
@@ -160,11 +210,19 @@ def architecture_tables(name: str) -> dict[str, list[Rule]]:
 
 def spec_for(name: str, rule_table: Iterable[tuple[str, Any]]) -> tuple[Any, str | None]:
     """`(spec, pattern)` of the first rule whose regex fullmatches `name`; `(P(), None)` if none."""
+    spec, rule = _rule_for(name, rule_table)
+    return spec, rule and rule[0]
+
+
+def _rule_for(name: str, rule_table: Iterable[Any]) -> tuple[Any, Rule | None]:
+    """`(spec, rule)` of the first rule whose regex fullmatches `name`; `(P(), None)` if none."""
     from jax.sharding import PartitionSpec as P
 
-    for pattern, spec in rule_table:
-        if re.fullmatch(pattern, name):
-            return (spec if isinstance(spec, P) else P(*spec)), pattern
+    for entry in rule_table:
+        rule = _as_rule(entry)
+        if re.fullmatch(rule[0], name):
+            spec = rule[1]
+            return (spec if isinstance(spec, P) else P(*spec)), rule
     return P(), None
 
 
@@ -174,13 +232,24 @@ def _axes(entry: Any) -> tuple[str, ...]:
     return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
 
 
-def _check(name: str, shape: tuple[int, ...], spec: Any, mesh: Any) -> None:
+def _dividing(size: int, most: int) -> list[int]:
+    """The axis sizes up to `most` (the mesh's devices) that divide `size`."""
+    return [n for n in range(1, max(most, 1) + 1) if size % n == 0]
+
+
+def _check(name: str, shape: tuple[int, ...], spec: Any, mesh: Any, indivisible: str = "refuse") -> tuple[Any, list[int]]:
+    """`(spec, dims)`: `spec` validated against `shape` on `mesh`, with the dimensions it does not
+    divide replicated (`dims`) when the rule says `indivisible="replicate"`; otherwise such a
+    dimension raises `ShardingError` naming the axis sizes that would divide it."""
+    from jax.sharding import PartitionSpec as P
+
     if len(spec) > len(shape):
         raise ShardingError(
             f"{name}: spec {spec} has {len(spec)} entries but the tensor has shape {shape} "
             f"({len(shape)} dimensions)"
         )
     sizes = dict(mesh.shape)
+    entries, relaxed = list(spec), []
     for dim, entry in enumerate(spec):
         axes = _axes(entry)
         for a in axes:
@@ -191,12 +260,20 @@ def _check(name: str, shape: tuple[int, ...], spec: Any, mesh: Any) -> None:
                 )
         n = math.prod(sizes[a] for a in axes)
         if n > 1 and shape[dim] % n:
+            if indivisible == "replicate":
+                entries[dim], relaxed = None, [*relaxed, dim]
+                continue
             where = " x ".join(f"{a!r} (size {sizes[a]})" for a in axes)
+            fits = _dividing(shape[dim], math.prod(sizes.values()))
+            options = " or ".join([", ".join(map(str, fits[:-1])), str(fits[-1])] if len(fits) > 1 else [str(fits[0])])
+            label = f"{axes[0]}=" if len(axes) == 1 else f"{' x '.join(axes)} = "
             raise ShardingError(
                 f"{name}: dimension {dim} has size {shape[dim]}, which mesh axis {where} does not "
-                f"divide (spec {spec}, shape {shape}); choose a mesh axis of a size that divides "
-                f"{shape[dim]} or replicate this dimension"
+                f"divide (spec {spec}, shape {shape}); {label}{options} divide{'s' if len(fits) == 1 else ''} "
+                f"{shape[dim]}: choose a mesh with such a {'size' if len(axes) == 1 else 'product'}, or "
+                "replicate this dimension"
             )
+    return (P(*entries) if relaxed else spec), relaxed
 
 
 @dataclass(frozen=True)
@@ -211,6 +288,8 @@ class Placement:
     shard_shape: tuple[int, ...]
     itemsize: int
     rule: str | None = None  # the regex that matched; None: replicated by default
+    asked: Any = None  # the rule's spec when a dimension it did not divide was replicated instead
+    mesh_shape: tuple[tuple[str, int], ...] = ()  # the mesh's axes and sizes (for `bytes_split`)
 
     @property
     def bytes_total(self) -> int:
@@ -223,6 +302,21 @@ class Placement:
     @property
     def sharded(self) -> bool:
         return self.shard_shape != self.shape
+
+    @property
+    def indivisible(self) -> bool:
+        """Whether a dimension its rule splits was replicated because the axis does not divide it."""
+        return self.asked is not None
+
+    @property
+    def bytes_split(self) -> int:
+        """Bytes per device had the rule's spec divided the tensor (each split dimension rounded up)."""
+        if self.asked is None or self.spec is None:
+            return self.bytes_per_device
+        sizes = dict(self.mesh_shape)
+        entries = [*self.asked, *[None] * (len(self.shape) - len(self.asked))]
+        shard = [-(-n // math.prod(sizes[a] for a in _axes(e))) for n, e in zip(self.shape, entries)]
+        return math.prod(shard) * self.itemsize
 
 
 def _spec_text(spec: Any) -> str:
@@ -248,6 +342,22 @@ class ShardingPlan:
     def unmatched(self) -> list[str]:
         """Names no rule matched (replicated); empty for a plan read back by `describe`."""
         return [p.name for p in self.placements if p.rule is None] if self.from_rules else []
+
+    @property
+    def indivisible(self) -> list[str]:
+        """Names a rule would split but whose axis does not divide them, replicated instead
+        (`Rule.indivisible`); `replicated_bytes` is what that costs."""
+        return [p.name for p in self.placements if p.indivisible]
+
+    @property
+    def replicated_bytes(self) -> int:
+        """Bytes per device the `indivisible` tensors cost beyond the split their rules asked for."""
+        return sum(p.bytes_per_device - p.bytes_split for p in self.placements if p.indivisible)
+
+    def indivisible_note(self, label: str = "") -> str:
+        """One line naming the `indivisible` tensors and their cost in GiB per chip ("" if none);
+        `label` (a component's name) prefixes each tensor (`indivisible_note`)."""
+        return indivisible_note({label: self})
 
     @property
     def bytes_per_device(self) -> int:
@@ -298,10 +408,29 @@ class ShardingPlan:
 
     def __repr__(self) -> str:
         tail = f", {len(self.unmatched)} unmatched" if self.from_rules else ""
+        tail += f", {len(self.indivisible)} replicated as indivisible" if self.indivisible else ""
         return (
             f"ShardingPlan({len(self.placements)} tensors, {self.bytes_per_device:,} bytes per "
             f"device of {self.bytes_total:,}{tail})"
         )
+
+
+def indivisible_note(plans: Mapping[str, ShardingPlan]) -> str:
+    """One line naming every tensor of `plans` (by component) replicated because its mesh axis
+    does not divide it, and what that costs per chip beyond the split its rule asked for; "" if
+    none. What `tpupedia plan` and `tpupedia generate` print (notebook 02 introduces the rule)."""
+    found = [(label, p) for label, plan_ in plans.items() for p in plan_.placements if p.indivisible]
+    if not found:
+        return ""
+    names = ", ".join(f"{label}{' ' if label else ''}{p.name} {p.shape}" for label, p in found)
+    extra = sum(p.bytes_per_device - p.bytes_split for _, p in found)
+    return f"replicated, as their mesh axis does not divide them: {names}; {_gib(extra)} GiB more per chip than split"
+
+
+def _gib(n: int) -> str:
+    """`n` bytes in GiB, two decimals, or two significant digits below 0.01."""
+    g = n / 2**30
+    return f"{g:.2f}" if g >= 0.01 or g == 0 else f"{g:.2g}"
 
 
 def _named_tensors(module: torch.nn.Module) -> list[tuple[str, str, torch.Tensor]]:
@@ -317,20 +446,21 @@ def plan(module: torch.nn.Module, rule_table: Iterable[tuple[str, Any]], mesh: A
     """Decide (without moving data) every tensor's spec, and validate it against its shape.
 
     Works on any module, including one built on the `meta` device. Raises `ShardingError` for
-    a spec that does not fit its tensor.
+    a spec that does not fit its tensor, unless its rule replicates a dimension the mesh axis does
+    not divide (`Rule.indivisible`): the plan lists those (`ShardingPlan.indivisible`).
     """
     from jax.sharding import NamedSharding
 
     rule_table = list(rule_table)
     placements = []
     for name, kind, t in _named_tensors(module):
-        spec, pattern = spec_for(name, rule_table)
+        asked, rule = _rule_for(name, rule_table)
         shape = tuple(t.shape)
-        _check(name, shape, spec, mesh)
+        spec, relaxed = _check(name, shape, asked, mesh, rule.indivisible if rule is not None else "refuse")
         shard = tuple(NamedSharding(mesh, spec).shard_shape(shape))
         placements.append(
             Placement(name, kind, shape, str(t.dtype).removeprefix("torch."), spec, shard,
-                      _itemsize(t), pattern)
+                      _itemsize(t), rule and rule[0], asked if relaxed else None, tuple(dict(mesh.shape).items()))
         )
     return ShardingPlan(placements, mesh, rule_table)
 

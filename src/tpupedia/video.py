@@ -17,11 +17,56 @@ import numpy as np
 from tpupedia import files
 from tpupedia.errors import TpupediaError
 
-__all__ = ["VideoError", "to_uint8", "write_mp4", "show_frames"]
+__all__ = ["VideoError", "ENCODER", "check_encoder", "check_frames", "output_bytes", "to_uint8", "write_mp4", "show_frames"]
+
+ENCODER = "imageio-ffmpeg"
+"""The package whose ffmpeg binary writes the mp4 (in the course's `video` extra)."""
 
 
 class VideoError(TpupediaError, ValueError):
     """Frames that cannot be written as a video (wrong shape, range or size)."""
+
+
+def check_encoder() -> None:
+    """Refuse, in one line naming the package and the pip command, a machine that cannot write an
+    mp4 (no `imageio-ffmpeg`, or its ffmpeg binary missing): called before any stage runs when a
+    command will write a video (`--out`, a batch), not after the decode stage."""
+    import importlib.util
+
+    how = f"pip install {ENCODER}  (or the course's video extra: pip install -e '.[video]')"
+    if importlib.util.find_spec("imageio_ffmpeg") is None:
+        raise VideoError(f"writing an mp4 needs the {ENCODER} package, which is not installed: {how}")
+    import imageio_ffmpeg
+
+    try:
+        imageio_ffmpeg.get_ffmpeg_exe()
+    except RuntimeError as err:
+        raise VideoError(f"{ENCODER} is installed but has no ffmpeg binary ({err}): reinstall it, {how}") from None
+
+
+def check_frames(frames: np.ndarray, what: str) -> None:
+    """Refuse a video that is not a picture: NaN or infinite values (a diverged denoise, a bf16
+    overflow) or frames that are each one flat colour (every pixel of every frame alike, as
+    all-zero latents decode), naming `what` made them (the stage and its file), before an mp4
+    that looks like a result is written."""
+    frames = np.asarray(frames)
+    bad = int(np.size(frames) - np.isfinite(frames).sum())
+    if bad:
+        raise VideoError(f"{what}: {bad} of {frames.size} frame values are NaN or infinite; no video written "
+                         "(rerun the denoise and decode stages with --force, or --dtype float32)")
+    if frames.ndim == 4 and frames.size and not np.ptp(frames, axis=(1, 2)).any():
+        raise VideoError(f"{what}: every one of the {len(frames)} frames is a single flat colour "
+                         f"(values {float(frames.min()):.3g} to {float(frames.max()):.3g}); no video written")
+
+
+def output_bytes(frames: int, height: int, width: int) -> int:
+    """Bytes a run of one video writes, at most: its decode stage file (float32 frames, `frames *
+    height * width * 3 * 4`) plus the mp4, bounded by a tenth of the 8-bit frames (2.4 bits a
+    pixel, generous for H.264 at the quality `write_mp4` asks for). The text and denoise stage
+    files (embeddings, latents 8x smaller a side) are small beside them. `tpupedia doctor` checks
+    the free disk against it."""
+    pixels = frames * height * width * 3
+    return pixels * 4 + pixels // 10
 
 
 def to_uint8(frames: np.ndarray) -> np.ndarray:

@@ -18,9 +18,10 @@ from typing import Any, Callable
 
 from tpupedia import files
 from tpupedia.errors import TpupediaError
+from tpupedia.files import cache_dir
 
 __all__ = ["CheckpointError", "cache_dir", "cached_pipeline", "clean_config", "choose_source", "named_source", "check_source",
-           "read_configs"]
+           "source_label", "read_configs"]
 
 
 class CheckpointError(TpupediaError, ValueError):
@@ -33,11 +34,6 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 VOLATILE = {"_diffusers_version", "transformers_version", "_name_or_path", "_commit_hash", "_use_default_values"}
 """Config entries that record where or with which version a component was saved, not what it is."""
-
-
-def cache_dir() -> Path:
-    """`$TPUPEDIA_CACHE`, or `~/.cache/tpupedia`."""
-    return Path(os.environ.get("TPUPEDIA_CACHE") or Path.home() / ".cache" / "tpupedia")
 
 
 SPEC_STAMP = "tpupedia-checkpoint.txt"
@@ -87,14 +83,23 @@ def choose_source(preset: Any, model: str | os.PathLike | None, env_var: str, fu
     hub id is checked first (`check_source`), so a wrong one is one clear error, not a download."""
     if model:
         check_source(str(model), "--model", full_id)
-        return str(model), str(model)
+        return str(model), source_label(model)
     if os.environ.get(env_var):
         check_source(os.environ[env_var], f"${env_var}", full_id)
-        return os.environ[env_var], os.environ[env_var]
+        return os.environ[env_var], source_label(os.environ[env_var])
     if preset.pretrained:
         check_source(full_id, f"the {preset.name} preset's checkpoint", full_id)
         return full_id, full_id
     return str(tiny()), f"preset:{preset.name}"
+
+
+def source_label(source: str | os.PathLike) -> str:
+    """How stage files name a checkpoint: a local folder by its resolved absolute path (so
+    `DIR//ckpt`, `DIR/ckpt/` and a relative path to the same folder are one checkpoint), a hub
+    id (`OWNER/NAME`, no such folder here) as given. A folder wins over a hub id of the same
+    spelling, as it does for `from_pretrained`."""
+    path = Path(source).expanduser()
+    return str(path.resolve()) if path.is_dir() else str(source)
 
 
 def named_source(model: str | os.PathLike | None, env_var: str) -> str | None:

@@ -53,7 +53,7 @@ __all__ = ["FAMILY", "FULL_ID", "FULL_LAYERS", "TEMPORAL_COMPRESSION", "SPATIAL_
            "tiny_qwen_tokenizer", "default_request", "check_frames", "check_size", "latent_frames", "latent_shape",
            "video_tokens", "step_flops", "build", "step_inputs", "static_forward", "make_static",
            "PaddingAttnProcessor", "make_jit_friendly", "padded_forward", "conditioning", "blocks", "final", "deepcache_full",
-           "deepcache_cached", "kept_text_tokens", "mask_elements", "tiny_checkpoint", "model_source", "named_source", "component_configs",
+           "deepcache_cached", "KEEP_ALL_TEXT_BELOW", "kept_text_tokens", "mask_elements", "tiny_checkpoint", "model_source", "named_source", "component_configs",
            "FULL_ID_I2V", "image_to_video", "image_tokens", "video_size", "full_image_encoder_config",
            "tiny_image_encoder_config", "tiny_image_processor", "image_condition", "slot_tokens"]
 
@@ -95,15 +95,26 @@ def full_transformer_config(layers: int | None = None, image_to_video: bool = Fa
                 task_type="i2v" if image_to_video else "t2v")
 
 
+BYT5_VOCAB = 1510
+"""Rows of the released ByT5 glyph encoder's embedding (`full_text_encoder_configs`)."""
+
+
 def full_text_encoder_configs() -> dict[str, dict[str, Any]]:
     """The two text encoders of the release, by their public configs: Qwen2.5-VL-7B's text model
     (28 layers, width 3584, 28 query and 4 key-value heads, vocabulary 152,064) and the ByT5-small
-    glyph encoder (12 layers, width 1472)."""
+    glyph encoder (12 layers, width 1472) with the release's vocabulary of 1510: ByT5's 384 ids
+    plus the colour and font tokens of Glyph-SDXL-v2's glyph tokenizer, which diffusers'
+    conversion script adds before resizing the embedding to the tokenizer (huggingface/diffusers,
+    commit 38c42b4, `scripts/convert_hunyuan_video1_5_to_diffusers.py`, `add_special_token`:
+    `tokenizer.add_tokens(...)`, then `text_encoder.resize_token_embeddings(len(tokenizer))`; the
+    count comes from Glyph-SDXL-v2's `color_idx.json` and `multilingual_10-lang_idx.json`, and the
+    released `text_encoder_2/config.json` says `"vocab_size": 1510`).
+    1510 divides neither a `tp` of 4 nor 8, so its embedding is replicated (`tpupedia.sharding.Rule`)."""
     return {"text_encoder": dict(model_type="qwen2_5_vl_text", hidden_size=3584, intermediate_size=18944,
                                  num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
                                  vocab_size=152064, rms_norm_eps=1e-6, max_position_embeddings=128000,
                                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
-            "text_encoder_2": dict(vocab_size=384, d_model=1472, d_kv=64, d_ff=3584, num_layers=12, num_heads=6,
+            "text_encoder_2": dict(vocab_size=BYT5_VOCAB, d_model=1472, d_kv=64, d_ff=3584, num_layers=12, num_heads=6,
                                    feed_forward_proj="gated-gelu")}
 
 
@@ -400,7 +411,13 @@ def conditioning(self, hidden_states, timestep, encoder_hidden_states, encoder_a
     return hidden_states, text, mask, temb, image_rotary_emb
 
 
-def kept_text_tokens(valid_counts, slots: int, multiple: int = 128) -> int:
+KEEP_ALL_TEXT_BELOW = 0.05
+"""`kept_text_tokens` keeps every text slot when the slots are less than this share of the
+sequence: cutting them would save at most that share of a step, and each rounded length is a
+new compile of the whole step (a minute or more for 54 layers on a TPU)."""
+
+
+def kept_text_tokens(valid_counts, slots: int, multiple: int = 128, video_tokens: int | None = None) -> int:
     """How many of a step's `slots` text tokens (image, ByT5 and Qwen slots together) to keep
     once they are ordered valid-first: the most valid tokens of any sample in the batch
     (`valid_counts`, read on the host from the text stage's masks), rounded up to `multiple`.
@@ -410,7 +427,11 @@ def kept_text_tokens(valid_counts, slots: int, multiple: int = 128) -> int:
     text is a small part of the sequence (1,985 slots beside 111,600 video tokens at 720p and 121
     frames), so the saving is small there; on the tiny model, where text dominates the
     sequence, it is most of the step. One compiled step serves every prompt of the same rounded
-    length; `tpupedia plan` compiles the step with all the slots, the most any prompt needs."""
+    length. Given the step's `video_tokens`, every slot is kept when the slots are under
+    `KEEP_ALL_TEXT_BELOW` of the sequence: one compiled step for every prompt, the one `tpupedia
+    plan` compiles (all the slots, the most any prompt needs)."""
+    if video_tokens is not None and slots < KEEP_ALL_TEXT_BELOW * (slots + video_tokens):
+        return slots
     most = int(max(valid_counts))
     return min(slots, max(multiple, -(-most // multiple) * multiple))
 
@@ -673,7 +694,8 @@ GUIDER_CONFIG: dict[str, Any] = dict(guidance_scale=6.0)
 
 
 def tiny_checkpoint(directory: "str | os.PathLike | None" = None, seed: int = 0, vae: dict | None = None,
-                    transformer: dict | None = None, image_to_video: bool = False) -> Path:
+                    transformer: dict | None = None, image_to_video: bool = False,
+                    text_encoders: dict[str, dict] | None = None) -> Path:
     """Write a whole random `HunyuanVideo15Pipeline` (Qwen2.5-VL text model with the offline
     tokenizer in Qwen's file layout, `tokenizer_files.write_qwen_bpe`, T5 + ByT5 for glyphs, transformer, VAE, scheduler, guider) with `save_pretrained`
     and return its directory (cached, named by its configs, written atomically). `vae` and
@@ -681,11 +703,15 @@ def tiny_checkpoint(directory: "str | os.PathLike | None" = None, seed: int = 0,
     `image_to_video` writes a `HunyuanVideo15ImageToVideoPipeline` in the i2v releases' layout:
     a SigLIP image encoder and its `SiglipImageProcessorPil`, target size `TINY_TARGET_SIZE`
     (`transformer={"use_meanflow": True}` gives the step-distilled 480p release's second
-    timestep embedding)."""
+    timestep embedding). `text_encoders` overrides entries of `tiny_text_encoder_configs` by
+    encoder, e.g. `{"text_encoder_2": {"vocab_size": BYT5_VOCAB}}` (the release's glyph vocabulary)
+    or `{"text_encoder": {"vocab_size": 259}}` (an embedding resized to the tokenizer)."""
     transformer_config = tiny_transformer_config() | (
         {"target_size": TINY_TARGET_SIZE, "task_type": "i2v"} if image_to_video else {}) | (transformer or {})
     vae_config = tiny_vae_config() | (vae or {})
-    spec = [transformer_config, vae_config, tiny_text_encoder_configs(), SCHEDULER_CONFIG,
+    text_configs = {name: config | (text_encoders or {}).get(name, {})
+                    for name, config in tiny_text_encoder_configs().items()}
+    spec = [transformer_config, vae_config, text_configs, SCHEDULER_CONFIG,
             GUIDER_CONFIG, _CHAT_TEMPLATE, seed, "qwen-layout"]
     if image_to_video:
         spec += ["i2v", tiny_image_encoder_config()]
@@ -702,7 +728,7 @@ def tiny_checkpoint(directory: "str | os.PathLike | None" = None, seed: int = 0,
         from diffusers.guiders import ClassifierFreeGuidance
         from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, SiglipVisionConfig, SiglipVisionModel, T5Config, T5EncoderModel
 
-        configs = tiny_text_encoder_configs()
+        configs = text_configs
         torch.manual_seed(seed)
         parts = dict(
             text_encoder=Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(**configs["text_encoder"])).eval(),

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -423,6 +424,14 @@ class StagedPipeline:
         self.plans[name] = sharding.place(module, rules or [], mesh, self.env)
         return module
 
+    def indivisible_note(self, exclude: Any = ()) -> str:
+        """One line naming the tensors its components' rules split but their mesh axis does not
+        divide, replicated instead, and what that costs in GiB per chip ("" if none;
+        `tpupedia.sharding.indivisible_note`); `exclude`: components to leave out."""
+        from tpupedia import sharding
+
+        return sharding.indivisible_note({n: p for n, p in self.plans.items() if n not in exclude})
+
     def _text_rules(self, name: str):
         """The sharding rules of text encoder `name` (`family.TEXT_ENCODERS`): split over `tp`
         like a transformer, unless the run asks for everything replicated."""
@@ -652,7 +661,9 @@ def run(pipeline_cls: type[StagedPipeline], request: Request, options: Options, 
     Everything is validated before a model is loaded. A stage whose file exists and matches this
     request is skipped unless `force`; a stage takes its input from the stage before it in memory
     when that ran in this call, else from its stage file, read only if valid and made for this
-    request (`tpupedia.pipelines.stages.read`). With `out`, the mp4 is written from the frames.
+    request (`tpupedia.pipelines.stages.read`). With `out`, the mp4 is written from the frames:
+    the encoder is checked before any stage runs (`video.check_encoder`), the frames before the mp4
+    is written (`video.check_frames`: NaN or flat frames are refused, naming the decode stage).
 
     In a multi-process job (`tpupedia.distributed`, notebook 10) every process runs the same
     stages over one global mesh, and the hosts need not share a disk: process 0 decides, every
@@ -674,6 +685,10 @@ def run(pipeline_cls: type[StagedPipeline], request: Request, options: Options, 
     # A checkpoint of our own choosing has the released shape facts; a named one is checked below.
     pipeline_cls.validate(request, options, len(mesh_devices), shape_rules=not family.named_source(model))
     workdir = check_workdir(workdir or f"tpupedia-runs/{family.FAMILY}")
+    if out is not None:  # a missing encoder is found now, not after the decode stage
+        from tpupedia import video
+
+        video.check_encoder()
     source, label = pipeline_cls.source(preset, model, request)
     configs = family.component_configs(source)  # JSON only: the rules below use the checkpoint's facts
     pipeline_cls.validate(request, options, len(mesh_devices), configs)
@@ -686,9 +701,12 @@ def run(pipeline_cls: type[StagedPipeline], request: Request, options: Options, 
 
 def run_stages(pipe: StagedPipeline, request: Request, *, stage: str = "all", workdir: Path,
                out: str | Path | None = None, force: bool = False, command: str = "",
-               log: Callable[[str], None] = print, collective: bool = True) -> list[StageReport]:
+               log: Callable[[str], None] = print, collective: bool = True,
+               tensors: dict | None = None) -> list[StageReport]:
     """`run` on a pipeline already built for this process (`run_batch` keeps one per process):
-    `request` and `workdir` already checked.
+    `request` and `workdir` already checked. With `tensors` (a dict), the tensors of each stage
+    that ran in this call are put in it by stage name (`run_batch` writes the video from the
+    decode stage's frames in memory, not from its file).
 
     In a job (`collective`) process 0 decides, every process gets the tensors: the hosts of a
     slice need not share a disk, so only process 0 looks at `workdir`. It decides which stages
@@ -706,7 +724,8 @@ def run_stages(pipe: StagedPipeline, request: Request, *, stage: str = "all", wo
     once = _on_leader(collective)
     if not leader:
         log = lambda _: None  # noqa: E731 - one voice per job
-    reports, held = [], {}  # held: the tensors of the stages that ran in this call, by stage
+    reports, held = [], {} if tensors is None else tensors  # held: the tensors of the stages that ran here
+    told: set[str] = set()  # components whose replicated (indivisible) tensors were already logged
     for name, skipped in zip(wanted, _skipped(pipe, request, wanted, workdir, force, collective)):
         wanted_settings = pipe.settings(name, request)
         if skipped:
@@ -718,22 +737,26 @@ def run_stages(pipe: StagedPipeline, request: Request, *, stage: str = "all", wo
             inputs |= held[previous] if previous in held else _stage_tensors(
                 workdir, previous, pipe.settings(previous, request), collective)
         if name == "text":
-            tensors, timings = pipe.encode_text(request)
+            made, timings = pipe.encode_text(request)
         elif name == "image":
-            tensors, timings = pipe.encode_image(request)
+            made, timings = pipe.encode_image(request)
         elif name == "denoise":
             bar = _progress(request.steps, options.quiet or not leader)
-            tensors, timings = pipe.denoise(request, inputs, on_step=lambda i, x: bar.update(1))
+            made, timings = pipe.denoise(request, inputs, on_step=lambda i, x: bar.update(1))
             bar.close()
         else:
-            tensors, timings = pipe.decode(request, inputs["latents"])
-        held[name] = tensors
+            made, timings = pipe.decode(request, inputs["latents"])
+        held[name] = made
         extra = {"command": command, "machine": results.machine(), "timings": timings,
                  "options": dataclasses.asdict(options), "mesh": dict(mesh.shape)}
-        path = once(lambda: stages.write(workdir, name, tensors, wanted_settings, extra=extra))
+        path = once(lambda: stages.write(workdir, name, made, wanted_settings, extra=extra))
         path = path or stages.path(workdir, name)
         reports.append(StageReport(name, True, path, timings))
         log(f"{name}: wrote {path} ({describe(timings)})")
+        note = pipe.indivisible_note(exclude=told)
+        if note:
+            log(f"{name}: {note}")
+        told |= set(pipe.plans)
     if out is not None:
         written = once(lambda: _write_video(pipe, request, workdir, out, held.get("decode")))
         log(f"video: wrote {written}")
@@ -783,7 +806,9 @@ def _write_video(pipe: StagedPipeline, request: Request, workdir: Path, out: str
 
     if decoded is None:
         decoded = stages.read(workdir, "decode", pipe.settings("decode", request)).tensors
-    return video.write_mp4(decoded["frames"].numpy(), out, fps=request.fps)
+    frames = decoded["frames"].numpy()
+    video.check_frames(frames, f"the decode stage's frames ({stages.path(workdir, 'decode')})")
+    return video.write_mp4(frames, out, fps=request.fps)
 
 
 def batch_requests(pipeline_cls: type[StagedPipeline], items: list, base: Request, options: Options,
@@ -823,7 +848,12 @@ def run_batch(pipeline_cls: type[StagedPipeline], prompts: str | Path, base: Req
     full-size preflight, `tpupedia.plan.preflight`: each request's shapes planned, its VAE tiling
     resolved; a request that cannot fit refuses the batch before anything loads). Each process takes its share of the prompts
     and runs them on its own devices (`collective=False`); each prompt's stage files live in
-    `outdir/.stages/NAME`, so a prompt interrupted mid-way resumes from its last finished stage.
+    `outdir/.stages/NAME` until its video and record are written, then are removed (a finished
+    prompt leaves its mp4 and JSON, nothing else), so a prompt interrupted mid-way resumes from
+    its last finished stage. The video is written from the decoded frames in memory; only a
+    decode stage finished by an earlier, interrupted run is read from its file. In a job each
+    process lists what it made in its own `index.<process>.jsonl`; at the end process 0 alone
+    writes `index.jsonl` from every process's lines (`batch.gather_manifest`).
     Each process builds one `resident` pipeline, at its first prompt that is not done: the models
     load once and every prompt of the same shape reuses the compiled step. The log ends with the
     first prompt's time and the mean of the others (what staying resident saves).
@@ -832,6 +862,7 @@ def run_batch(pipeline_cls: type[StagedPipeline], prompts: str | Path, base: Req
 
     from tpupedia import batch, devices, distributed, results, video
 
+    video.check_encoder()  # every prompt ends in an mp4: a missing encoder stops the batch before it starts
     items = batch.read_prompts(prompts)
     requests = batch_requests(pipeline_cls, items, base, options, len(jax.local_devices()), model=model)
     family = pipeline_cls.family
@@ -853,28 +884,36 @@ def run_batch(pipeline_cls: type[StagedPipeline], prompts: str | Path, base: Req
     local = jax.local_devices()
     quiet = dataclasses.replace(options, quiet=True)
     process, made, totals, pipe = jax.process_index(), [], [], None
-    for item in batch.share(items, process, jax.process_count()):
+    processes = jax.process_count()
+    for item in batch.share(items, process, processes):
         request = requests[item.index]
         fingerprint = stages.fingerprint(decode_settings(request))
+        work = outdir / ".stages" / item.name
         if not force and batch.is_done(outdir, item, fingerprint):
-            batch.relist(outdir, item)
+            batch.relist(outdir, item, process=process, processes=processes)
+            shutil.rmtree(work, ignore_errors=True)  # a kill between its record and this clean-up
             log(f"{item.name}: done already, skipped")
             continue
-        work = outdir / ".stages" / item.name
         start = time.perf_counter()
         if pipe is None:  # one pipeline per process, its models and programs kept between prompts
             shape = mesh_shape(options, len(local), pipeline_cls.guidance_batch(request, configs))
             pipe = pipeline_cls(source, label, dtype, devices.make_mesh(shape, ("dp", "tp"), devices=local),
                                 quiet, configs)
             pipe.resident = True
+        held: dict = {}
         reports = run_stages(pipe, request, workdir=check_workdir(work), force=force, log=lambda _: None,
-                             collective=False)
-        frames = stages.read(work, "decode", decode_settings(request)).tensors["frames"].numpy()
+                             collective=False, tensors=held)
+        decoded = held.get("decode") or stages.read(work, "decode", decode_settings(request)).tensors
+        frames = decoded["frames"].numpy()
+        del held, decoded
+        video.check_frames(frames, f"prompt {item.index} ({item.prompt[:40]!r}): the decode stage's frames")
         timings = {r.stage: r.timings for r in reports} | {"total_s": time.perf_counter() - start}
         totals.append(timings["total_s"])
         path = batch.record(outdir, item, fingerprint, lambda p: video.write_mp4(frames, p, fps=request.fps),
                             {"seed": request.seed, "timings": timings, "process": process,
-                             "machine": results.machine()} | ({"image": request.image} if request.image else {}))
+                             "machine": results.machine()} | ({"image": request.image} if request.image else {}),
+                            process=process, processes=processes)
+        shutil.rmtree(work)  # done: its video and record are all a finished prompt keeps
         made.append(item.name)
         log(f"{item.name}: wrote {path.name} ({timings['total_s']:.1f} s)")
     if pipe is not None:
@@ -884,6 +923,13 @@ def run_batch(pipeline_cls: type[StagedPipeline], prompts: str | Path, base: Req
         log(f"prompt 1: {totals[0]:.2f} s (loads and compiles); prompts 2..{len(totals)}: "
             f"mean {sum(totals[1:]) / (len(totals) - 1):.2f} s (resident)")
     distributed.barrier("batch done")
+    if processes > 1:  # one writer for index.jsonl: process 0, from every process's own lines
+        own = outdir / batch.manifest_file(process, processes)
+        lines = distributed.gather_bytes(own.read_bytes() if own.is_file() else b"")
+        distributed.on_leader(lambda: batch.gather_manifest(outdir, [b.decode() for b in lines]))
+        own.unlink(missing_ok=True)  # its lines are in index.jsonl now (on_leader waited for process 0)
+    with contextlib.suppress(OSError):
+        (outdir / ".stages").rmdir()  # only if empty: an unfinished prompt keeps its stage files
     return made
 
 

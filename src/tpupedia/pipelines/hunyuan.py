@@ -49,7 +49,7 @@ from tpupedia.pipelines.deepcache import UPSTREAM_DEFAULT, Schedule
 from tpupedia.pipelines.deepcache import parse as parse_schedule
 
 __all__ = ["Request", "Options", "PipelineError", "Hunyuan", "validate", "resolve", "settings", "text_settings",
-           "prompt_defaults",
+           "prompt_defaults", "check_text_depth",
            "run", "run_batch", "stock", "StageReport"]
 
 
@@ -143,6 +143,20 @@ def prompt_defaults() -> dict[str, Any]:
         "byt5_length": byt5["tokenizer_max_length"].default}
 
 
+def check_text_depth(configs: dict[str, dict]) -> None:
+    """Refuse a Qwen2.5-VL text model too shallow for the hidden state stock diffusers keeps,
+    `hidden_states[-(num_hidden_layers_to_skip + 1)]` (the embeddings and one state per layer):
+    with 2 skipped, 2 layers still work (stock keeps the embeddings' state), 1 does not (stock
+    fails with an IndexError). A run selects what stock selects or refuses; only a plan's
+    shallow compile (`tpupedia.plan`, `layers=`) takes the last state instead (notebook 09)."""
+    skip = prompt_defaults()["num_hidden_layers_to_skip"]
+    layers = configs["text_encoder"].get("num_hidden_layers")
+    if layers is not None and layers + 1 < skip + 1:
+        raise PipelineError(f"the text encoder has {layers} layer(s), so {layers + 1} hidden states; diffusers' "
+                            f"HunyuanVideo-1.5 pipeline keeps hidden_states[-{skip + 1}] (num_hidden_layers_to_skip="
+                            f"{skip}), which needs at least {skip} layers")
+
+
 class Hunyuan(common.StagedPipeline):
     """The three HunyuanVideo-1.5 stages over one checkpoint (see the module docstring)."""
 
@@ -169,6 +183,8 @@ class Hunyuan(common.StagedPipeline):
             raise PipelineError(f"shift={request.shift} must be a finite number > 0 (1 leaves the schedule unshifted)")
         if request.deepcache is not None:
             request.deepcache.check(request.steps)
+        if configs is not None:
+            check_text_depth(configs)
         if request.deepcache is not None and configs is not None and configs["transformer"].get("use_meanflow"):
             raise PipelineError(f"deepcache={request.deepcache}: this checkpoint is step-distilled (use_meanflow: "
                                 "each step also embeds the next timestep); DeepCache is implemented for the others")
@@ -255,11 +271,14 @@ class Hunyuan(common.StagedPipeline):
         crop, layer = d["crop_start"], -(d["num_hidden_layers_to_skip"] + 1)
         replicated = NamedSharding(self.mesh, P())
         prompts = self._prompts(request)
+        shallow = self.abstract and self.layers is not None  # a plan's cheap compile: shapes, not values
 
         def hidden(module, ids, mask):  # the one hidden state diffusers keeps, selected inside jit
             self.traces["text"] += 1
             out = module(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
-            return (out[layer] if len(out) > -layer else out[-1])[:, crop:]  # a plan's shallow model: its last
+            if shallow and len(out) <= -layer:  # the plan's shallow model may have fewer: its last has the shape
+                return out[-1][:, crop:]
+            return out[layer][:, crop:]  # exactly stock's `hidden_states[-(num_hidden_layers_to_skip + 1)]`
 
         def encoder(cls, name, forward):
             module = self._load(cls, name)
@@ -390,7 +409,8 @@ class Hunyuan(common.StagedPipeline):
         pictured = "image_embeds" in embeds
         image_tokens = family.image_tokens(self.configs)
         valid = text[1].bool().sum(1) + text[3].bool().sum(1) + (image_tokens if pictured else 0)
-        kept = family.kept_text_tokens(valid.tolist(), family.slot_tokens(self.configs))
+        kept = family.kept_text_tokens(valid.tolist(), family.slot_tokens(self.configs), video_tokens=family.video_tokens(
+            request.width, request.height, request.frames, self.shapes))
         programs = self._denoise_programs(request, setup, text_tokens=kept)
         # What the programs close over: the schedule (steps, shift), guidance on or off, the text
         # tokens kept, DeepCache's tail.

@@ -120,7 +120,7 @@ def write(workdir: str | os.PathLike, stage: str, tensors: Mapping[str, Any], se
     with `str` for what JSON cannot hold.
     """
     import torch
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     _check_stage(stage)
     if not isinstance(tensors, Mapping) or not tensors:
@@ -133,12 +133,12 @@ def write(workdir: str | os.PathLike, stage: str, tensors: Mapping[str, Any], se
     fp = fingerprint(settings)
     target, twin = path(workdir, stage), _json_path(workdir, stage)
     tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    data = save(tensors, metadata={"stage": stage, "fingerprint": fp, "format": FORMAT})
     twin.unlink(missing_ok=True)  # from here until the new twin exists, the stage is not done
-    files.write_atomic(target, lambda tmp: save_file(tensors, str(tmp), metadata={"stage": stage, "fingerprint": fp,
-                                                                       "format": FORMAT}))
-    meta = {
+    files.write_atomic(target, lambda tmp: tmp.write_bytes(data))
+    meta = {  # the checksum of the bytes written, not of the file read back (a decode file is ~1 GB at full size)
         "format": FORMAT, "stage": stage, "fingerprint": fp, "settings": settings,
-        "tensors": _describe(tensors), "sha256": _sha256(target.read_bytes()), "extra": dict(extra or {}),
+        "tensors": _describe(tensors), "sha256": _sha256(data), "extra": dict(extra or {}),
     }
     files.write_text_atomic(twin, json.dumps(meta, indent=2, default=str) + "\n")
     return target
