@@ -195,8 +195,9 @@ assert all(shares[name] > 0 for name in ("attention", "other matmuls", "collecti
 # for the full preset (`--compilation-cache`). Here two fresh processes compile the tiny step
 # with one cache folder, and JAX's monitoring events say what happened in each. The settings go
 # in twice: as environment variables, which JAX reads at import, so the small programs it
-# compiles while starting up land in the same folder whatever the parent process had set; and
-# through `jax.config.update`, the way to change them from Python:
+# compiles while starting up land in the same folder whatever the parent process had set (a
+# size limit, for one, would add a file of access times beside each entry); and through
+# `jax.config.update`, the way to change them from Python:
 
 # %%
 import json
@@ -234,7 +235,8 @@ for _ in range(2):
     done = subprocess.run([sys.executable, "-c", probe, str(cache)], capture_output=True, text=True, check=True,
                           env=os.environ | {"TPUPEDIA_PRESET": preset.name, "JAX_COMPILATION_CACHE_DIR": str(cache),
                                             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-                                            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"})
+                                            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+                                            "JAX_COMPILATION_CACHE_MAX_SIZE": "-1"})
     runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
 entries = sorted(p.name for p in cache.iterdir() if not p.name.startswith("."))
 for i, run in enumerate(runs, 1):
