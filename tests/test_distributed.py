@@ -238,6 +238,39 @@ def test_a_failing_process_is_named_and_the_job_stops(tmp_path):
     assert f"[p{named.group(1)}] tpupedia generate: frames=10" in done.stderr
 
 
+def test_a_tpu_host_lets_jax_find_its_slice(monkeypatch):
+    """A queued-resource TPU VM names its workers in the VM's metadata, not in variables: on a host
+    with TPU chips and no tpupedia variables, `initialize()` calls `jax.distributed.initialize()`
+    with no arguments and lets JAX decide; JAX finding no cluster leaves one process; a failure to
+    join is one `DistributedError`. Off a TPU, JAX is not asked."""
+    import jax
+
+    for name in (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES, distributed.ENV_PROCESS_ID,
+                 "TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS", "JAX_PLATFORMS"):
+        monkeypatch.delenv(name, raising=False)
+    calls = []
+    answers = iter([None, ValueError("coordinator_address should be defined."),
+                    RuntimeError("Getting metadata['worker-network-endpoints'] failed for 6 tries")])
+
+    def initialize(*args, **kwargs):
+        calls.append((args, kwargs))
+        answer = next(answers)
+        if answer is not None:
+            raise answer
+
+    monkeypatch.setattr(jax.distributed, "initialize", initialize)
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr("tpupedia.devices._backends_initialized", lambda: False)
+    monkeypatch.setattr("tpupedia.devices.tpu_present", lambda: False)
+    assert distributed.initialize().num_processes == 1 and calls == []  # no TPU: nothing to join
+    monkeypatch.setattr("tpupedia.devices.tpu_present", lambda: True)
+    assert distributed.initialize().num_processes == 1 and calls == [((), {})]  # JAX decided
+    assert distributed.initialize().num_processes == 1 and len(calls) == 2  # no cluster found: one host
+    with pytest.raises(distributed.DistributedError, match="joining the TPU slice failed: Getting metadata"):
+        distributed.initialize()
+    assert calls == [((), {})] * 3
+
+
 def test_initialize_refuses_bad_variables(monkeypatch):
     monkeypatch.setenv(distributed.ENV_COORDINATOR, "127.0.0.1:1")
     monkeypatch.setenv(distributed.ENV_NUM_PROCESSES, "two")

@@ -39,3 +39,20 @@ def test_start_returns_preset_and_silences_known_noise():
         warnings.warn("Explicitly requested dtype int64 requested in zeros is not available")
         warnings.warn("something new")
     assert [str(w.message) for w in seen] == ["something new"]
+
+
+def test_the_full_preset_shows_its_downloads_the_tiny_preset_does_not():
+    """A first full-size download (30-80 GB) with no progress bar looks hung: `start` keeps the
+    Hub's download bars for a preset that downloads; the tiny preset stays quiet (stored outputs)."""
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    was_disabled = are_progress_bars_disabled()
+    try:
+        session.quiet()
+        assert are_progress_bars_disabled()
+        session.start("full")  # no simulated devices: touches no JAX device
+        assert not are_progress_bars_disabled()
+        session.start("tiny")
+        assert are_progress_bars_disabled()
+    finally:
+        disable_progress_bars() if was_disabled else enable_progress_bars()

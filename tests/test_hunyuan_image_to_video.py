@@ -206,3 +206,30 @@ def test_a_folder_holding_another_tiny_checkpoint_is_refused(checkpoints):
     with pytest.raises(CheckpointError, match="holds another tiny checkpoint"):
         family.tiny_checkpoint(checkpoints["i2v"], image_to_video=True, transformer={"use_meanflow": True})
     assert family.tiny_checkpoint(checkpoints["i2v"], image_to_video=True) == checkpoints["i2v"]  # the same: reused
+
+
+def test_the_preflight_plans_each_pictures_aspect(tmp_path, monkeypatch):
+    """The full preset's pre-run plan (`plan.preflight`) caches its answer per shape; image-to-video
+    takes the video's size from the picture's aspect (`resolve`), so a tall picture after a wide one
+    is planned anew, while another picture of the same aspect reuses the answer."""
+    from types import SimpleNamespace
+
+    from tpupedia import plan
+
+    configs = family.full_configs(image_to_video=True)  # the 720p i2v release's, no download
+    chips = [SimpleNamespace(platform="tpu", device_kind="TPU v6 lite")] * 8
+    planned = []
+
+    def make(name, request, options, *, configs, **kwargs):
+        planned.append(pipeline.resolve(request, configs))
+        return SimpleNamespace(fits=True, vae_tiling=False, advice=lambda: "", summary=lambda: "fits")
+
+    monkeypatch.setattr(plan, "make", make)
+    pictures = [_picture(tmp_path / "wide.png", 72, 128), _picture(tmp_path / "tall.png", 128, 72),
+                _picture(tmp_path / "wide-large.png", 144, 256)]
+    for picture in pictures:
+        plan.preflight("hunyuan", _request(picture), pipeline.Options(), configs, chips,
+                       cache_dir=tmp_path / "plans", log=lambda _: None)
+    assert [(r.width, r.height) for r in planned] == [
+        family.video_size(128, 72, configs), family.video_size(72, 128, configs)]
+    assert planned[0].width > planned[0].height and planned[1].width < planned[1].height

@@ -264,3 +264,27 @@ def test_every_stage_file_records_the_library_versions(tmp_path, monkeypatch, li
     recorded = json.loads((tmp_path / "text.json").read_text())["extra"]["machine"]["versions"]
     wanted = {d: f"{d}-1.2.3" for d in ("torch", "jax", "jaxlib", "torchax", "diffusers", "transformers")}
     assert recorded == wanted | ({"libtpu": libtpu} if libtpu else {})
+
+
+def test_the_denoise_loop_waits_for_the_chips_only_where_it_needs_a_value(monkeypatch):
+    """`common.denoise_loop` waits after the first (compiling) call and after the last, and
+    dispatches the steps between without waiting; inside `step_times()` it waits after each and
+    records every step's seconds, as `tpupedia bench deepcache` needs. Same results either way."""
+    import jax
+    import jax.numpy as jnp
+
+    from tpupedia.pipelines import common
+
+    waits = []
+    real_wait = jax.block_until_ready
+    monkeypatch.setattr(jax, "block_until_ready", lambda x: waits.append(1) or real_wait(x))
+    step = jax.jit(lambda i, x: x * 0.5 + i)
+    seen = []
+    state, timings = common.denoise_loop(lambda i, x: step(i, x), jnp.ones(4), 6, lambda i, x: seen.append(i))
+    assert len(waits) == 2 and seen == list(range(6)) and timings["steps"] == 6 and "step_s" not in timings
+    assert timings["first_s"] > 0 and timings["steady_s"] > 0
+    waits.clear()
+    with common.step_times():
+        again, per_step = common.denoise_loop(lambda i, x: step(i, x), jnp.ones(4), 6)
+    assert len(waits) == 6 and len(per_step["step_s"]) == 6
+    assert jnp.array_equal(state, again)

@@ -325,12 +325,13 @@ def bench_deepcache(family: str, preset: Any, request: Any, options: Any, model:
     from safetensors.numpy import load_file
 
     from tpupedia import families, metrics
+    from tpupedia.pipelines import common
 
     pipeline = importlib.import_module(families.get(family, "video").pipeline)
 
     runs = {}
     for name, schedule in (("plain", None), ("cached", request.deepcache)):
-        with tempfile.TemporaryDirectory(prefix="tpupedia-bench-") as workdir:
+        with tempfile.TemporaryDirectory(prefix="tpupedia-bench-") as workdir, common.step_times():
             reports = pipeline.run(dataclasses.replace(request, deepcache=schedule), options, preset=preset, model=model,
                                   workdir=workdir, force=True, log=lambda _: None)
             frames = load_file(f"{workdir}/decode.safetensors")["frames"]

@@ -214,7 +214,7 @@ def _generate_setup(args: argparse.Namespace):
     elif preset.simulated_devices:
         devices.simulate_cpu_devices(getattr(args, "devices", None) or preset.simulated_devices)
     else:
-        distributed.initialize()  # joins the slice on a multi-host TPU VM; a no-op on one host
+        distributed.initialize()  # on a TPU host, joins its slice (variables or VM metadata); a no-op off a TPU
     cache = args.compilation_cache
     if cache is None and preset.pretrained:  # full-size programs take minutes to compile: keep them
         from tpupedia.models import checkpoints
@@ -226,7 +226,7 @@ def _generate_setup(args: argparse.Namespace):
         jax.config.update("jax_compilation_cache_dir", cache)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    session.quiet()
+    session.quiet(downloads=preset.pretrained)  # a first full-size download shows its progress
     check = _preflight(args, family, preset, options, configs)
     if check is not None and not getattr(args, "prompts", None):
         request = check(request)  # a batch checks each of its requests (`run_batch(prepare=...)`)

@@ -6,8 +6,9 @@ all of them (`jax.devices()`), so a mesh built from `jax.devices()` spans the sl
 function runs as one SPMD program with collectives between hosts. This module is that set-up,
 and nothing hand-made on top of it:
 
-* `initialize()`: on a TPU slice, `jax.distributed.initialize()` with no arguments (the TPU
-  environment supplies coordinator, count and rank); locally, from `TPUPEDIA_COORDINATOR`,
+* `initialize()`: on a TPU host, `jax.distributed.initialize()` with no arguments (the TPU
+  environment, its variables or a queued-resource VM's metadata, supplies coordinator, count and
+  rank; a host on its own is one process); locally, from `TPUPEDIA_COORDINATOR`,
   `TPUPEDIA_NUM_PROCESSES`, `TPUPEDIA_PROCESS_ID` and `TPUPEDIA_DEVICES_PER_PROCESS`, with
   CPU collectives over gloo; otherwise a no-op describing one process.
 * `launch(...)`: `tpupedia launch --local-processes N --devices-per-process D -- COMMAND`
@@ -69,8 +70,23 @@ def requested() -> bool:
 
 
 def _on_multihost_tpu() -> bool:
+    """Whether the environment variables name several TPU hosts (or a multislice coordinator)."""
     hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
     return "," in hosts or "MEGASCALE_COORDINATOR_ADDRESS" in os.environ
+
+
+def _on_tpu_host() -> bool:
+    """Whether JAX should be asked to join a TPU slice: the variables say so, or this host has TPU
+    chips (and `JAX_PLATFORMS`, if set, allows the TPU). A queued-resource TPU VM names its workers
+    in the VM's metadata, not in variables: `jax.distributed.initialize()` reads either."""
+    from tpupedia import devices
+
+    if _on_multihost_tpu():
+        return True
+    platforms = os.environ.get("JAX_PLATFORMS", "").strip()
+    if platforms and "tpu" not in platforms.split(","):
+        return False
+    return devices.tpu_present()
 
 
 def _describe() -> Processes:
@@ -88,13 +104,24 @@ def initialize() -> Processes:
 
     from tpupedia import devices
 
-    if not requested() and not _on_multihost_tpu():
+    if not requested() and not _on_tpu_host():
+        return _describe()
+    tpu = not requested()
+    if tpu and jax.distributed.is_initialized():  # joined already (a second call)
         return _describe()
     if devices._backends_initialized():
+        if tpu and not _on_multihost_tpu():
+            return _describe()  # JAX already runs on this host's chips, and no variable names other hosts
         raise DistributedError("JAX already started its devices; call distributed.initialize() first "
                                "(before any array, jit or jax.devices())")
-    if _on_multihost_tpu() and not requested():
-        jax.distributed.initialize()  # the TPU environment names the coordinator, count and rank
+    if tpu:  # the TPU environment (variables or the VM's metadata) names the coordinator, count and rank
+        try:
+            jax.distributed.initialize()
+        except ValueError as err:  # JAX found no cluster to join: a TPU host on its own
+            if _on_multihost_tpu():
+                raise DistributedError(f"the TPU variables name several hosts, but JAX cannot join them: {err}") from None
+        except RuntimeError as err:  # the metadata server did not answer, or the coordinator did not start
+            raise DistributedError(f"joining the TPU slice failed: {err}") from None
         return _describe()
     try:
         count = int(os.environ[ENV_NUM_PROCESSES])

@@ -373,15 +373,18 @@ def _cost(program: aot.Program, extra: dict[str, float]) -> ProgramCost:
 
 def _preflight_key(family: str, request: Any, options: Any, configs: dict, run_devices: Sequence[Any],
                    tiling: str, resident: bool, dtype: str) -> str:
-    """What the plan depends on: shapes, not words (a prompt only matters through quoted glyph text)."""
+    """What the plan depends on: shapes, not words (a prompt only matters through quoted glyph text).
+    The request as the plan plans it (the family's `resolve`): a family that takes an image-to-video
+    video's size from the picture's aspect (HunyuanVideo-1.5) keys on that size."""
     import jax
 
     from tpupedia import results
     from tpupedia.pipelines import common, stages
 
+    request = _resolved(_pipeline_module(family), request, configs)
     fields = {k: v for k, v in dataclasses.asdict(request).items()
               if k not in ("prompt", "negative_prompt", "seed", "fps", "vae_tiling", "image")}
-    if request.image is not None:  # the picture's size does not matter (it is resized): only that there is one
+    if request.image is not None:  # past `resolve`, the picture matters only through the size: that there is one
         fields["image"] = True
     quotes = any(q in p for p in (request.prompt, request.negative_prompt) for q in "\"'\u201c\u201d\u2018\u2019")
     return stages.fingerprint({

@@ -34,8 +34,15 @@ KNOWN_NOISE = (
 )
 
 
-def quiet() -> None:
-    """Filter the known-harmless warnings and quiet library logging and progress bars."""
+def quiet(downloads: bool = False) -> None:
+    """Filter the known-harmless warnings and quiet library logging and progress bars.
+
+    `downloads`: keep the Hugging Face Hub's download progress bars (the full preset: a first
+    download of 30-80 GB with nothing on screen looks hung). transformers' `disable_progress_bar`
+    also turns the Hub's bars off, so they are turned back on here, unless
+    `HF_HUB_DISABLE_PROGRESS_BARS` says otherwise. The libraries' warnings about weights that do
+    not match their model ("newly initialized", "not used") stay quiet because the pipelines refuse
+    such a checkpoint themselves (`tpupedia.models.checkpoints.load_component`)."""
     for message in KNOWN_NOISE:
         warnings.filterwarnings("ignore", message=message)
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)
@@ -53,13 +60,20 @@ def quiet() -> None:
         diffusers.utils.logging.disable_progress_bar()
     except ImportError:  # pragma: no cover
         pass
+    if downloads:
+        from huggingface_hub import constants
+        from huggingface_hub.utils import enable_progress_bars
+
+        if constants.HF_HUB_DISABLE_PROGRESS_BARS is not True:  # the user's `=1` has priority
+            enable_progress_bars()
 
 
 def start(name: str | None = None) -> presets.Preset:
     """Read the preset (`$TPUPEDIA_PRESET` unless `name` is given), create its simulated
-    devices before JAX initialises, and call `quiet`. Returns the preset."""
+    devices before JAX initialises, and call `quiet` (the Hub's download bars kept for a preset that
+    downloads its checkpoints). Returns the preset."""
     preset = presets.get(name) if name else presets.current()
     if preset.simulated_devices:
         devices.simulate_cpu_devices(preset.simulated_devices)
-    quiet()
+    quiet(downloads=preset.pretrained)
     return preset

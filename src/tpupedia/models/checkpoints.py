@@ -21,7 +21,7 @@ from tpupedia.errors import TpupediaError
 from tpupedia.files import cache_dir
 
 __all__ = ["CheckpointError", "cache_dir", "cached_pipeline", "clean_config", "choose_source", "named_source", "check_source",
-           "source_label", "read_configs"]
+           "source_label", "read_configs", "config_file", "hub_unreachable", "load_component", "check_loading_info"]
 
 
 class CheckpointError(TpupediaError, ValueError):
@@ -136,15 +136,122 @@ def check_source(source: str, what: str = "--model", example: str = "zai-org/Cog
                                   f"it first, e.g. huggingface-cli download {source} --local-dir DIR, then --model DIR)")
 
 
+CONFIG_FILES = {"pipeline": "model_index.json", "scheduler": "scheduler/scheduler_config.json",
+                "guider": "guider/guider_config.json"}
+"""The file `read_configs` reads for a component whose file is not `<component>/config.json`."""
+
+
+def config_file(name: str) -> str:
+    """The file in a checkpoint that holds component `name`'s config (`pipeline`: `model_index.json`)."""
+    return CONFIG_FILES.get(name, f"{name}/config.json")
+
+
+def _connection_errors() -> tuple[type[BaseException], ...]:
+    """The exception classes that mean "no route to the Hub" in the HTTP clients huggingface_hub uses."""
+    found: list[type[BaseException]] = [ConnectionError, TimeoutError]  # OfflineModeIsEnabled is a ConnectionError
+    for module, names in (("requests", ("ConnectionError", "Timeout")), ("httpx", ("TransportError",)),
+                          ("httpx2", ("TransportError",))):
+        try:
+            imported = __import__(module)
+        except ImportError:
+            continue
+        found += [getattr(imported, n) for n in names if isinstance(getattr(imported, n, None), type)]
+    return tuple(found)
+
+
+def hub_unreachable(err: BaseException) -> str | None:
+    """Why `err` (or an exception it was raised from or while handling: diffusers and transformers
+    re-raise the Hub's errors as `OSError`s saying a file is missing) is the Hub not answering:
+    `"offline"` (`HF_HUB_OFFLINE=1`, and the file not in the local cache), `"unreachable"` (no route
+    to the Hub, and the file not cached), or `None` for any other error."""
+    from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled
+
+    connection = _connection_errors()
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OfflineModeIsEnabled):
+            return "offline"
+        if isinstance(err, LocalEntryNotFoundError):
+            return "offline" if _offline() else "unreachable"
+        if isinstance(err, connection):
+            return "unreachable"
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def _unreachable_message(source: str, file: str, why: str) -> str:
+    if why == "offline":
+        return (f"checkpoint {source}: {file} is not in the local Hugging Face cache, and with HF_HUB_OFFLINE=1 the "
+                f"Hub is not asked (download it first, e.g. huggingface-cli download {source}, or unset HF_HUB_OFFLINE)")
+    return (f"checkpoint {source}: could not reach the Hugging Face Hub for {file}, and the local cache does not hold "
+            "it (check the network or HF_ENDPOINT; on a host without one, download the checkpoint elsewhere and "
+            "give --model DIR)")
+
+
 def read_configs(source: str, loaders: dict[str, Callable[[str], Any]]) -> dict[str, dict]:
     """`{component: config}` from `loaders[component](source)` (config files only, no weights),
-    cleaned (`clean_config`); a missing or unreadable config is a `CheckpointError` naming it."""
+    cleaned (`clean_config`); a missing or unreadable config is a `CheckpointError` naming its file
+    (`config_file`), and so is a Hub that cannot be reached or, offline, a file not cached
+    (`hub_unreachable`), said as such rather than as a missing file."""
     configs = {}
     for name, load in loaders.items():
         try:
             configs[name] = clean_config(load(source))
-        except (OSError, ValueError, KeyError) as err:
+        except Exception as err:  # sorted below: the Hub's errors, a bad file, or not ours
+            why = hub_unreachable(err)
+            if why is not None:
+                raise CheckpointError(_unreachable_message(source, config_file(name), why)) from None
+            if not isinstance(err, (OSError, ValueError, KeyError)):
+                raise
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise CheckpointError(f"checkpoint {source}: cannot read the {name} config ({name}/config.json): "
+            raise CheckpointError(f"checkpoint {source}: cannot read the {name} config ({config_file(name)}): "
                                   f"{first}") from None
     return configs
+
+
+SHOWN_KEYS = 3
+"""How many weight names a refused component's error quotes."""
+
+
+def check_loading_info(source: str, component: str, info: Any) -> None:
+    """Refuse, in one line naming `component` and its first `SHOWN_KEYS` weight names, a component
+    whose checkpoint weights do not match its class: weights the class has but the checkpoint lacks
+    (left randomly initialised: "newly initialized"), weights the checkpoint has that the class
+    does not use ("not used"), or weights of another shape. `info` is what
+    `from_pretrained(..., output_loading_info=True)` returns with the model (diffusers and
+    transformers), after each library has dropped what it expects to differ (tied weights,
+    non-persistent buffers, its class's `_keys_to_ignore_on_load_*` patterns): what stock diffusers
+    loads silently passes. Introduced with the CogVideoX pipeline (notebook 07)."""
+    if hasattr(info, "to_dict"):
+        info = info.to_dict()
+    info = dict(info or {})
+    problems = []
+    for key, what in (("missing_keys", "missing from the checkpoint"),
+                      ("unexpected_keys", "in the checkpoint but not in the model"),
+                      ("mismatched_keys", "of another shape in the checkpoint")):
+        keys = sorted(k[0] if isinstance(k, (tuple, list)) else str(k) for k in (info.get(key) or ()))
+        if keys:
+            more = f" and {len(keys) - SHOWN_KEYS} more" if len(keys) > SHOWN_KEYS else ""
+            problems.append(f"{len(keys)} weight(s) {what} ({', '.join(keys[:SHOWN_KEYS])}{more})")
+    if problems:
+        raise CheckpointError(f"checkpoint {source}: the {component} weights do not match its "
+                              f"{info.get('class', 'model')} class: {'; '.join(problems)}; refusing to run with "
+                              "randomly initialised or ignored weights (is it the checkpoint this family loads?)")
+
+
+def load_component(cls: Any, source: str, subfolder: str, **kwargs: Any) -> Any:
+    """`cls.from_pretrained(source, subfolder=subfolder, use_safetensors=True, **kwargs)`, in eval
+    mode, refused (`check_loading_info`) when the checkpoint's weights do not match `cls`. The
+    one way the pipelines load a model component from a checkpoint."""
+    try:
+        model, info = cls.from_pretrained(source, subfolder=subfolder, use_safetensors=True,
+                                          output_loading_info=True, **kwargs)
+    except Exception as err:  # only the Hub not answering is reworded
+        why = hub_unreachable(err)
+        if why is None:
+            raise
+        raise CheckpointError(_unreachable_message(source, f"the {subfolder} weights", why)) from None
+    info = info.to_dict() if hasattr(info, "to_dict") else dict(info)
+    check_loading_info(source, subfolder, info | {"class": cls.__name__})
+    return model.eval()

@@ -36,6 +36,7 @@ import functools
 import time
 from typing import Any, Callable
 
+from tpupedia.models import checkpoints
 from tpupedia.models import cogvideox as family
 from tpupedia.pipelines import common, decoding
 from tpupedia.pipelines.common import (  # this family's public names, shared by every family
@@ -391,8 +392,7 @@ class CogVideoX(common.StagedPipeline):
         chips = decoding.decode_mesh(self.mesh)
 
         def load():  # (the decoder this run uses, the VAE's scaling factor)
-            vae = AutoencoderKLCogVideoX.from_pretrained(self.source, subfolder="vae", dtype=self.dtype,
-                                                         use_safetensors=True).eval()
+            vae = checkpoints.load_component(AutoencoderKLCogVideoX, self.source, "vae", dtype=self.dtype)
             if self.vae == "flax":
                 import jax.numpy as jnp
                 from flax import nnx

@@ -42,6 +42,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from tpupedia.models import checkpoints
 from tpupedia.models import hunyuan as family
 from tpupedia.pipelines import common, decoding
 from tpupedia.pipelines.common import Options, PipelineError, StageReport
@@ -330,8 +331,7 @@ class Hunyuan(common.StagedPipeline):
         chips = decoding.decode_mesh(self.mesh)
 
         def load():  # the VAE with its encoder jitted, a copy on each of the host's chips
-            vae = AutoencoderKLHunyuanVideo15.from_pretrained(self.source, subfolder="vae", dtype=self.dtype,
-                                                              use_safetensors=True).eval()
+            vae = checkpoints.load_component(AutoencoderKLHunyuanVideo15, self.source, "vae", dtype=self.dtype)
             family.make_vae_jit_friendly(vae)
             self._to_jax("vae", vae, mesh=chips)
             vae.encoder = torchax_utils.JitModule(vae.encoder)
@@ -623,8 +623,7 @@ class Hunyuan(common.StagedPipeline):
 
         from tpupedia import torchax_utils
         def load():  # (the VAE, its decoder jitted and replicated on the host's chips; the decoder on `meta`)
-            vae = AutoencoderKLHunyuanVideo15.from_pretrained(self.source, subfolder="vae", dtype=self.dtype,
-                                                              use_safetensors=True).eval()
+            vae = checkpoints.load_component(AutoencoderKLHunyuanVideo15, self.source, "vae", dtype=self.dtype)
             family.make_vae_jit_friendly(vae)
             self._to_jax("vae", vae, mesh=decoding.decode_mesh(self.mesh))
             vae.decoder = torchax_utils.JitModule(vae.decoder)

@@ -44,6 +44,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from tpupedia.models import checkpoints
 from tpupedia.models import wan as family
 from tpupedia.pipelines import common, decoding
 from tpupedia.pipelines.common import Options, PipelineError, StageReport
@@ -219,8 +220,7 @@ class Wan(common.StagedPipeline):
             chips = decoding.decode_mesh(self.mesh)
 
             def load():
-                vae = AutoencoderKLWan.from_pretrained(self.source, subfolder="vae", dtype=self.dtype,
-                                                       use_safetensors=True).eval()
+                vae = checkpoints.load_component(AutoencoderKLWan, self.source, "vae", dtype=self.dtype)
                 return self._to_jax("vae", vae, mesh=chips)  # a copy on each of the host's chips
 
             vae = self.held("image", "vae", load)
@@ -435,8 +435,8 @@ class Wan(common.StagedPipeline):
         chips = decoding.decode_mesh(self.mesh)
 
         def load():
-            vae = family.make_vae_jit_friendly(AutoencoderKLWan.from_pretrained(
-                self.source, subfolder="vae", dtype=self.dtype, use_safetensors=True).eval())
+            vae = family.make_vae_jit_friendly(checkpoints.load_component(AutoencoderKLWan, self.source, "vae",
+                                                                     dtype=self.dtype))
             self._to_jax("vae", vae, mesh=chips)  # a copy on each of the host's chips
             return vae
 
