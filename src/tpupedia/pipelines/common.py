@@ -213,13 +213,14 @@ def timed(fn: Callable[[], Any], sync: Callable[[Any], Any]) -> tuple[Any, float
     return out, time.perf_counter() - start
 
 
-def load_stock(pipeline_class: Any, source: str, dtype: Any = None) -> Any:
+def load_stock(pipeline_class: Any, source: str, dtype: Any = None, **components: Any) -> Any:
     """Stock diffusers `pipeline_class` from `source` (safetensors only; float32 unless `dtype`),
     progress bar off: what each family's `stock` (the parity tests' and `tpupedia bench
-    generate`'s reference) starts from."""
+    generate`'s reference) starts from. `components`: modules loaded apart and passed in, as
+    diffusers' examples pass a float32 VAE to a bf16 pipeline."""
     import torch
 
-    pipe = pipeline_class.from_pretrained(source, dtype=dtype or torch.float32, use_safetensors=True)
+    pipe = pipeline_class.from_pretrained(source, dtype=dtype or torch.float32, use_safetensors=True, **components)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -414,14 +415,22 @@ class StagedPipeline:
         p = self.options.matmul_precision
         return jax.default_matmul_precision(p) if p else contextlib.nullcontext()
 
+    def component_dtype(self, name: str) -> Any:  # noqa: ARG002 - a family may keep a component in another dtype
+        """The torch dtype component `name` loads in: `self.dtype`, unless the family keeps it in
+        another as stock's documented usage does (Wan: the VAE and the image encoder in float32,
+        `tpupedia.models.wan.FLOAT32_COMPONENTS`). What the run loads and the plan compiles."""
+        return self.dtype
+
     def _load(self, cls, subfolder: str):
-        """Component `subfolder` of the checkpoint as a torch module in `self.dtype`, in eval mode:
-        `cls.from_pretrained` (safetensors only; refused when the checkpoint's weights do not match
-        `cls`, `checkpoints.load_component`), or with `abstract` built on `meta` from its config."""
+        """Component `subfolder` of the checkpoint as a torch module in its dtype
+        (`component_dtype`), in eval mode: `cls.from_pretrained` (safetensors only; refused when the
+        checkpoint's weights do not match `cls`, `checkpoints.load_component`), or with `abstract`
+        built on `meta` from its config."""
+        dtype = self.component_dtype(subfolder)
         if not self.abstract:
             from tpupedia.models import checkpoints
 
-            return checkpoints.load_component(cls, self.source, subfolder, dtype=self.dtype)
+            return checkpoints.load_component(cls, self.source, subfolder, dtype=dtype)
         import torch
 
         config = dict(self.configs[subfolder])
@@ -436,7 +445,7 @@ class StagedPipeline:
                 module = cls.from_config({k: v for k, v in config.items() if not k.startswith("_")})
             else:  # transformers: its config class, then the model class
                 module = cls(cls.config_class(**config))
-        return module.to(self.dtype).eval()
+        return module.to(dtype).eval()
 
     def _state(self, fm, name: str) -> tuple[dict, dict]:
         """`(weights, buffers)` of a placed component's `FunctionalModule`, or with `abstract` their

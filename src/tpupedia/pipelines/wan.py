@@ -30,8 +30,17 @@ Image-to-video (Wan2.1-I2V, Wan2.2-I2V-A14B; `Request.image`) adds a stage betwe
   mean), so the denoise stage's noise is the text-to-video one; each step feeds the condition
   beside the latents and the features to the cross-attention.
 
+Precision: with `dtype=bfloat16` (the full preset) every component runs in bf16, where diffusers'
+own examples keep the VAE and Wan 2.1 I2V's CLIP image encoder in float32: a float32 decode at
+720p and 81 frames is estimated not to fit a v6e chip (`tpupedia.models.wan.FLOAT32_COMPONENTS`
+says why, and is the one place to change it). The flow shift is the checkpoint's scheduler's
+unless `Request.shift` overrides it (`--shift`; diffusers' example uses 5.0 for 720p), which
+rebuilds UniPC's tables as `UniPCMultistepScheduler.from_config(config, flow_shift=shift)` does.
+
 Same weights and seed as `WanPipeline(output_type="np")` (`WanImageToVideoPipeline` with a picture)
-give the same frames (float32: within 1e-4, tests/test_wan.py, tests/test_wan_image_to_video.py).
+give the same frames (float32: within 1e-4, tests/test_wan.py, tests/test_wan_image_to_video.py;
+a shift override within 1e-4, and bf16 against stock in bf16 within a stated bound,
+tests/test_wan_precision.py).
 Introduced in notebook 11 (Wan on TPU); `tpupedia generate wan`.
 """
 
@@ -56,7 +65,8 @@ __all__ = ["PipelineError", "Request", "Options", "validate", "resolve", "settin
 @dataclass(frozen=True)
 class Request(common.Request):
     """What to generate. `guidance_2` is Wan 2.2's low-noise expert's scale (`None`: `guidance`,
-    as `WanPipeline` takes it)."""
+    as `WanPipeline` takes it); `shift` UniPC's flow shift (`None`: the checkpoint's scheduler's
+    `flow_shift`, `tpupedia.models.wan.flow_shift`)."""
 
     frames: int = 81
     guidance: float = 5.0
@@ -64,6 +74,9 @@ class Request(common.Request):
     guidance_2: float | None = field(default=None, metadata={
         "type": float, "help": "two-expert checkpoints (Wan 2.2 A14B): guidance of the low-noise expert "
                                "(default: --guidance)"})
+    shift: float | None = field(default=None, metadata={
+        "type": float, "help": "UniPC's flow shift (default: the checkpoint's scheduler; diffusers' example "
+                               "uses 5.0 for 720p, 3.0 for 480p)"})
 
 
 def validate(request: Request, options: Options, device_count: int | None = None,
@@ -74,27 +87,32 @@ def validate(request: Request, options: Options, device_count: int | None = None
 
 
 def resolve(request: Request, configs: dict[str, dict]) -> Request:
-    """`request` with `guidance_2` taken from `guidance` where unset and the checkpoint has two experts."""
+    """`request` with `guidance_2` taken from `guidance` where unset and the checkpoint has two
+    experts, and `shift` from the checkpoint's scheduler where unset (`family.flow_shift`)."""
+    request = dataclasses.replace(request, shift=family.flow_shift(configs, request.shift))
     if request.guidance_2 is None and len(family.experts(configs)) == 2:
         return dataclasses.replace(request, guidance_2=request.guidance)
     return request
 
 
 def settings(stage: str, source_label: str, configs: dict[str, dict], request: Request, *, dtype: str) -> dict:
-    """Every setting that changes the tensors of `stage` (and of the stages before it)."""
+    """Every setting that changes the tensors of `stage` (and of the stages before it), the
+    dtype of each component that does not run in `dtype` (`family.component_dtype`) included."""
     request = resolve(request, configs)
     clip = ({"image_encoder": common.config_fingerprint(configs["image_encoder"]),
-             "image_processor": configs["pipeline"].get("image_processor")} if "image_encoder" in configs else {})
-    out = common.stage_settings(family.FAMILY, stage, source_label, configs, request, dtype, picture=clip)
+             "image_processor": configs["pipeline"].get("image_processor"),
+             "image_encoder_dtype": family.component_dtype("image_encoder", dtype)} if "image_encoder" in configs else {})
+    picture = clip | {"vae_dtype": family.component_dtype("vae", dtype)}
+    out = common.stage_settings(family.FAMILY, stage, source_label, configs, request, dtype, picture=picture)
     if stage in ("denoise", "decode"):
         out |= {name: common.config_fingerprint(configs[name]) for name in family.experts(configs)}
         out |= {"scheduler": common.config_fingerprint(configs["scheduler"]),
                 "pipeline": common.config_fingerprint(configs.get("pipeline", {})),
                 "frames": request.frames, "height": request.height, "width": request.width,
                 "steps": request.steps, "guidance": request.guidance, "guidance_2": request.guidance_2,
-                "seed": request.seed}
+                "shift": request.shift, "seed": request.seed}
     if stage == "decode":
-        out |= {"vae_config": common.config_fingerprint(configs["vae"])}
+        out |= {"vae_config": common.config_fingerprint(configs["vae"]), "vae_dtype": family.component_dtype("vae", dtype)}
     return out
 
 
@@ -115,6 +133,8 @@ class Wan(common.StagedPipeline):
         super().validate(request, options, device_count, configs, shape_rules=shape_rules, kind=kind)
         if request.guidance_2 is not None and (not math.isfinite(request.guidance_2) or request.guidance_2 < 0):
             raise PipelineError(f"guidance_2={request.guidance_2} must be a finite number >= 0")
+        if request.shift is not None and (not math.isfinite(request.shift) or request.shift <= 0):
+            raise PipelineError(f"shift={request.shift} must be a finite number > 0 (1 leaves the schedule unshifted)")
         if request.guidance_2 is not None and configs is not None and len(family.experts(configs)) == 1:
             raise PipelineError(f"guidance_2={request.guidance_2}: this checkpoint has one transformer (Wan 2.1); the "
                                 "low-noise guidance is for two-expert checkpoints (Wan 2.2 A14B)")
@@ -135,6 +155,17 @@ class Wan(common.StagedPipeline):
     @classmethod
     def settings_for(cls, source_label, configs, request, options, dtype, stage) -> dict:
         return settings(stage, source_label, configs, request, dtype=str(dtype).removeprefix("torch."))
+
+    def component_dtype(self, name: str) -> Any:
+        """float32 for `family.FLOAT32_COMPONENTS`, else the run's dtype."""
+        import torch
+
+        return getattr(torch, family.component_dtype(name, str(self.dtype).removeprefix("torch.")))
+
+    @property
+    def vae_dtype(self) -> str:
+        """The VAE's dtype by name: what its programs compile in, for the run and the plan."""
+        return str(self.component_dtype("vae")).removeprefix("torch.")
 
     # -- stage 1 ---------------------------------------------------------------------------
     def _encode_text(self, request: Request) -> tuple[dict, dict]:
@@ -220,7 +251,7 @@ class Wan(common.StagedPipeline):
             chips = decoding.decode_mesh(self.mesh)
 
             def load():
-                vae = checkpoints.load_component(AutoencoderKLWan, self.source, "vae", dtype=self.dtype)
+                vae = checkpoints.load_component(AutoencoderKLWan, self.source, "vae", dtype=self.component_dtype("vae"))
                 return self._to_jax("vae", vae, mesh=chips)  # a copy on each of the host's chips
 
             vae = self.held("image", "vae", load)
@@ -242,7 +273,7 @@ class Wan(common.StagedPipeline):
         (`_clip_program`); then the VAE encoder's chunks (`encode_programs`) on the host's chips."""
         clip = [self._clip_program()] if "image_encoder" in self.configs else []
         return clip + encode_programs(self.configs["vae"], request.frames, request.height, request.width,
-                                      decoding.decode_mesh(self.mesh), dtype=str(self.dtype).removeprefix("torch."))
+                                      decoding.decode_mesh(self.mesh), dtype=self.vae_dtype)
 
     def _clip_program(self):
         """Wan 2.1's CLIP vision tower as the image stage compiles it, `(weights, buffers, pixels)`
@@ -289,7 +320,7 @@ class Wan(common.StagedPipeline):
         request = resolve(request, self.configs)
         setup = self._denoise_setup(request)
         programs = self._denoise_programs(request, setup)
-        key = ("steps", request.steps, setup.guided)
+        key = ("steps", request.steps, request.shift, setup.guided)  # what the compiled step closes over
         compiled = self.held("denoise", key, lambda: [jax.jit(p.fn, **p.jit_kwargs) for p in programs])
         states = [p.args[:2] for p in programs]  # each expert's (weights, buffers)
         x_spec, text_spec = programs[0].args[2], programs[0].args[4]
@@ -316,9 +347,10 @@ class Wan(common.StagedPipeline):
         return {"latents": common.to_torch(x)}, timings | {"steps_per_expert": experts}
 
     def _denoise_setup(self, request: Request):
-        """What the steps need from the host: UniPC's tables from the checkpoint's scheduler,
-        the initial latents drawn from `torch.Generator(seed)` in float32 as `WanPipeline` draws
-        them, which expert runs each step, and whether guidance is on."""
+        """What the steps need from the host: UniPC's tables from the checkpoint's scheduler with
+        `request.shift` as its `flow_shift` (the checkpoint's unless overridden), the initial
+        latents drawn from `torch.Generator(seed)` in float32 as `WanPipeline` draws them, which
+        expert runs each step, and whether guidance is on."""
         import types
 
         import jax.numpy as jnp
@@ -330,7 +362,7 @@ class Wan(common.StagedPipeline):
         from tpupedia.pipelines import schedulers
 
         config = {k: v for k, v in self.configs["scheduler"].items() if not k.startswith("_")}
-        scheduler = UniPCMultistepScheduler.from_config(config)
+        scheduler = UniPCMultistepScheduler.from_config(config, flow_shift=family.flow_shift(self.configs, request.shift))
         scheduler.set_timesteps(request.steps)
         tables = schedulers.unipc_tables(scheduler)
         boundary = family.boundary_timestep(self.configs)
@@ -424,7 +456,7 @@ class Wan(common.StagedPipeline):
         """The decode stage's programs: the VAE's first, second and later latent frames, each on
         one chip with its causal cache (`decode_programs`)."""
         return decode_programs(self.configs["vae"], self.shapes.latent_frames(request.frames), request.height,
-                               request.width, decoding.decode_mesh(self.mesh), dtype=str(self.dtype).removeprefix("torch."))
+                               request.width, decoding.decode_mesh(self.mesh), dtype=self.vae_dtype)
 
     def _decode(self, request: Request, latents) -> tuple[dict, dict]:  # noqa: ARG002 - every family's signature
         """Latents -> frames, float32 (F, H, W, 3) in [0, 1] (diffusers' `output_type="np"`)."""
@@ -436,7 +468,7 @@ class Wan(common.StagedPipeline):
 
         def load():
             vae = family.make_vae_jit_friendly(checkpoints.load_component(AutoencoderKLWan, self.source, "vae",
-                                                                     dtype=self.dtype))
+                                                                     dtype=self.component_dtype("vae")))
             self._to_jax("vae", vae, mesh=chips)  # a copy on each of the host's chips
             return vae
 
@@ -643,17 +675,29 @@ def decode_programs(vae_config: dict, latent_frames: int, height: int, width: in
 
 def stock(source: str, request: Request, dtype: Any = None) -> tuple[Any, dict[str, Any]]:
     """Stock diffusers `WanPipeline` (`WanImageToVideoPipeline` for a request with a picture, read
-    as `diffusers.utils.load_image` reads it) loaded from `source` (float32 unless `dtype`) and the
-    keyword arguments of the call that makes `request`'s video from the same seed (both experts'
-    scales), frames as `output_type="np"`: what the parity tests compare with and `tpupedia bench
-    generate` times."""
+    as `diffusers.utils.load_image` reads it) loaded from `source` (float32 unless `dtype`;
+    `family.FLOAT32_COMPONENTS` in float32 whatever `dtype`, passed in as diffusers' examples pass
+    a float32 VAE), its scheduler rebuilt with `request.shift`
+    where given (`UniPCMultistepScheduler.from_config(pipe.scheduler.config, flow_shift=shift)`,
+    as the example sets it), and the keyword arguments of the call that makes `request`'s video
+    from the same seed (both experts' scales), frames as `output_type="np"`: what the parity tests
+    compare with and `tpupedia bench generate` times."""
     import torch
-    from diffusers import WanImageToVideoPipeline, WanPipeline
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanImageToVideoPipeline, WanPipeline
+    from transformers import CLIPVisionModel
 
     from tpupedia import pictures
 
     i2v = request.image is not None
-    pipe = common.load_stock(WanImageToVideoPipeline if i2v else WanPipeline, source, dtype)
+    kept = {}  # as the examples load them: `torch_dtype=torch.float32`, passed to the bf16 pipeline
+    if (dtype or torch.float32) != torch.float32:
+        configs = family.component_configs(source)
+        classes = {"vae": AutoencoderKLWan, "image_encoder": CLIPVisionModel}
+        kept = {name: classes[name].from_pretrained(source, subfolder=name, dtype=torch.float32, use_safetensors=True)
+                for name in family.FLOAT32_COMPONENTS if name in configs}
+    pipe = common.load_stock(WanImageToVideoPipeline if i2v else WanPipeline, source, dtype, **kept)
+    if request.shift is not None:
+        pipe.scheduler = UniPCMultistepScheduler.from_config(pipe.scheduler.config, flow_shift=request.shift)
     picture = {"image": pictures.read(request.image)} if i2v else {}
     return pipe, picture | dict(prompt=request.prompt, negative_prompt=request.negative_prompt, num_frames=request.frames,
                       height=request.height, width=request.width, num_inference_steps=request.steps,
