@@ -116,16 +116,22 @@ def test_collective_ops_read_mesh_axis_replica_groups():
     assert aot.collective_traffic(hlo, devices=8)["all-gather"] == ops[1].bytes_sent
 
 
-def test_a_vmem_overflow_is_a_result_with_the_compilers_figures(monkeypatch):
-    text = ("RESOURCE_EXHAUSTED: E1001: CompileTimeScopedVmemOom:\nRan out of memory in memory space vmem\n"
-            "}}, metadata={}. Scoped allocation with size 60.66M and limit 32.00M exceeded scoped vmem limit")
+def _compile_failing_with(text, monkeypatch):
+    """`compile_aot` of a program whose compile raises `text`, as libtpu's errors read."""
 
     class Lowered:
         def compile(self):
             raise RuntimeError(text)
 
     monkeypatch.setattr(jax, "jit", lambda fn, **kw: type("J", (), {"lower": lambda self, *a: Lowered()})())
-    result = aot.compile_aot(lambda a: a, jnp.ones(2))
+    return aot.compile_aot(lambda a: a, jnp.ones(2))
+
+
+def test_a_vmem_overflow_is_a_result_with_the_compilers_figures(monkeypatch):
+    text = ("RESOURCE_EXHAUSTED: E1001: CompileTimeScopedVmemOom:\nRan out of memory in memory space vmem\n"
+            "}}, metadata={}. Scoped allocation with size 60.66M and limit 32.00M exceeded scoped vmem limit")
+
+    result = _compile_failing_with(text, monkeypatch)
     assert not result.fits and result.vmem_required_bytes == 60.66 * 2**20 and result.vmem_limit_bytes == 32 * 2**20
     assert "scoped VMEM" in result.summary() and "32.00 MiB" in result.summary()
 
@@ -189,13 +195,7 @@ def test_an_out_of_memory_compile_is_kept_with_its_figures(tmp_path, monkeypatch
 def test_both_of_libtpus_hbm_messages_give_the_figures(monkeypatch, text):
     """libtpu words an HBM overflow two ways; both give the same required and available bytes,
     so `hbm_budget` (and every plan built on it) reads either."""
-
-    class Lowered:
-        def compile(self):
-            raise RuntimeError(text)
-
-    monkeypatch.setattr(jax, "jit", lambda fn, **kw: type("J", (), {"lower": lambda self, *a: Lowered()})())
-    result = aot.compile_aot(lambda a: a, jnp.ones(2))
+    result = _compile_failing_with(text, monkeypatch)
     assert not result.fits and result.oom_required_bytes == 50.35 * 2**30 and result.oom_available_bytes == 31.25 * 2**30
     assert "31.25 GiB of HBM available" in result.summary()
     monkeypatch.setattr(aot, "_BUDGETS", {})
