@@ -25,6 +25,7 @@ LESSONS := $(sort $(wildcard lessons/[0-9][0-9]_*.py))
 # `TPUPEDIA_PRESET=full make lab` runs the notebooks on the real chips.
 test check unit nbval notebooks: export TPUPEDIA_PRESET := tiny
 test check unit nbval notebooks: export JAX_PLATFORMS := cpu
+test check: export TPUPEDIA_AOT_CACHE ?= $(CURDIR)/tests/aot-kept
 
 .PHONY: env test check unit nbval docs serve lab notebooks clean chromium
 
@@ -44,8 +45,11 @@ $(STAMP): requirements/ci.txt requirements/lock.txt pyproject.toml
 # workers share JAX's persistent compilation cache, made empty for this run and removed after it
 # (a program compiled once, a tiny step or a decode, is read back by the other worker and by the
 # command-line processes the tests start). Compiles for TPU topologies, which JAX's cache cannot
-# hold, are kept by `tpupedia.aot` in ~/.cache/tpupedia/aot, keyed by the program and the compiler
-# (TPUPEDIA_AOT_CACHE=off compiles everything). It writes tests/slow.txt, what `make check` skips.
+# hold, are kept by `tpupedia.aot` in tests/aot-kept, in the repository, keyed by the program, the
+# slice, the compiler and its versions: a fresh clone compiles only the programs a change touched.
+# A run that passes writes tests/slow.txt (what `make check` skips) and keeps in tests/aot-kept
+# only the compiles it used that took 2 s or more: commit both. TPUPEDIA_AOT_CACHE=off make test
+# compiles everything.
 test: env chromium
 	$(BIN)/ruff check .
 	@caches=$$(mktemp -d -t tpupedia-make-test-XXXXXX); trap 'rm -rf "$$caches"' EXIT; \

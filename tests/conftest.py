@@ -55,6 +55,13 @@ def run_cli():
 # (a new one) runs in `make check` too.
 QUICK_SECONDS = 5.0
 SLOW_LIST = os.path.join(os.path.dirname(__file__), "slow.txt")
+# The TPU compiles `make test` keeps in the repository (`tpupedia.aot.compile_aot`, keyed by the
+# program, the slice, the compiler and its versions): a fresh clone reads the answers of the
+# compiles this code asks for, and compiles whatever changed. A full `--record-slow` run that
+# passed keeps only what it used, and only compiles that took AOT_KEEP_SECONDS or more.
+AOT_KEPT = os.path.join(os.path.dirname(__file__), "aot-kept")
+AOT_KEEP_SECONDS = 2.0
+_STARTED = time.time()
 
 
 def pytest_addoption(parser):
@@ -145,6 +152,10 @@ def pytest_sessionfinish(session, exitstatus):
     config = session.config
     if not config.getoption("--record-slow") or hasattr(config, "workerinput") or not _costs:
         return
+    if exitstatus == 0 and os.path.realpath(os.environ.get("TPUPEDIA_AOT_CACHE", "")) == os.path.realpath(AOT_KEPT):
+        from tpupedia import aot
+
+        aot.prune(AOT_KEPT, since=_STARTED, min_seconds=AOT_KEEP_SECONDS)
     ran = {n for n in _costs if not n.endswith(".ipynb") and ".ipynb::" not in n}
     slow = {n for n in ran if _costs[n] >= QUICK_SECONDS}
     root = os.path.dirname(os.path.dirname(__file__))

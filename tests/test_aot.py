@@ -1,6 +1,7 @@
 import jax
 import jax.numpy as jnp
 import pytest
+from jax._src import config
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_devices import requires_libtpu
@@ -168,6 +169,65 @@ def test_a_compile_for_a_topology_is_kept_and_read_back_by_its_program(tmp_path,
     monkeypatch.setenv(aot.CACHE_ENV, "off")
     aot.compile_aot(matmul, x, w)
     assert len(compiles) == 4 and len(list((tmp_path / "aot").rglob("*.json.gz"))) == 3
+
+
+@requires_libtpu
+def test_a_kernels_key_does_not_name_the_folder_it_was_traced_from(monkeypatch):
+    """A Pallas kernel reaches the compiler as Mosaic bytecode, which names the source file it was
+    traced from (inside the virtual environment) unless the program is lowered without locations:
+    then the key of a kept compile is the same in every checkout, and `make test` in a fresh clone
+    reads the compiles the repository keeps (`tests/aot-kept`)."""
+    import base64
+    import re
+
+    from tpupedia import attention
+
+    lowered_texts = []
+    real_key = aot._cache_key
+    monkeypatch.setattr(aot, "_cache_key", lambda lowered: lowered_texts.append(lowered.as_text()) or real_key(lowered))
+    monkeypatch.setenv(aot.CACHE_ENV, "off")
+
+    class Lowered(Exception):
+        pass
+
+    def stop(lowered):  # the key is what this test reads: no compile needed
+        raise Lowered
+
+    monkeypatch.setattr(aot, "_compile_uncached", stop)
+    mesh = devices.topology_mesh("v6e:2x2", (1, 4), ("dp", "tp"))
+    q = aot.abstract((1, 8, 1024, 128), jnp.bfloat16, NamedSharding(mesh, P(None, "tp", None, None)))
+    with pytest.raises(Lowered):
+        aot.compile_aot(lambda q, k, v: attention.splash_attention(q, k, v, mesh=mesh, interpret=False), q, q, q)
+    (text,) = lowered_texts
+    bodies = [base64.b64decode(b) for b in re.findall(r'\\22body\\22: \\22([A-Za-z0-9+/=]+)\\22', text)]
+    assert bodies and all(b"splash" in b for b in bodies)  # the kernel is there, by name
+    assert not any(b".py" in b or b"site-packages" in b for b in bodies)
+    with config.traceback_in_locations_limit(10):  # what a plain lowering carries, for contrast
+        plain = jax.jit(lambda q, k, v: attention.splash_attention(q, k, v, mesh=mesh, interpret=False)).lower(q, q, q)
+    assert b"splash_attention_kernel.py" in b"".join(
+        base64.b64decode(b) for b in re.findall(r'\\22body\\22: \\22([A-Za-z0-9+/=]+)\\22', plain.as_text()))
+
+
+def test_prune_keeps_what_a_run_used_and_was_slow_to_compile(tmp_path):
+    import gzip
+    import json
+    import os
+    import time
+
+    def entry(name, seconds, age):
+        path = tmp_path / name[:2] / f"{name}.json.gz"
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(gzip.compress(json.dumps({"seconds": seconds}).encode()))
+        os.utime(path, (time.time() - age, time.time() - age))
+        return path
+
+    used_slow, used_fast, unused = entry("aa1", 30.0, 0), entry("aa2", 0.5, 0), entry("bb1", 30.0, 3600)
+    damaged = tmp_path / "cc" / "cc1.json.gz"
+    damaged.parent.mkdir()
+    damaged.write_bytes(b"not gzip")
+    assert aot.prune(tmp_path, since=time.time() - 60, min_seconds=2.0) == 3
+    assert used_slow.exists() and not used_fast.exists() and not unused.exists() and not damaged.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["aa"]  # emptied folders go too
 
 
 @requires_libtpu

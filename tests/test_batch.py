@@ -83,13 +83,11 @@ def test_a_finished_batch_leaves_only_videos_and_records_and_reads_no_stage_file
     file of about 1 GB per video at full size, are removed), and the decode file a stage wrote is
     never read back: the video comes from the frames in memory."""
     from tpupedia.models import cogvideox as family
-    from tpupedia.pipelines import cogvideox, stages
+    from tpupedia.pipelines import cogvideox
 
-    reads = []
-    read_bytes, read = Path.read_bytes, stages.read
+    reads = []  # every file read whole: a stage file's check (`stages.status`) and load (`stages.read`) both read it so
+    read_bytes = Path.read_bytes
     monkeypatch.setattr(Path, "read_bytes", lambda self: reads.append(self) or read_bytes(self))
-    monkeypatch.setattr(stages, "read", lambda workdir, stage, settings: reads.append(stages.path(workdir, stage))
-                        or read(workdir, stage, settings))
     prompts = tmp_path / "p.txt"
     prompts.write_text("a panda\na cat\nrain over a city\n")
     base = cogvideox.Request(prompt="-", negative_prompt="", frames=5, height=16, width=16, steps=2, seed=3, fps=8)
@@ -102,6 +100,21 @@ def test_a_finished_batch_leaves_only_videos_and_records_and_reads_no_stage_file
     assert decode_reads == [], decode_reads  # each decode file written once, never read back
     left = sorted(str(p.relative_to(tmp_path / "out")) for p in (tmp_path / "out").rglob("*"))
     assert left == sorted(["index.jsonl"] + [f"{n}{ext}" for n in names for ext in (".json", ".mp4")])
+    # a prompt whose run was killed after its decode stage: its file is read from disk once, for
+    # the check and the video together, and removed with the others
+    prompts.write_text(prompts.read_text() + "a fox\n")
+    fox = batch.read_prompts(prompts)[-1]
+    cogvideox.run(dataclasses.replace(base, prompt="a fox"), cogvideox.Options(quiet=True), preset=presets.get("tiny"),
+                  model=str(family.tiny_checkpoint(tmp_path / "cog")), workdir=tmp_path / "out" / ".stages" / fox.name,
+                  log=lambda _: None)
+    reads.clear()
+    made = cogvideox.run_batch(prompts, base, cogvideox.Options(quiet=True), preset=presets.get("tiny"),
+                               model=str(family.tiny_checkpoint(tmp_path / "cog")), outdir=tmp_path / "out",
+                               log=lambda _: None)
+    assert made == [fox.name]
+    assert sorted(p.name for p in reads if p.parent.name == fox.name) == [  # each checked once, decode loaded from that
+        f"{s}.safetensors" for s in ("decode", "denoise", "text")]
+    assert not (tmp_path / "out" / ".stages").exists()
 
 
 def test_the_processes_of_a_job_each_append_to_their_own_index_and_process_0_merges_them(tmp_path, monkeypatch):

@@ -50,16 +50,6 @@ def _assert_same_tensors(workdir: Path, reference: Path, stages_and_names) -> No
         assert error <= 1e-5, (stage, error)
 
 
-def test_two_processes_make_the_frames_one_process_makes(one_process, tmp_path):
-    multi = _tpupedia("launch", "--local-processes", "2", "--devices-per-process", "4", "--",
-                      *GENERATE, "--quiet", "--workdir", "multi", cwd=tmp_path, cache=one_process / "cache")
-    assert multi.returncode == 0, multi.stdout[-3000:] + multi.stderr[-3000:]
-    _assert_same_tensors(tmp_path / "multi", one_process / "runs", ALL_STAGES)
-    meta = (tmp_path / "multi" / "denoise.json").read_text()
-    assert '"processes": 2' in meta and '"devices": 8' in meta  # one mesh over both processes
-    assert not list((tmp_path / "multi").glob(".*.tmp"))
-
-
 def _launch_apart(monkeypatch, cache: Path, hosts: list[Path], *args: str, fails: bool = False) -> str:
     """`launch` of `GENERATE ARGS` as 2 processes x 4 devices, process N in `hosts[N]`, so that
     `--workdir runs` is a different folder for each, as on hosts that share no disk; returns what
@@ -85,13 +75,16 @@ def _files(folder: Path) -> list[str]:
 
 
 def test_processes_that_share_no_disk_make_the_frames_one_process_makes(one_process, tmp_path, monkeypatch):
-    """Issue 18: process 1 used to read the stage files process 0 wrote to its own disk, and crash."""
+    """Issue 18: process 1 used to read the stage files process 0 wrote to its own disk, and crash.
+    (Two processes that share a disk, as on one host, are notebook 10's proof.)"""
     hosts = [tmp_path / "p0", tmp_path / "p1"]
     for host in hosts:
         host.mkdir()
     _launch_apart(monkeypatch, one_process / "cache", hosts, "--quiet", "--workdir", "runs", "--out", "panda.mp4")
     _assert_same_tensors(hosts[0] / "runs", one_process / "runs", ALL_STAGES)
-    assert (hosts[0] / "panda.mp4").stat().st_size > 0
+    meta = (hosts[0] / "runs" / "denoise.json").read_text()
+    assert '"processes": 2' in meta and '"devices": 8' in meta  # one mesh over both processes
+    assert (hosts[0] / "panda.mp4").stat().st_size > 0 and not list((hosts[0] / "runs").glob(".*.tmp"))
     assert _files(hosts[1]) == []  # process 1 wrote nothing, and read nothing it could not have
 
 
@@ -283,21 +276,6 @@ def test_initialize_refuses_bad_variables(monkeypatch):
         distributed.initialize()
     with pytest.raises(distributed.DistributedError, match="nothing to launch"):
         distributed.launch([], 2, 4)
-
-
-def test_a_batch_is_split_over_the_processes(tmp_path):
-    (tmp_path / "p.txt").write_text("a panda\na cat\nrain over a city\n")
-    done = _tpupedia("launch", "--local-processes", "2", "--devices-per-process", "4", "--", "generate", "cogvideox",
-                     "--preset", "tiny", "--prompts", "p.txt", "--outdir", "out", "--quiet", cwd=tmp_path)
-    assert done.returncode == 0, done.stdout[-3000:]
-    import json
-
-    made_by = {e["index"]: e["process"] for e in map(json.loads, (tmp_path / "out" / "index.jsonl").read_text().splitlines())}
-    assert made_by == {0: 0, 1: 1, 2: 0}  # prompt i on process i mod 2, each on its own 4 devices
-    # index.jsonl written by process 0 alone from both processes' lines; nothing else is left
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
-        ["index.jsonl"] + [f"{n}{ext}" for n in ("0000-a-panda", "0001-a-cat", "0002-rain-over-a-city")
-                           for ext in (".json", ".mp4")])
 
 
 def test_stop_escalates_to_sigkill_for_a_process_that_ignores_sigterm():

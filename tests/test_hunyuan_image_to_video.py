@@ -222,7 +222,8 @@ def test_the_preflight_plans_each_pictures_aspect(tmp_path, monkeypatch):
 
     def make(name, request, options, *, configs, **kwargs):
         planned.append(pipeline.resolve(request, configs))
-        return SimpleNamespace(fits=True, vae_tiling=False, advice=lambda: "", summary=lambda: "fits")
+        return SimpleNamespace(fits=True, vae_tiling=False, advice=lambda: "", summary=lambda: "fits", stages=[], hbm=0.0,
+                               host_copy=0.0)
 
     monkeypatch.setattr(plan, "make", make)
     pictures = [_picture(tmp_path / "wide.png", 72, 128), _picture(tmp_path / "tall.png", 128, 72),

@@ -1,5 +1,7 @@
 """`tpupedia plan`: the pipeline's own programs compiled for a TPU slice, per-stage peaks, refusals."""
 
+import re
+
 import pytest
 
 from tpupedia import devices, plan
@@ -149,20 +151,76 @@ def test_preflight_refuses_before_loading_and_remembers(cogvideox_plan, tmp_path
     assert len(calls) == 1 and calls[0]["run_devices"] == chips and calls[0]["layers"] == plan.PREFLIGHT_LAYERS
 
 
-def test_preflight_off_a_tpu_plans_nothing(tmp_path):
+def test_preflight_on_cpu_devices_holds_the_run_against_the_hosts_memory(cogvideox_plan, tmp_path, monkeypatch):
+    """On CPU devices (a host without accelerators) the run's programs are compiled by the CPU
+    compiler and held against the host's memory, which the simulated devices share: each device
+    gets an equal share of what is available, after the host's copy of the largest model. Enough
+    memory: the request comes back, tiling resolved. Too little: refused naming the stage, the
+    share and the fix (fewer simulated devices among them). A cached answer that fit is planned
+    again when the host has less memory than it needs."""
     import jax
 
+    from tpupedia import hardware, presets
+    from tpupedia.models import cogvideox
     from tpupedia.pipelines import cogvideox as pipeline
 
-    request = pipeline.Request(prompt="a cat")
-    for tiling, want in (("auto", False), ("on", True), ("off", False)):
-        got = plan.preflight("cogvideox", request, pipeline.Options(), {}, jax.devices(), cache_dir=tmp_path,
-                             tiling=tiling)
-        assert got.vae_tiling is want
-    assert not any(tmp_path.iterdir())
+    configs, _ = cogvideox_plan
+    request = pipeline.Request(prompt="a cat", **(cogvideox.default_request(presets.get("tiny")) | {"steps": 3}))
+    lines, made = [], []
+    make = plan.make
+    monkeypatch.setattr(plan, "make", lambda *a, **k: made.append(k) or make(*a, **k))
+    got = plan.preflight("cogvideox", request, pipeline.Options(), configs, jax.devices(), cache_dir=tmp_path,
+                         dtype="float32", log=lines.append)
+    assert got.vae_tiling is False and len(made) == 1 and made[0]["run_devices"] == jax.devices()
+    summary = lines[-1]
+    assert "8 x cpu" in summary and "host memory per CPU device" in summary and "shared by 8 devices" in summary
+    assert "host's copy of the transformer while it is placed" in summary and "decode   peak" in summary
+    found = make("cogvideox", request, pipeline.Options(), configs=configs, layers=1, dtype="float32",
+                 run_devices=jax.devices())
+    need = max(s.peak for s in found.stages)
+    assert 0 < need < found.hbm and found.host_copy > 0
+    # the host holds only half of what the run needs on its 8 devices: refused, and planned again
+    monkeypatch.setattr(hardware, "host_memory_available", lambda: int(found.host_copy + 4 * need))
+    with pytest.raises(plan.PlanError, match=r"cogvideox on 8 x cpu will not fit: stage \w+ needs .* GiB per device "
+                                             r"of .* GiB \(host memory per CPU device: .*--devices 1.*nothing was loaded"):
+        plan.preflight("cogvideox", request, pipeline.Options(), configs, jax.devices(), cache_dir=tmp_path,
+                       dtype="float32", log=lines.append)
+    assert len(made) == 2  # the cached answer said it fits: with less memory it was not trusted
+    with pytest.raises(plan.PlanError, match="will not fit"):  # the refusal is cached: no third compile
+        plan.preflight("cogvideox", request, pipeline.Options(), configs, jax.devices(), cache_dir=tmp_path,
+                       dtype="float32", log=lines.append)
+    assert len(made) == 2
     with pytest.raises(plan.PlanError, match="vae_tiling='sometimes' is not one of auto, on, off"):
-        plan.preflight("cogvideox", request, pipeline.Options(), {}, jax.devices(), cache_dir=tmp_path,
+        plan.preflight("cogvideox", request, pipeline.Options(), configs, jax.devices(), cache_dir=tmp_path,
                        tiling="sometimes")
+
+
+def test_a_named_checkpoint_runs_on_the_machines_devices_and_is_planned_against_host_memory(tmp_path, monkeypatch,
+                                                                                              capsys):
+    """`generate --model` under the tiny preset: the machine's devices, not the preset's simulated
+    ones (which would share the host's memory, each with a copy of the replicated weights), and the
+    CPU plan before any weight loads: a host without the memory refuses in one line."""
+    from tpupedia import devices as devices_module
+    from tpupedia import hardware
+    from tpupedia.models import cogvideox
+
+    checkpoint = cogvideox.tiny_checkpoint(tmp_path / "ckpt")
+    capsys.readouterr()
+    monkeypatch.setenv("TPUPEDIA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(devices_module, "simulate_cpu_devices", lambda n: pytest.fail("simulated devices"))
+    monkeypatch.setattr(hardware, "host_memory_available", lambda: 2**20)  # 1 MiB
+    monkeypatch.setattr("tpupedia.pipelines.cogvideox.run", lambda *a, **k: pytest.fail("weights loaded"))
+    argv = ["generate", "cogvideox", "--model", str(checkpoint), "--prompt", "a cat", "--frames", "9",
+            "--compilation-cache", "off", "--workdir", str(tmp_path / "run")]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert "devices: 8 x cpu, this machine's: a named checkpoint is not run on the tiny preset's" in out
+    assert re.match(r"tpupedia generate: cogvideox on 8 x cpu will not fit: stage \w+ needs .* GiB per device .*"
+                    r"host memory per CPU device: 0\.00 GiB available.*--devices 1", err)
+    assert len(err.strip().splitlines()) == 1
+    calls = []
+    monkeypatch.setattr(devices_module, "simulate_cpu_devices", lambda n: calls.append(n) or __import__("jax").devices())
+    assert main(argv + ["--devices", "8"]) == 2 and calls == [8]  # asked for: simulated
 
 
 def test_generate_full_runs_the_preflight_before_loading(tmp_path, monkeypatch, capsys):

@@ -21,6 +21,8 @@ Introduced in notebook 00 (start here); the dry-run planner of notebook 08 build
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import gzip
 import hashlib
 import json
@@ -48,6 +50,7 @@ __all__ = [
     "lowered_flops",
     "CACHE_ENV",
     "CachedCompile",
+    "prune",
 ]
 
 CACHE_ENV = "TPUPEDIA_AOT_CACHE"
@@ -274,13 +277,21 @@ def compile_aot(fn: Callable[..., Any], *args: Any, **jit_kwargs: Any) -> AOTRes
     for TPU devices is read back from `$TPUPEDIA_AOT_CACHE` when the same program was compiled
     for the same devices before (the module docstring); `compiled` is then a `CachedCompile`.
     """
-    import jax
+    import time
 
-    lowered = jax.jit(fn, **jit_kwargs).lower(*args)
+    import jax
+    from jax._src import config
+
+    # No source locations in the program: a Pallas kernel carries its Mosaic body as bytecode that
+    # would name the file it was traced from (the virtual environment's path), and the key of a
+    # kept compile must not depend on where the project is checked out. Codegen is unchanged.
+    with config.traceback_in_locations_limit(0):
+        lowered = jax.jit(fn, **jit_kwargs).lower(*args)
     key = _cache_key(lowered)
     kept = _cache_read(key)
     if kept is not None:
         return kept
+    start = time.perf_counter()
     try:
         compiled = _compile_uncached(lowered)
     except Exception as err:  # jax raises JaxRuntimeError; match on the status text
@@ -300,7 +311,7 @@ def compile_aot(fn: Callable[..., Any], *args: Any, **jit_kwargs: Any) -> AOTRes
             vmem_required_bytes=float(v.group(1)) * _UNIT[v.group(2)] if v else None,
             vmem_limit_bytes=float(v.group(3)) * _UNIT[v.group(4)] if v else None,
         )
-        _cache_write(key, result)
+        _cache_write(key, result, time.perf_counter() - start)
         return result
     result = AOTResult(
         fits=True,
@@ -308,7 +319,7 @@ def compile_aot(fn: Callable[..., Any], *args: Any, **jit_kwargs: Any) -> AOTRes
         collectives=collective_counts(compiled.as_text()),
         compiled=compiled,
     )
-    _cache_write(key, result)
+    _cache_write(key, result, time.perf_counter() - start)
     return result
 
 
@@ -398,17 +409,21 @@ def _cache_read(key: str | None) -> AOTResult | None:
     if key is None:
         return None
     try:
-        with gzip.open(_cache_path(key), "rt") as f:
+        path = _cache_path(key)
+        with gzip.open(path, "rt") as f:
             kept = json.load(f)
         memory = MemoryPerChip(**kept["memory"]) if kept["memory"] else None
         compiled = CachedCompile(kept["hlo"], kept["cost"]) if kept["hlo"] is not None else None
-        rest = {k: v for k, v in kept.items() if k not in ("memory", "hlo", "cost")}
-        return AOTResult(memory=memory, compiled=compiled, **rest)
+        rest = {k: v for k, v in kept.items() if k not in ("memory", "hlo", "cost", "seconds")}
+        result = AOTResult(memory=memory, compiled=compiled, **rest)
     except (OSError, ValueError, KeyError, TypeError, EOFError):
         return None
+    with contextlib.suppress(OSError):
+        os.utime(path)  # read now: `prune` keeps what a run used
+    return result
 
 
-def _cache_write(key: str | None, result: AOTResult) -> None:
+def _cache_write(key: str | None, result: AOTResult, seconds: float = 0.0) -> None:
     if key is None:
         return
     cost = None
@@ -421,10 +436,34 @@ def _cache_write(key: str | None, result: AOTResult) -> None:
             cost = None
     kept = {f.name: getattr(result, f.name) for f in fields(result) if f.name not in ("memory", "compiled")}
     kept |= {"memory": asdict(result.memory) if result.memory else None,
-             "hlo": result.compiled.as_text() if result.compiled is not None else None, "cost": cost}
+             "hlo": result.compiled.as_text() if result.compiled is not None else None, "cost": cost,
+             "seconds": round(seconds, 3)}
     path = _cache_path(key)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     files.write_atomic(path, lambda tmp: tmp.write_bytes(gzip.compress(json.dumps(kept).encode(), 1)))
+
+
+def prune(folder: str | os.PathLike, since: float, min_seconds: float = 0.0) -> int:
+    """Remove from the kept compiles in `folder` those not read or written since `since` (a
+    `time.time()`), and those that took the compiler less than `min_seconds` (cheaper to compile
+    again than to keep); returns how many were removed. `make test` keeps the project's slow
+    compiles in the repository this way (`tests/aot-kept`): only what its last run used."""
+    removed = 0
+    for path in sorted(glob.glob(os.path.join(folder, "??", "*.json.gz"))):
+        try:
+            stale = os.path.getmtime(path) < since
+            if not stale and min_seconds > 0:
+                with gzip.open(path, "rt") as f:
+                    stale = json.load(f).get("seconds", 0.0) < min_seconds
+        except (OSError, ValueError, EOFError):
+            stale = True
+        if stale:
+            os.unlink(path)
+            removed += 1
+    for sub in glob.glob(os.path.join(folder, "??")):
+        with contextlib.suppress(OSError):
+            os.rmdir(sub)  # only if empty
+    return removed
 
 
 _BUDGETS: dict[str, float] = {}

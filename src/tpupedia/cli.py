@@ -175,9 +175,9 @@ def _generate_setup(args: argparse.Namespace):
     pipeline = _pipeline_module(args.model_family)
     family = pipeline.PIPELINE.family
     preset = presets.get(args.preset) if args.preset else presets.current()
-    if getattr(args, "devices", None) is not None:
+    if args.devices is not None:
         _positive(devices=args.devices)
-    if getattr(args, "devices", None) is not None and not preset.simulated_devices:
+    if args.devices is not None and not preset.simulated_devices:
         raise CommandLineError(f"--devices {args.devices} sets how many CPU devices the {preset.name} preset "
                                "simulates; it has none (it uses the machine's devices)")
     fields = family.default_request(preset) | {k: v for k, v in (
@@ -211,8 +211,17 @@ def _generate_setup(args: argparse.Namespace):
         common.check_workdir(args.workdir)
     if distributed.requested():  # one process of a `tpupedia launch` job (notebook 10)
         distributed.initialize()
-    elif preset.simulated_devices:
-        devices.simulate_cpu_devices(getattr(args, "devices", None) or preset.simulated_devices)
+    elif preset.simulated_devices and (args.devices or not family.named_source(args.model)):
+        devices.simulate_cpu_devices(args.devices or preset.simulated_devices)
+    elif preset.simulated_devices:  # a checkpoint of any size: the devices this machine has (notebook 10)
+        import jax
+
+        devices.quiet_libtpu()
+        found = jax.devices()
+        if not args.quiet:
+            print(f"devices: {len(found)} x {found[0].device_kind}, this machine's: a named checkpoint is not run on "
+                  f"the {preset.name} preset's {preset.simulated_devices} simulated CPU devices, which would share "
+                  "this host's memory, each with its own copy of every replicated weight (--devices N simulates N)")
     else:
         distributed.initialize()  # on a TPU host, joins its slice (variables or VM metadata); a no-op off a TPU
     cache = args.compilation_cache
@@ -234,11 +243,12 @@ def _generate_setup(args: argparse.Namespace):
 
 
 def _preflight(args: argparse.Namespace, family, preset, options, configs):
-    """For a full-size run, `request -> request`: the plan's checks (`plan.preflight`, on a TPU
-    only, cached per shape) before any weight loads, VAE tiling resolved; otherwise `None`. A
-    batch plans each request for one process's own chips, models resident; one video for the job's."""
-    if not preset.pretrained or args.no_plan:
-        return None
+    """For a full-size run or a named checkpoint, `request -> request`: the plan's checks
+    (`plan.preflight`: a TPU's HBM, or on CPU devices the host's memory; cached per shape) before
+    any weight loads, VAE tiling resolved; otherwise `None`. A batch plans each request for one
+    process's own chips, models resident; one video for the job's."""
+    if args.no_plan or not (preset.pretrained or family.named_source(args.model)):
+        return None  # the tiny preset's own models: seconds and megabytes
     import jax
 
     from tpupedia import plan
@@ -388,7 +398,11 @@ def _add_generate_arguments(p: argparse.ArgumentParser, spec, *, stages: bool) -
                    help="decode in overlapping spatial tiles; auto: on a TPU with the full preset, the plan turns it "
                         "on when a frame does not fit one chip, otherwise off")
     p.add_argument("--no-plan", action="store_true",
-                   help="on a TPU with the full preset, skip the plan's checks before loading weights (cached per shape)")
+                   help="skip the plan's checks before loading weights (the full preset or a checkpoint named with "
+                        "--model: a TPU's HBM, or this host's memory for CPU devices; cached per shape)")
+    p.add_argument("--devices", type=int, default=None,
+                   help="simulated CPU devices (the tiny preset: default its 8, or none for a checkpoint named with "
+                        "--model, which runs on this machine's devices; simulated devices share the host's memory)")
     for f in _family_fields(_pipeline_module(family)):
         p.add_argument(f"--{f.name.replace('_', '-')}", default=None, metavar=f.metadata.get("metavar"),
                        type=f.metadata.get("type", str), help=f.metadata.get("help"))
@@ -506,8 +520,6 @@ def build_parser() -> argparse.ArgumentParser:
         bgen = bgsub.add_parser(spec.name, help=f"{spec.name}: text, denoise and decode in a temporary work directory")
         _add_generate_arguments(bgen, spec, stages=False)
         bgen.add_argument("--output", default="docs/results/pipelines.json", help="results file to merge into")
-        bgen.add_argument("--devices", type=int, default=None,
-                          help="simulated CPU devices (the tiny preset; default its 8)")
         bgen.add_argument("--stock", choices=["auto", "on", "off"], default="auto",
                           help="also run the stock diffusers pipeline on the host and report the step ratio "
                                "(auto: with the tiny preset, not with full)")

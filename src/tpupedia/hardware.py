@@ -15,6 +15,7 @@ Introduced in notebook 00 (start here); the dry-run planner of notebook 08 divid
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import asdict, dataclass
 
@@ -29,6 +30,7 @@ __all__ = [
     "parse_topology",
     "table_rows",
     "chip_for_device_kind",
+    "host_memory_available",
 ]
 
 GB = 1e9
@@ -228,3 +230,18 @@ def chip_for_device_kind(kind: str) -> Chip | None:
         if re.search(pattern, kind):
             return CHIPS[name]
     return None
+
+
+def host_memory_available() -> int:
+    """Bytes of this host's memory a new allocation can have now without swapping: Linux's
+    `MemAvailable` (`/proc/meminfo`), else the free pages `os.sysconf` reports. What a run on CPU
+    devices is checked against before it loads weights (`tpupedia.plan.preflight`): simulated CPU
+    devices all take their memory from here."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # pragma: no cover - not Linux
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")  # pragma: no cover

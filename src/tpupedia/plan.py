@@ -34,7 +34,7 @@ from tpupedia import aot, devices, hardware
 from tpupedia.errors import TpupediaError
 
 __all__ = ["PlanError", "ProgramCost", "StageCost", "Plan", "make", "programs", "preflight", "TILING", "record",
-           "DEFAULT_RECORDS", "PREFLIGHT_LAYERS"]
+           "DEFAULT_RECORDS", "PREFLIGHT_LAYERS", "memory_budget"]
 
 TILING = ("auto", "on", "off")
 STAGES = ("text", "image", "denoise", "decode")  # `image`: image-to-video requests only
@@ -126,6 +126,11 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     attention: str = ""
     """The denoise stage's attention: `splash Q/KV/KV_COMPUTE` (its block sizes) or `reference`."""
+    memory: str = "HBM per chip"
+    """What `hbm` is: a TPU chip's HBM, or (a run on CPU devices) each device's share of the host
+    memory available when the plan was made (`memory_budget`)."""
+    host_copy: float = 0.0
+    """Bytes a run on CPU devices holds on the host besides its devices' share (`memory_budget`)."""
 
     def stage(self, name: str) -> StageCost:
         return next(s for s in self.stages if s.stage == name)
@@ -147,11 +152,21 @@ class Plan:
             need = "did not compile" if s.peak is None else f"needs {s.peak / _GIB:.2f} GiB"
             fix = {"text": "--sharding tp (text encoders split over tp) or a mesh with a larger tp",
                    "denoise": "--attention splash, --sharding fsdp, fewer frames or a smaller --resolution, or more chips",
+                   "image": "--vae-tiling on, or a smaller --resolution",
                    "decode": "--vae-tiling on, or a smaller --resolution"}[s.stage]
             if self.resident:
                 fix += "; or generate one video at a time (a batch keeps every stage's models)"
-            return f"stage {s.stage} {need} per chip of {self.hbm / _GIB:.2f} GiB: try {fix}"
+            if self.on_host and self.chips > 1:
+                fix += ("; or fewer simulated CPU devices (--devices 1: they share this host's memory, and each "
+                        "holds its own copy of every replicated weight)")
+            unit = "device" if self.on_host else "chip"
+            return f"stage {s.stage} {need} per {unit} of {self.hbm / _GIB:.2f} GiB ({self.memory}): try {fix}"
         return ""
+
+    @property
+    def on_host(self) -> bool:
+        """Whether the plan is for CPU devices, which share the host's memory."""
+        return self.memory != "HBM per chip"
 
     def check(self) -> None:
         """Raise `PlanError` naming the stage and the fix unless every stage fits."""
@@ -170,17 +185,18 @@ class Plan:
         g = _GIB
         r = self.request
         checkpoint = f" ({self.checkpoint})" if self.checkpoint else ""
+        unit = "device" if self.on_host else "chip"
         head = (f"{self.family}{checkpoint} {r['width']}x{r['height']}, {r['frames']} frames, {r['steps']} steps on "
-                f"{self.topology} ({self.chips} chips), mesh {self.mesh}"
+                f"{self.topology} ({self.chips} {unit}s), mesh {self.mesh}"
                 + (f", attention {self.attention}" if self.attention else "")
                 + (f", {self.layers} layers compiled" if self.layers else "")
                 + (", batch (models resident)" if self.resident else "")
                 + (f", VAE tiling {'on' if self.vae_tiling else 'off'}" if any(s.stage == "decode" for s in self.stages)
                    else ""))
-        lines = [head, f"  HBM per chip: {self.hbm / g:.2f} GiB"]
+        lines = [head, f"  {self.memory}: {self.hbm / g:.2f} GiB"]
         for s in self.stages:
             peak = "does not compile" if s.peak is None else f"peak {s.peak / g:.2f} GiB"
-            lines.append(f"  {s.stage:8s} {peak} per chip (weights {s.weights / g:.2f} GiB, "
+            lines.append(f"  {s.stage:8s} {peak} per {unit} (weights {s.weights / g:.2f} GiB, "
                          f"resident from other stages {s.resident / g:.2f} GiB)")
             for p in s.programs:
                 if p.peak is None:
@@ -247,7 +263,6 @@ def make(family: str, request: Any, options: Any, *, model: str | None = None, c
     mesh = (devices.topology_mesh(topo, shape, ("dp", "tp")) if run_devices is None
             else devices.make_mesh(shape, ("dp", "tp"), devices=list(run_devices)))
     pipe = _abstract_pipeline(pipe_cls, configs, mesh, options, dtype, layers)
-    hbm = aot.hbm_budget(mesh.devices.flat)
     notes: list[str] = []
 
     request = _resolved(module, request, configs)
@@ -259,7 +274,15 @@ def make(family: str, request: Any, options: Any, *, model: str | None = None, c
         image_programs = _stage_programs(pipe, "image", _with_tiling(request, vae_tiling == "on"))
     if "denoise" in stages:
         programs["denoise"] = _stage_programs(pipe, "denoise", request)
-    extra = _missing_layers(pipe, layers)
+    full_depth = _full_depth(pipe, layers)  # the components loaded so far (the decode's VAE is not a torch model)
+    extra = {name: full.bytes_per_device - pipe.plans[name].bytes_per_device for name, full in full_depth.items()}
+    host_copy, what = 0.0, ""
+    if mesh.devices.flat[0].platform == "cpu":
+        host_copy, what = max(((p.bytes_total, c) for c, p in full_depth.items()), default=(0.0, ""))
+        if chips > 1:
+            notes.append(f"the {chips} CPU devices share this host's memory: each one's weights, replicated ones "
+                         "included, and temporaries come out of it")
+    hbm, memory = memory_budget(list(mesh.devices.flat), host_copy, what)
     if any(extra.values()):
         notes.append(f"compiled {layers} layers per model; the missing layers' weight shards are added from their "
                      f"shapes ({sum(extra.values()) / _GIB:.2f} GiB per chip in all); temporaries are as compiled "
@@ -293,7 +316,7 @@ def make(family: str, request: Any, options: Any, *, model: str | None = None, c
                 request={"width": r.width, "height": r.height, "frames": r.frames, "steps": r.steps,
                          "guidance": r.guidance} | ({"image": True} if r.image is not None else {}),
                 layers=layers, resident=resident, hbm=hbm, stages=planned, vae_tiling=tiling, notes=notes,
-                attention=attention)
+                attention=attention, memory=memory, host_copy=host_copy)
 
 
 def programs(family: str, request: Any, options: Any, configs: dict[str, dict], mesh: Any, stage: str, *,
@@ -337,11 +360,13 @@ def _with_tiling(request, tiling: bool):
     return dataclasses.replace(request, vae_tiling=tiling)
 
 
-def _missing_layers(pipe, layers: int | None) -> dict[str, float]:
-    """Per component, the weight bytes per chip of the layers a shallow plan left out, from a
-    full-depth copy built on `meta` and planned with the same rules."""
+def _full_depth(pipe, layers: int | None) -> dict[str, Any]:
+    """Per torch component (the transformers and text encoders), its `ShardingPlan` at full depth:
+    the plan's own when it compiles every layer, else a full-depth copy built on `meta` and planned
+    with the same rules (the weight bytes per chip of the layers a shallow plan left out, and each
+    component's whole size)."""
     if layers is None:
-        return {}
+        return {name: plan for name, plan in pipe.plans.items() if name != "vae"}
     from tpupedia import sharding
 
     out = {}
@@ -351,10 +376,30 @@ def _missing_layers(pipe, layers: int | None) -> dict[str, float]:
             if name == "vae":
                 continue
             full = pipe._load(pipe.components[name][0], name)
-            out[name] = sharding.plan(full, pipe.components[name][1], shallow.mesh).bytes_per_device - shallow.bytes_per_device
+            out[name] = sharding.plan(full, pipe.components[name][1], shallow.mesh)
     finally:
         pipe.layers = layers
     return out
+
+
+def memory_budget(run_devices: Sequence[Any], host_copy: float = 0.0, what: str = "") -> tuple[float, str]:
+    """Bytes one device of `run_devices` may use, and what they are.
+
+    A TPU chip: its HBM as the TPU compiler allows a program (`aot.hbm_budget`). CPU devices (a
+    host without accelerators, the tiny preset's simulated devices) all take their memory from
+    the host's RAM: each gets an equal share of what is available now
+    (`hardware.host_memory_available`), after `host_copy` bytes the host holds itself (the copy
+    of the largest model, `what`, a run holds while it places that model's weights on the
+    devices). A plan for CPU devices is what stops a run on a CPU host before the kernel kills it
+    for memory (`preflight`)."""
+    if run_devices[0].platform != "cpu":
+        return aot.hbm_budget(run_devices), "HBM per chip"
+    n, available = len(run_devices), hardware.host_memory_available()
+    label = (f"host memory per CPU device: {available / _GIB:.2f} GiB available"
+             + (f", less {host_copy / _GIB:.2f} GiB for the host's copy of the {what} while it is placed"
+                if host_copy else "")
+             + (f", shared by {n} devices" if n > 1 else ""))
+    return max(available - host_copy, 0) / n, label
 
 
 def _cost(program: aot.Program, extra: dict[str, float]) -> ProgramCost:
@@ -406,8 +451,14 @@ def preflight(family: str, request: Any, options: Any, configs: dict[str, dict],
     fix when a stage will not fit; otherwise return `request` with `vae_tiling` resolved (`tiling`
     `auto`: on only when the untiled decode does not fit). The answer is cached as JSON in
     `cache_dir`, keyed by everything it depends on (`_preflight_key`), so a second run with the
-    same shapes compiles nothing; an unreadable cache file is planned again. Off a TPU (CPU, GPU)
-    there is no TPU compiler to ask: `auto` means untiled and nothing is planned.
+    same shapes compiles nothing; an unreadable cache file is planned again.
+
+    On CPU devices the same programs are compiled by the CPU compiler and held against the host's
+    memory (`memory_budget`: simulated devices share it), so a run a CPU host cannot hold stops
+    here with the stage, its need and the fix, not in the middle of a stage at the kernel's hand.
+    The memory available changes between runs: a cached answer is planned again when the verdict
+    could change (it fit and now would not, or it did not and there is more memory now). On a GPU
+    nothing is planned and `auto` means untiled.
     """
     import json
     from pathlib import Path
@@ -416,7 +467,7 @@ def preflight(family: str, request: Any, options: Any, configs: dict[str, dict],
 
     if tiling not in TILING:
         raise PlanError(f"vae_tiling={tiling!r} is not one of {', '.join(TILING)}")
-    if run_devices[0].platform != "tpu":
+    if run_devices[0].platform not in ("tpu", "cpu"):
         return dataclasses.replace(request, vae_tiling=tiling == "on")
     key = _preflight_key(family, request, options, configs, run_devices, tiling, resident, dtype)
     path = Path(cache_dir) / f"{family}-{key[:16]}.json"
@@ -424,13 +475,19 @@ def preflight(family: str, request: Any, options: Any, configs: dict[str, dict],
         answer = json.loads(path.read_text())
         if answer.get("key") != key or not isinstance(answer.get("fits"), bool):
             raise ValueError(path)
-    except (OSError, ValueError):
+        if run_devices[0].platform == "cpu":  # the host's memory now, against what the run needs
+            budget = memory_budget(run_devices, answer["host_copy"])[0]
+            if budget < answer["peak"] if answer["fits"] else budget > answer["budget"]:
+                raise ValueError(path)  # less memory than the run needs, or more than when it did not fit
+    except (OSError, ValueError, KeyError, TypeError):
         log(f"plan: compiling the run's programs for {len(run_devices)} x {run_devices[0].device_kind} "
             f"({PREFLIGHT_LAYERS} layer per model) before loading weights; cached for the next run")
         found = make(family, request, options, configs=configs, layers=PREFLIGHT_LAYERS, vae_tiling=tiling,
                      resident=resident, dtype=dtype, run_devices=run_devices)
+        peaks = [st.peak for st in found.stages]
         answer = {"key": key, "fits": found.fits, "vae_tiling": found.vae_tiling, "advice": found.advice(),
-                  "summary": found.summary()}
+                  "summary": found.summary(), "budget": found.hbm, "host_copy": found.host_copy,
+                  "peak": None if None in peaks else max(peaks, default=0.0)}
         results.write_json_atomic(path, answer)
         log(found.summary())
     if not answer["fits"]:

@@ -770,7 +770,8 @@ def run_stages(pipe: StagedPipeline, request: Request, *, stage: str = "all", wo
         log = lambda _: None  # noqa: E731 - one voice per job
     reports, held = [], {} if tensors is None else tensors  # held: the tensors of the stages that ran here
     told: set[str] = set()  # components whose replicated (indivisible) tensors were already logged
-    for name, skipped in zip(wanted, _skipped(pipe, request, wanted, workdir, force, collective)):
+    checked: dict = {}  # the skipped stages' files, as process 0 read and checked them: not read again
+    for name, skipped in zip(wanted, _skipped(pipe, request, wanted, workdir, force, collective, checked)):
         wanted_settings = pipe.settings(name, request)
         if skipped:
             reports.append(StageReport(name, False, stages.path(workdir, name), reason="up to date"))
@@ -779,7 +780,7 @@ def run_stages(pipe: StagedPipeline, request: Request, *, stage: str = "all", wo
         inputs = {}  # the tensors of the stages this one takes: in memory if they ran here, else their files
         for previous in (s for s in STAGE_INPUTS[name] if s in runs):
             inputs |= held[previous] if previous in held else _stage_tensors(
-                workdir, previous, pipe.settings(previous, request), collective)
+                workdir, previous, pipe.settings(previous, request), collective, checked.pop(previous, None))
         if name == "text":
             made, timings = pipe.encode_text(request)
         elif name == "image":
@@ -801,6 +802,9 @@ def run_stages(pipe: StagedPipeline, request: Request, *, stage: str = "all", wo
         if note:
             log(f"{name}: {note}")
         told |= set(pipe.plans)
+    if "decode" in checked and (out is not None or tensors is not None):  # a skipped decode's frames, once
+        held["decode"] = stages.read(workdir, "decode", pipe.settings("decode", request), checked.pop("decode")).tensors
+    checked.clear()
     if out is not None:
         written = once(lambda: _write_video(pipe, request, workdir, out, held.get("decode")))
         log(f"video: wrote {written}")
@@ -818,28 +822,31 @@ def _on_leader(collective: bool) -> Callable[[Callable[[], Any]], Any]:
 
 
 def _skipped(pipe: StagedPipeline, request: Request, wanted: tuple[str, ...], workdir: Path, force: bool,
-             collective: bool) -> list[bool]:
+             collective: bool, checked: dict) -> list[bool]:
     """Which of the `wanted` stages to skip: those whose stage file exists and was made for
-    `request` (`stages.status`), none with `force`. In a job process 0 decides from its own disk
-    and tells the others: they may not have its files, and a process that runs a stage process 0
-    skips waits in that stage's collectives forever."""
+    `request` (`stages.status`), none with `force`; their checked bytes go in `checked` (on
+    process 0), so that a skipped stage whose tensors are needed is not read from disk again. In a
+    job process 0 decides from its own disk and tells the others: they may not have its files,
+    and a process that runs a stage process 0 skips waits in that stage's collectives forever."""
     from tpupedia import distributed
 
     def decide() -> list[bool]:
-        return [not force and stages.status(workdir, name, pipe.settings(name, request)) is None for name in wanted]
+        return [not force and stages.status(workdir, name, pipe.settings(name, request), keep=checked) is None
+                for name in wanted]
 
     if not collective:
         return decide()
     return [bool(v) for v in distributed.leader_decides(distributed.on_leader(decide) or [0] * len(wanted))]
 
 
-def _stage_tensors(workdir: Path, stage: str, settings: dict, collective: bool) -> Any:
+def _stage_tensors(workdir: Path, stage: str, settings: dict, collective: bool, verified: Any = None) -> Any:
     """The tensors of a stage skipped in this run, which the next stage needs: from its stage
-    file (`stages.read` refuses a damaged or foreign one); in a job read by process 0 alone and
-    broadcast (bit-exact, bf16 included), every process failing if the read fails."""
+    file (`stages.read` refuses a damaged or foreign one; `verified`, the bytes `_skipped` already
+    checked); in a job read by process 0 alone and broadcast (bit-exact, bf16 included), every
+    process failing if the read fails."""
     from tpupedia import distributed
 
-    read = lambda: stages.read(workdir, stage, settings).tensors  # noqa: E731
+    read = lambda: stages.read(workdir, stage, settings, verified).tensors  # noqa: E731
     return distributed.broadcast_tensors(distributed.on_leader(read)) if collective else read()
 
 
@@ -928,6 +935,7 @@ def run_batch(pipeline_cls: type[StagedPipeline], prompts: str | Path, base: Req
     local = jax.local_devices()
     quiet = dataclasses.replace(options, quiet=True)
     process, made, totals, pipe = jax.process_index(), [], [], None
+    told: set[str] = set()  # components whose replicated (indivisible) tensors were logged
     processes = jax.process_count()
     for item in batch.share(items, process, processes):
         request = requests[item.index]
@@ -947,9 +955,12 @@ def run_batch(pipeline_cls: type[StagedPipeline], prompts: str | Path, base: Req
         held: dict = {}
         reports = run_stages(pipe, request, workdir=check_workdir(work), force=force, log=lambda _: None,
                              collective=False, tensors=held)
-        decoded = held.get("decode") or stages.read(work, "decode", decode_settings(request)).tensors
-        frames = decoded["frames"].numpy()
-        del held, decoded
+        note = pipe.indivisible_note(exclude=told)  # the models load once: said at the first prompt that loads them
+        if note:
+            log(f"{item.name}: {note}")
+        told |= set(pipe.plans)
+        frames = held["decode"]["frames"].numpy()  # decoded now, or read once by a resumed prompt's check
+        del held
         video.check_frames(frames, f"prompt {item.index} ({item.prompt[:40]!r}): the decode stage's frames")
         timings = {r.stage: r.timings for r in reports} | {"total_s": time.perf_counter() - start}
         totals.append(timings["total_s"])

@@ -233,14 +233,17 @@ def _verified(workdir: str | os.PathLike, stage: str, settings: Mapping[str, Any
     return data, meta
 
 
-def read(workdir: str | os.PathLike, stage: str, settings: Mapping[str, Any]) -> StageFile:
+def read(workdir: str | os.PathLike, stage: str, settings: Mapping[str, Any],
+         verified: tuple[bytes, dict] | None = None) -> StageFile:
     """The stage's tensors, if its files are whole and were made for `settings`; else
     `StageError` naming what is wrong (each differing setting with both values). The checks
-    and the load use the same bytes, so a file replaced meanwhile cannot slip through."""
+    and the load use the same bytes, so a file replaced meanwhile cannot slip through.
+    `verified`: the bytes and record `status(..., keep=...)` already checked, so that a file is
+    read from disk once (a full-size decode file is about 1 GB)."""
     from safetensors import SafetensorError
     from safetensors.torch import load
 
-    data, meta = _verified(workdir, stage, settings)
+    data, meta = verified or _verified(workdir, stage, settings)
     target = path(workdir, stage)
     try:
         tensors = load(data)
@@ -251,17 +254,21 @@ def read(workdir: str | os.PathLike, stage: str, settings: Mapping[str, Any]) ->
     return StageFile(stage, tensors, meta, target)
 
 
-def status(workdir: str | os.PathLike, stage: str, settings: Mapping[str, Any]) -> str | None:
+def status(workdir: str | os.PathLike, stage: str, settings: Mapping[str, Any],
+           keep: dict | None = None) -> str | None:
     """`None` when the stage is done for `settings` (`read` would succeed); otherwise the reason
     it has to run, for the CLI to print. A missing, stale or damaged file is a reason, not an
     error; only a stage name outside `STAGES` raises. Checks the checksum and the header
-    (names, shapes, dtypes) without loading the tensors."""
+    (names, shapes, dtypes) without loading the tensors. `keep` (a dict): a done stage's checked
+    bytes and record are put in it by stage name, for `read(..., verified=...)`."""
     try:
-        _verified(workdir, stage, settings)
+        verified = _verified(workdir, stage, settings)
     except StageError as err:
         if stage not in STAGES:
             raise
         return str(err)
+    if keep is not None:
+        keep[stage] = verified
     return None
 
 
