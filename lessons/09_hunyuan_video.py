@@ -973,6 +973,7 @@ print("interval 1 equals the plain pipeline bit for bit:", torch.equal(latents_e
 
 # %%
 assert torch.equal(latents_every["latents"], latents["latents"])
+assert timings_every["full_steps"] == request.steps
 
 # %% [markdown]
 # And its cost on this model: `bench_deepcache` runs the pipeline twice from the same seed, with

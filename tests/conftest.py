@@ -1,6 +1,7 @@
 """Test session set-up: 8 simulated CPU devices, chosen before anything initialises JAX."""
 
 import atexit
+import json
 import os
 import shutil
 import subprocess
@@ -8,6 +9,8 @@ import sys
 import tempfile
 import time
 import warnings
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -46,6 +49,46 @@ def run_cli():
                               text=True, timeout=600)
 
     return run
+
+
+
+@dataclass(frozen=True)
+class DocsBuild:
+    """One `mkdocs build --strict` of the repository's site: its exit status, its stderr (where
+    mkdocs writes its warnings) and the directory it wrote."""
+
+    returncode: int
+    stderr: str
+    site: Path
+
+
+@pytest.fixture(scope="session")
+def docs_build(tmp_path_factory) -> DocsBuild:
+    """The site built once per test session with `mkdocs build --strict`, for tests/test_docs.py
+    and tests/test_browser.py. Under pytest-xdist the workers share one build (pytest-xdist's
+    documented pattern): the first to take the lock builds under the session's shared temporary
+    folder and records how the build went; the others wait for it and read that record. A failed
+    build is recorded too, not raised here: the docs test asserts on it."""
+
+    def build(site: Path) -> DocsBuild:
+        env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+        result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+                                cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, env=env,
+                                timeout=600)
+        return DocsBuild(result.returncode, result.stderr, site)
+
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # one process: this session fixture is the only build
+        return build(tmp_path_factory.mktemp("docs") / "site")
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp().parent  # the session's folder, above each worker's own
+    record = shared / "docs-build.json"
+    with FileLock(str(record) + ".lock"):
+        if not record.is_file():
+            done = build(shared / "docs-site")
+            record.write_text(json.dumps({"returncode": done.returncode, "stderr": done.stderr}))
+        recorded = json.loads(record.read_text())
+    return DocsBuild(recorded["returncode"], recorded["stderr"], shared / "docs-site")
 
 
 # -- make check: the quick tests ------------------------------------------------------------------

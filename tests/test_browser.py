@@ -1,10 +1,10 @@
 """The built site works in a real browser: pages render, notebook outputs show, search returns results.
 
-Builds the site with `mkdocs build --strict`, serves it on 127.0.0.1 with Python's http.server,
-and drives the system Chromium (Debian's `chromium` package) through Playwright's Python API.
-Playwright's pip wheel ships its own driver, and `executable_path` points at the system browser,
-so nothing is downloaded. Screenshots go to docs/images/screenshots/, where the contributing
-guide shows them.
+Serves the session's one `mkdocs build --strict` of the site (`docs_build` in tests/conftest.py,
+which tests/test_docs.py checks) on 127.0.0.1 with Python's http.server, and drives the system
+Chromium (Debian's `chromium` package) through Playwright's Python API. Playwright's pip wheel
+ships its own driver, and `executable_path` points at the system browser, so nothing is
+downloaded. Screenshots go to docs/images/screenshots/, where the contributing guide shows them.
 
 Skipped, with the reason, where Chromium or Playwright is missing. `make test` installs Chromium
 with apt where it can, and a CJK font (Debian's `fonts-noto-cjk`): without one the Chinese pages
@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import functools
 import http.server
-import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -57,25 +55,20 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
 
 
 @pytest.fixture(scope="module")
-def site():
-    """Build the site once and serve it; yields (base URL, site directory)."""
-    with tempfile.TemporaryDirectory(prefix="tpupedia-site-") as tmp:
-        site_dir = Path(tmp) / "site"
-        env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
-        result = subprocess.run(
-            [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site_dir)],
-            cwd=ROOT, capture_output=True, text=True, env=env, timeout=600,
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        handler = functools.partial(_QuietHandler, directory=str(site_dir))
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)  # port 0: a free port
-        thread = threading.Thread(target=server.serve_forever, daemon=True)
-        thread.start()
-        try:
-            yield f"http://127.0.0.1:{server.server_address[1]}", site_dir
-        finally:
-            server.shutdown()
-            server.server_close()
+def site(docs_build):
+    """Serve the session's strict build of the site (`docs_build` in tests/conftest.py, the one
+    tests/test_docs.py checks); yields (base URL, site directory)."""
+    assert docs_build.returncode == 0, docs_build.stderr[-3000:]
+    site_dir = docs_build.site
+    handler = functools.partial(_QuietHandler, directory=str(site_dir))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)  # port 0: a free port
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", site_dir
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 @pytest.fixture(scope="module")

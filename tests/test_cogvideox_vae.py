@@ -1,5 +1,6 @@
 """Parity of the Flax NNX CogVideoX VAE with diffusers (float32, random weights), tiling,
-bf16, weight loading from safetensors, the layer-diff tool and input validation."""
+bf16, weight loading from safetensors and input validation. Notebook 05's asserts prove the tiny
+config's encode/decode, its tiled decode and the layer-diff tool (`compare_layers`)."""
 
 from __future__ import annotations
 
@@ -75,8 +76,15 @@ def _torch_vae(case: Case) -> TorchVAE:
     return vae
 
 
-@pytest.fixture(scope="module", params=CASES, ids=lambda c: c.name)
+# Notebook 05 proves the tiny config's encode and decode (05:232) and its tiled decode (05:515), with
+# the same seeds and TOL: the tests below cover the other configs, and the tiled encode.
+ENCODE_CASES = [c for c in CASES if c.name != "tiny-9f"]
+DECODE_CASES = [c for c in CASES if c.name not in ("tiny-9f", "tiny-tiled")]
+
+
+@pytest.fixture(scope="module")
 def pair(request):
+    """(case, torch VAE, Flax VAE) for the case a test is parametrised with (`indirect`)."""
     case = request.param
     tv = _torch_vae(case)
     return case, tv, convert.from_diffusers(tv)
@@ -87,6 +95,7 @@ def _inputs(case: Case):
     return torch.randn(case.video, generator=g), torch.randn(case.latents, generator=g)
 
 
+@pytest.mark.parametrize("pair", ENCODE_CASES, ids=lambda c: c.name, indirect=True)
 def test_encode_parity(pair):
     case, tv, fv = pair
     x, _ = _inputs(case)
@@ -98,6 +107,7 @@ def test_encode_parity(pair):
     assert float(np.max(np.abs(np.asarray(got.logvar) - ref.logvar.numpy()))) <= TOL
 
 
+@pytest.mark.parametrize("pair", DECODE_CASES, ids=lambda c: c.name, indirect=True)
 def test_decode_parity(pair):
     case, tv, fv = pair
     _, z = _inputs(case)
@@ -187,20 +197,6 @@ def test_state_dict_mismatch_is_reported():
     sd.pop("decoder.conv_out.conv.bias")
     with pytest.raises(convert.WeightConversionError, match="missing.*decoder.conv_out.conv.bias"):
         convert.from_state_dict(dict(tv.config), sd)
-
-
-def test_compare_layers_localises_a_wrong_kernel_layout():
-    case = CASES[2]
-    tv = _torch_vae(case)
-    fv = convert.from_diffusers(tv)
-    _, z = _inputs(case)
-    diffs = convert.compare_layers(tv, fv, z.numpy(), mode="decode")
-    assert diffs and convert.first_divergence(diffs, TOL) is None
-    # load one conv kernel with H and W swapped: the tool must point at exactly that layer
-    bad = fv.decoder.mid_block.resnets[0].conv1.conv.kernel
-    bad[...] = jnp.swapaxes(bad[...], 1, 2)
-    first = convert.first_divergence(convert.compare_layers(tv, fv, z.numpy(), mode="decode"), TOL)
-    assert first is not None and first.name == "decoder.mid_block.resnets.0.conv1" and first.call == 0
 
 
 def test_frame_batches_match_diffusers_loop():

@@ -3,9 +3,9 @@ against what the real decode runs.
 
 Tiles of one shape decode side by side, one per chip, and give the frames of decoding them one at
 a time. Each family's tiny VAE decodes while its decoder calls are recorded (the NNX port's jitted
-`_jit_apply`, traced with `jax.eval_shape`; diffusers' `vae.decoder`, run on real latents); the
-programs must list exactly those calls, with the same input shapes and dtypes, the same outputs
-and the right call counts, tiled and untiled, one piece per chip. A Hunyuan program run with the
+`_jit_apply`, traced with `jax.eval_shape`; diffusers' `vae.decoder`, run on PyTorch's `meta`
+device); the programs must list exactly those calls, with the same input shapes and dtypes, the
+same outputs and the right call counts, tiled and untiled, one piece per chip. A Hunyuan program run with the
 real weights must compute the decoder's output.
 """
 
@@ -135,11 +135,12 @@ def test_cogvideox_programs_are_the_decode_calls(monkeypatch, tiling):
         assert ("tiles" in p.name) == tiling
 
 
-def test_a_whole_latent_split_over_chips_holds_a_part_of_the_activations_on_each(monkeypatch):
-    """The untiled CogVideoX decode on one chip and split by width over 4 (CPU compiles of the
-    pipeline's own programs, per-device memory): the split holds under a third of one chip's
-    temporaries on each. The run hands every chip the whole latent, so the pins inside the VAE
-    are what splits it: without them each chip holds what one chip alone holds."""
+def test_a_whole_latent_split_over_chips_is_split_by_the_pins_inside_the_vae(monkeypatch):
+    """The untiled CogVideoX decode hands every chip the whole latent, so the activation pins
+    inside the VAE (`cogvideox_vae._spatial`) are what splits it: with them removed, the pipeline's
+    first-batch program over 4 chips holds on each chip what it holds on one chip alone (CPU
+    compiles, per-device temporaries). That with the pins each chip holds under a third of one
+    chip's is notebook 07's assert (the same program over the host's chips)."""
     from tpupedia.models import cogvideox_vae
 
     def temporaries(chips):
@@ -149,19 +150,22 @@ def test_a_whole_latent_split_over_chips_holds_a_part_of_the_activations_on_each
         assert result.fits, result.summary()
         return result.memory.temporaries
 
-    one, split = temporaries(1), temporaries(4)
-    assert split < one / 3, (one, split)
+    one = temporaries(1)
     monkeypatch.setattr(cogvideox_vae, "_spatial", lambda x: x)  # no pins
     cogvideox_vae._jit_apply.clear_cache()
     assert temporaries(4) > one * 0.9
 
 
 def _hunyuan_decode_calls(tiling: bool):
-    """Decode random latents with the tiny diffusers VAE, its decoder wrapped to record its inputs."""
+    """Stock diffusers' decode of latents by the tiny VAE, its decoder wrapped to record each call's
+    input and output shape: `{input shape: calls}`, `{input shape: output shape}` and the decoder.
+    The stock VAE (as diffusers builds it from the config, nothing of ours applied) runs on PyTorch's
+    `meta` device: the same code, tiling and blending included, on tensors that have shapes and no
+    data, so the calls and shapes are the real decode's without computing it."""
     from diffusers import AutoencoderKLHunyuanVideo15
 
-    torch.manual_seed(0)
-    vae = AutoencoderKLHunyuanVideo15(**hunyuan.tiny_vae_config()).eval()
+    with torch.device("meta"):
+        vae = AutoencoderKLHunyuanVideo15(**hunyuan.tiny_vae_config()).eval()
     decoder, calls, outputs = vae.decoder, Counter(), {}
 
     class Recording(torch.nn.Module):
@@ -174,15 +178,19 @@ def _hunyuan_decode_calls(tiling: bool):
     vae.decoder = Recording()
     vae.enable_tiling() if tiling else vae.disable_tiling()
     frames, height, width = HY_LATENTS
-    z = torch.randn(1, hunyuan.tiny_vae_config()["latent_channels"], frames, height // 16, width // 16)
+    z = torch.empty(1, hunyuan.tiny_vae_config()["latent_channels"], frames, height // 16, width // 16, device="meta")
     with torch.no_grad():
         video = vae.decode(z).sample
-    assert tuple(video.shape) == (1, 3, 4 * (frames - 1) + 1, height, width)
+    assert tuple(video.shape) == (1, 3, 4 * (frames - 1) + 1, height, width) and video.is_meta
     return calls, outputs, decoder
 
 
 @pytest.mark.parametrize("tiling", [False, True], ids=["untiled", "tiled"])
 def test_hunyuan_programs_are_the_decoder_calls(tiling):
+    """`decode_programs` lists one program per distinct input shape of the decoder calls stock
+    diffusers' decode makes (recorded on `meta`), tiled and untiled: each with that input shape one
+    piece per chip, the waves of those calls as its count, the decoder's output shape, and the
+    decoder's weight bytes."""
     calls, outputs, decoder = _hunyuan_decode_calls(tiling)
     programs = hy_pipeline.decode_programs(hunyuan.tiny_vae_config(), *HY_LATENTS, _decode_mesh(),
                                          dtype="float32", tiling=tiling)

@@ -63,13 +63,13 @@ def frames_against_stock(module, checkpoint: Path, request, workdir: Path, size:
     return pipe, reports
 
 
-@pytest.mark.parametrize("picture, size", [((40, 56, 3), (32, 32)), ((64, 20, 4), (32, 32))],
-                         ids=["wider-rgb", "tall-rgba"])
+@pytest.mark.parametrize("picture, size", [((64, 20, 4), (32, 32))], ids=["tall-rgba"])
 def test_frames_match_stock_image_to_video_pipeline(checkpoint, tmp_path, picture, size):
     """Same weights, picture and seed: stock `CogVideoXImageToVideoPipeline(output_type="np")`
-    frames within 1e-4 (fp32), for pictures whose size and aspect differ from the video's (one
-    with alpha, which diffusers' load_image drops). (The video stays 32x32: the tiny
-    transformer's RoPE grid, from its `sample_height/width` of 4, is 2x2 patches.)"""
+    frames within 1e-4 (fp32), for a picture whose size and aspect differ from the video's, with
+    alpha, which diffusers' load_image drops. (The video stays 32x32: the tiny transformer's RoPE
+    grid, from its `sample_height/width` of 4, is 2x2 patches.) Notebook 07's asserts prove a wider
+    RGB picture."""
     height, width, channels = picture
     request = _request(_picture(tmp_path / "in.png", height, width, channels), height=size[0], width=size[1])
     frames_against_stock(pipeline, checkpoint, request, tmp_path / "w", size, str(picture))
@@ -149,8 +149,10 @@ def test_the_image_stage_needs_a_picture(checkpoint, tmp_path):
 
 def test_generate_with_a_picture_writes_a_video(tmp_path, run_cli):
     picture = _picture(tmp_path / "start.png", 24, 40, channels=4)
+    # the claim is a file, not a video: one step, one frame, the smallest size (faster to make)
     done = run_cli("generate", "cogvideox", "--preset", "tiny", "--prompt", "a panda", "--image", picture,
-                   "--out", "panda.mp4", "--workdir", "w", "--quiet", cwd=tmp_path)
+                   "--out", "panda.mp4", "--workdir", "w", "--steps", "1", "--frames", "1", "--height", "16",
+                   "--width", "16", "--quiet", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert (tmp_path / "panda.mp4").stat().st_size > 1000 and (tmp_path / "w" / "image.safetensors").exists()
 

@@ -125,12 +125,12 @@ def test_a_checkpoint_with_indivisible_vocabularies_gives_stock_frames(indivisib
     error = float(np.abs(frames.numpy() - expected).max())
     assert frames.shape == expected.shape and error <= 1e-4, error
     assert frames.std() > 0.01
-    # a batch says it too, once, at the prompt that loads the models
+    # a batch says it too, once, at the prompt that loads the models (one step: the line comes at loading)
     prompts = tmp_path / "p.txt"
     prompts.write_text(f"{REQUEST.prompt}\n{REQUEST.prompt} again\n")
     lines.clear()
-    pipeline.run_batch(prompts, REQUEST, pipeline.Options(quiet=True), preset=TINY, model=str(indivisible_checkpoint),
-                       outdir=tmp_path / "batch", log=lines.append)
+    pipeline.run_batch(prompts, dataclasses.replace(REQUEST, steps=1), pipeline.Options(quiet=True), preset=TINY,
+                       model=str(indivisible_checkpoint), outdir=tmp_path / "batch", log=lines.append)
     notes = [line for line in lines if "replicated" in line]
     assert len(notes) == 1 and notes[0].startswith("0000-") and "text_encoder_2 shared.weight (1510, 32)" in notes[0], lines
 

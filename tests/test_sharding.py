@@ -177,18 +177,21 @@ def test_functional_module_hlo_counts_megatron_all_reduces(qwen2, env, mesh):
 # --- placing a CPU module straight from host memory ---------------------------------------------
 
 def test_place_matches_apply_rules_and_runs(qwen2, mesh, env):
-    """`place` puts every tensor where `apply_rules` would and the model computes the same."""
+    """`place` puts every tensor where `apply_rules` would and the model computes the same: the
+    placed model's and the `apply_rules` model's forwards, each jitted (`JitModule`, as the
+    pipelines run them), give identical logits for the same tokens."""
     rules = sharding.rules("qwen2", "tp")
     reference = _on_jax(qwen2, env)
     sharding.apply_rules(reference, rules, mesh)
     placed = copy.deepcopy(qwen2)
     plan = sharding.place(placed, rules, mesh, env)
     assert sharding.describe(placed).specs() == plan.specs() == sharding.describe(reference).specs()
-    ids = torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 512, (4, 8), generator=torch.Generator().manual_seed(0))
     with env:
-        a = placed(ids.to("jax")).logits.to("cpu")
-        b = reference(ids.to("jax")).logits.to("cpu")
-    np.testing.assert_array_equal(a.numpy(), b.numpy())
+        ids_j = env.j2t_iso(jax.device_put(jnp.asarray(ids.numpy()), NamedSharding(mesh, P("dp"))))
+        a = torchax_utils.JitModule(placed)(ids_j).logits.jax()
+        b = torchax_utils.JitModule(reference)(ids_j).logits.jax()
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_place_never_puts_more_than_a_shard_on_a_device(qwen2, mesh, env, monkeypatch):

@@ -14,7 +14,10 @@ per chip, the compiled HLO text, the compiler's cost analysis, or the out-of-mem
 compiled for (kind, id, coordinates), the compiler options and flags, and the versions of jax,
 jaxlib and libtpu: the same program for the same slice with the same compiler gives the same
 answer, and any change to the program is a new key. A second `tpupedia plan` of the same run,
-or a notebook's dry-run a test already compiled, reads the answer back in milliseconds.
+or a notebook's dry-run a test already compiled, reads the answer back in milliseconds. Programs
+are lowered without source locations, so the key does not depend on where the project is checked
+out (a Pallas kernel would otherwise name its file's path), and `make test` keeps the slow ones in
+the repository (`tests/aot-kept`, trimmed to what a run used by `prune`).
 
 Introduced in notebook 00 (start here); the dry-run planner of notebook 08 builds on it.
 """

@@ -152,8 +152,8 @@ class Plan:
             need = "did not compile" if s.peak is None else f"needs {s.peak / _GIB:.2f} GiB"
             fix = {"text": "--sharding tp (text encoders split over tp) or a mesh with a larger tp",
                    "denoise": "--attention splash, --sharding fsdp, fewer frames or a smaller --resolution, or more chips",
-                   "image": "--vae-tiling on, or a smaller --resolution",
-                   "decode": "--vae-tiling on, or a smaller --resolution"}[s.stage]
+                   "image": "a smaller --resolution" if self.vae_tiling else "--vae-tiling on, or a smaller --resolution",
+                   "decode": "a smaller --resolution" if self.vae_tiling else "--vae-tiling on, or a smaller --resolution"}[s.stage]
             if self.resident:
                 fix += "; or generate one video at a time (a batch keeps every stage's models)"
             if self.on_host and self.chips > 1:
@@ -187,7 +187,7 @@ class Plan:
         checkpoint = f" ({self.checkpoint})" if self.checkpoint else ""
         unit = "device" if self.on_host else "chip"
         head = (f"{self.family}{checkpoint} {r['width']}x{r['height']}, {r['frames']} frames, {r['steps']} steps on "
-                f"{self.topology} ({self.chips} {unit}s), mesh {self.mesh}"
+                f"{self.topology} ({self.chips} {unit}{'s' if self.chips > 1 else ''}), mesh {self.mesh}"
                 + (f", attention {self.attention}" if self.attention else "")
                 + (f", {self.layers} layers compiled" if self.layers else "")
                 + (", batch (models resident)" if self.resident else "")
