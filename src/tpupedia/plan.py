@@ -150,23 +150,27 @@ class Plan:
             if s.fits(self.hbm):
                 continue
             need = "did not compile" if s.peak is None else f"needs {s.peak / _GIB:.2f} GiB"
+            vae = "a smaller --resolution" if self.vae_tiling else "--vae-tiling on, or a smaller --resolution"
             fix = {"text": "--sharding tp (text encoders split over tp) or a mesh with a larger tp",
                    "denoise": "--attention splash, --sharding fsdp, fewer frames or a smaller --resolution, or more chips",
-                   "image": "a smaller --resolution" if self.vae_tiling else "--vae-tiling on, or a smaller --resolution",
-                   "decode": "a smaller --resolution" if self.vae_tiling else "--vae-tiling on, or a smaller --resolution"}[s.stage]
+                   "image": vae, "decode": vae}[s.stage]
             if self.resident:
                 fix += "; or generate one video at a time (a batch keeps every stage's models)"
             if self.on_host and self.chips > 1:
                 fix += ("; or fewer simulated CPU devices (--devices 1: they share this host's memory, and each "
                         "holds its own copy of every replicated weight)")
-            unit = "device" if self.on_host else "chip"
-            return f"stage {s.stage} {need} per {unit} of {self.hbm / _GIB:.2f} GiB ({self.memory}): try {fix}"
+            return f"stage {s.stage} {need} per {self.unit} of {self.hbm / _GIB:.2f} GiB ({self.memory}): try {fix}"
         return ""
 
     @property
     def on_host(self) -> bool:
         """Whether the plan is for CPU devices, which share the host's memory."""
         return self.memory != "HBM per chip"
+
+    @property
+    def unit(self) -> str:
+        """What the plan's figures are per: `chip`, or `device` for CPU devices."""
+        return "device" if self.on_host else "chip"
 
     def check(self) -> None:
         """Raise `PlanError` naming the stage and the fix unless every stage fits."""
@@ -185,7 +189,7 @@ class Plan:
         g = _GIB
         r = self.request
         checkpoint = f" ({self.checkpoint})" if self.checkpoint else ""
-        unit = "device" if self.on_host else "chip"
+        unit = self.unit
         head = (f"{self.family}{checkpoint} {r['width']}x{r['height']}, {r['frames']} frames, {r['steps']} steps on "
                 f"{self.topology} ({self.chips} {unit}{'s' if self.chips > 1 else ''}), mesh {self.mesh}"
                 + (f", attention {self.attention}" if self.attention else "")
