@@ -37,7 +37,7 @@
 #
 # On the full preset, sections 2 to 4 and section 7's run use the tiny sizes (the facts they
 # teach do not depend on the checkpoint), and section 5 loads the release from the Hub: a TPU
-# VM with about 100 GB of disk. *Reading time: about 9 minutes.*
+# VM with about 100 GB of disk. *Reading time: about 10 minutes.*
 
 # %%
 # %xmode Minimal
@@ -257,6 +257,13 @@ assert all(error < 1e-4 for error in parity.values())
 # depth on a CPU host takes long, so the recorded plan compiles one layer per model and adds
 # the other layers' weight shards from their shapes. On the tiny preset this cell reads the
 # record (`docs/results/plans.json`); on the full preset it compiles.
+#
+# The plan also settles a question of precision. Diffusers' Wan examples load the VAE (and, for
+# image-to-video, the CLIP tower) in float32 beside a bf16 pipeline, and a run here does the same
+# (`models.wan.FLOAT32_COMPONENTS`). A float32 decode holds twice the activations of a bf16 one,
+# so the plan compiles the VAE's programs in float32 first, and runs the VAE in bf16 only if
+# float32 does not fit a chip, with a note that says what float32 would need. At 720p and 81
+# frames it fits.
 
 # %%
 from pathlib import Path
@@ -271,9 +278,12 @@ else:
 for stage in wan_plan["stages"]:
     print(f"{stage['stage']:8} peak {stage['peak'] / 2**30:6.2f} GiB per chip (weights {stage['weights'] / 2**30:.2f} GiB)")
 print("binding stage:", wan_plan["binding"], "| fits:", wan_plan["fits"])
+vae_dtype = wan_plan["request"].get("vae_dtype", family.component_dtype("vae", "bfloat16"))
+print("the VAE runs in", vae_dtype, *[f"({n})" for n in wan_plan["notes"] if n.startswith("VAE in")])
 
 # %%
 assert wan_plan["fits"] and all(s["peak"] <= wan_plan["hbm"] for s in wan_plan["stages"])
+assert vae_dtype == "float32" or any(n.startswith(f"VAE in {vae_dtype}") for n in wan_plan["notes"])  # stock, or why not
 
 # %% [markdown]
 # ## 7. From a picture: image-to-video
@@ -365,7 +375,7 @@ if preset.host_runs_whole_models:
 
 # %% [markdown]
 # At full size the image stage adds the CLIP tower (one 224 px picture) and the VAE's encoder
-# over all 81 frames at 720p to the plan; `tpupedia plan wan --image PICTURE` compiles them with
+# over all 81 frames at 720p to the plan, both in float32 as in section 6; `tpupedia plan wan --image PICTURE` compiles them with
 # the other stages. Wan2.2-I2V-A14B has no CLIP tower and two experts; its configs are built in
 # as well, so `tpupedia plan wan --model Wan-AI/Wan2.2-I2V-A14B-Diffusers --image PICTURE` plans
 # it without a download. The two records, read as in section 6:
@@ -389,6 +399,7 @@ for model, i2v_plan in i2v_plans.items():
 # %%
 for model, i2v_plan in i2v_plans.items():
     assert i2v_plan["fits"] and [s["stage"] for s in i2v_plan["stages"]] == ["text", "image", "denoise", "decode"]
+    assert "vae_dtype" not in i2v_plan["request"]  # the VAE in float32, as stock loads it: the plan did not lower it
 names = {(m, s["stage"]): [p["name"] for p in s["programs"]] for m, r in i2v_plans.items() for s in r["stages"]}
 assert any("CLIP" in n for n in names[family.FULL_ID_I2V, "image"])
 assert not any("CLIP" in n for n in names[family.FULL_ID_22_I2V, "image"])  # Wan 2.2 I2V: the picture's latents only

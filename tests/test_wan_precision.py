@@ -1,8 +1,9 @@
 """Wan's precision and flow shift (notebook 11): a bf16 tiny run against stock in the same
 precision, with a stated bound; `--shift` against stock's `UniPCMultistepScheduler.from_config(...,
 flow_shift=...)`; bad shifts refused before anything loads; the components the run keeps in
-float32 (`FLOAT32_COMPONENTS`) are what it loads, what the plan compiles and what the stage files
-record."""
+float32 (`FLOAT32_COMPONENTS`, as diffusers' examples load them) are what it loads, what the plan
+compiles and what the stage files record, and the plan lowers the VAE to the run's dtype only when
+float32 does not fit."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def _settings(checkpoint: Path, request: pipeline.Request, stage: str, dtype=tor
 
 def test_bfloat16_as_the_full_preset_runs_it(checkpoint, tmp_path):
     """A bf16 run (what the full preset runs) against stock `WanPipeline` loaded in bf16 the same
-    way (`FLOAT32_COMPONENTS` in float32 on both sides): the frames within `BF16_MEAN_BOUND` on
+    way (`FLOAT32_COMPONENTS`, the VAE and the image encoder, in float32 on both sides): the frames within `BF16_MEAN_BOUND` on
     average, the text embeddings bf16, the latents float32 as stock keeps them."""
     options = pipeline.Options(quiet=True, dtype="bfloat16")
     pipeline.run(REQUEST, options, preset=TINY, model=str(checkpoint), workdir=tmp_path, log=lambda _: None)
@@ -118,13 +119,15 @@ def test_the_command_line_has_a_shift_flag_for_wan():
     assert args.shift == 5.0
 
 
-def test_the_components_kept_in_float32_are_loaded_compiled_and_recorded_so(tmp_path, monkeypatch):
-    """bf16 (the full preset's dtype), Wan 2.1 I2V, with the VAE and the CLIP tower named in
-    `FLOAT32_COMPONENTS` (diffusers' examples' precision; empty for now, see its docstring): the
-    image stage loads them in float32, its condition float32 and its features handed to the
-    transformer in bf16 (`image_embeds.to(transformer_dtype)`); the plan's VAE encode and decode
-    programs and its CLIP program take float32 weights, as the run does; the stage files say so."""
-    monkeypatch.setattr(family, "FLOAT32_COMPONENTS", ("vae", "image_encoder"))
+def test_the_components_kept_in_float32_are_loaded_compiled_and_recorded_so(tmp_path):
+    """bf16 (the full preset's dtype), Wan 2.1 I2V: the VAE and the CLIP tower run in float32 as
+    diffusers' examples load them (`FLOAT32_COMPONENTS`): the image stage loads them in float32,
+    its condition float32 and its features handed to the transformer in bf16
+    (`image_embeds.to(transformer_dtype)`); the plan's VAE encode and decode programs and its CLIP
+    program take float32 weights, as the run does; the stage files say so. A request with the VAE
+    lowered (`vae_dtype="bfloat16"`, what the plan picks when float32 does not fit) compiles and
+    records bf16 VAE weights, so a stage file of one is never read for the other."""
+    assert family.FLOAT32_COMPONENTS == ("vae", "image_encoder")
     checkpoint = family.tiny_checkpoint(tmp_path / "i2v", image_to_video=True)
     configs = family.component_configs(str(checkpoint))
     request = pipeline.Request(prompt="a cat", frames=9, height=64, width=64, steps=2, seed=1,
@@ -133,17 +136,76 @@ def test_the_components_kept_in_float32_are_loaded_compiled_and_recorded_so(tmp_
     pipe = pipeline.Wan(str(checkpoint), "tiny", torch.bfloat16, mesh, pipeline.Options(quiet=True), configs)
     pipe.resident = True  # keep what the stage loaded, to look at it
     out, _ = pipe.encode_image(request)
-    assert pipe.held("image", "vae", None).dtype == torch.float32
+    assert pipe.held("image", ("vae", torch.float32), None).dtype == torch.float32
     assert pipe.held("image", "clip", None)[0].dtype == torch.float32
     assert out["condition"].dtype == torch.float32 and out["image_embeds"].dtype == torch.bfloat16
 
     plan = pipeline.Wan("(plan)", "plan", torch.bfloat16, mesh, pipeline.Options(), configs)
     plan.abstract = True
-    programs = plan._image_programs(request) + plan._decode_programs(request)
-    assert [p.component for p in programs] == ["image_encoder"] + ["vae"] * 6  # 3 encode chunks, 3 latent frames
-    for program in programs:
-        weights = [w for w in jax.tree.leaves(program.args[:2]) if jax.numpy.issubdtype(w.dtype, jax.numpy.floating)]
-        assert weights and {str(w.dtype) for w in weights} == {"float32"}, program.name  # weights and buffers
-    for stage in ("image", "decode"):
-        assert _settings(checkpoint, request, stage, torch.bfloat16)["vae_dtype"] == "float32"
-    assert _settings(checkpoint, request, "image", torch.bfloat16)["image_encoder_dtype"] == "float32"
+    lowered = pipeline.Wan.lowered(request, "bfloat16")
+    assert lowered.vae_dtype == "bfloat16" and pipeline.Wan.lowered(lowered, "bfloat16") is None
+    assert pipeline.Wan.lowered(request, "float32") is None  # a float32 run has nothing to lower
+    for req, vae in ((request, "float32"), (lowered, "bfloat16")):
+        programs = plan._image_programs(req) + plan._decode_programs(req)
+        assert [p.component for p in programs] == ["image_encoder"] + ["vae"] * 6  # 3 encode chunks, 3 latent frames
+        for program in programs:
+            weights = [w for w in jax.tree.leaves(program.args[:2]) if jax.numpy.issubdtype(w.dtype, jax.numpy.floating)]
+            want = "float32" if program.component == "image_encoder" else vae
+            assert weights and {str(w.dtype) for w in weights} == {want}, program.name  # weights and buffers
+        for stage in ("image", "decode"):
+            assert _settings(checkpoint, req, stage, torch.bfloat16)["vae_dtype"] == vae
+        assert _settings(checkpoint, req, "image", torch.bfloat16)["image_encoder_dtype"] == "float32"
+
+
+def test_the_plan_keeps_the_vae_in_float32_unless_that_does_not_fit(checkpoint, monkeypatch):
+    """Stock precision unless the plan shows it cannot fit: on CPU devices with the memory budget
+    set between what the decode needs in float32 and in bf16, the plan lowers the VAE to the run's
+    dtype, fits, and says why in a note; with room for float32 it does not; `vae_dtype="float32"`
+    (`--vae-dtype float32`) insists, and then the plan does not fit. The pre-run check hands the
+    lowered request to the run and says so on every run, from its cache too."""
+    from tpupedia import plan
+
+    configs = family.component_configs(str(checkpoint))
+
+    def planned(request, budget=None):
+        if budget is not None:
+            monkeypatch.setattr(plan, "memory_budget", lambda *a: (budget, "host memory per CPU device (test)"))
+        return plan.make("wan", request, pipeline.Options(), configs=configs, layers=1, dtype="bfloat16",
+                         run_devices=jax.devices(), stages=("decode",))
+
+    stock = planned(REQUEST)
+    narrow = planned(dataclasses.replace(REQUEST, vae_dtype="bfloat16"))
+    need32, need16 = stock.stage("decode").peak, narrow.stage("decode").peak
+    assert stock.request.get("vae_dtype") is None and narrow.request["vae_dtype"] == "bfloat16"
+    assert 0 < need16 < need32
+    roomy = planned(REQUEST, budget=2 * need32)
+    assert roomy.fits and "vae_dtype" not in roomy.request and not any("VAE in" in n for n in roomy.notes)
+    tight = planned(REQUEST, budget=(need16 + need32) / 2)
+    assert tight.fits and tight.request["vae_dtype"] == "bfloat16" and tight.stage("decode").peak == need16
+    assert any(n.startswith("VAE in bfloat16, not float32 as stock diffusers loads it: in float32 stage decode "
+                            "needs") for n in tight.notes), tight.notes
+    assert "VAE in bfloat16" in tight.summary().splitlines()[0]
+    insist = planned(dataclasses.replace(REQUEST, vae_dtype="float32"), budget=(need16 + need32) / 2)
+    assert not insist.fits and insist.request["vae_dtype"] == "float32" and "decode" in insist.advice()
+
+    monkeypatch.setattr(plan, "make", lambda *a, **k: tight)
+    lines: list[str] = []
+    for _ in range(2):  # planned, then read from the cache: said both times
+        got = plan.preflight("wan", REQUEST, pipeline.Options(), configs, jax.devices(), cache_dir=checkpoint / "plans",
+                             dtype="bfloat16", log=lines.append)
+        assert got.vae_dtype == "bfloat16"
+    assert sum(line.startswith("plan: VAE in bfloat16, not float32") for line in lines) == 2, lines
+
+
+@pytest.mark.parametrize("value", ["float16", "fp32", ""])
+def test_a_vae_dtype_that_is_not_allowed_is_refused_before_loading(value):
+    with pytest.raises(pipeline.PipelineError, match=f"vae_dtype={value!r} is not one of float32, bfloat16"):
+        pipeline.validate(pipeline.Request(prompt="x", vae_dtype=value), pipeline.Options())
+
+
+def test_the_command_line_has_a_vae_dtype_flag_for_wan_generate_and_plan():
+    from tpupedia import cli
+
+    assert cli.build_parser().parse_args(["generate", "wan", "--prompt", "x", "--vae-dtype", "bfloat16"]).vae_dtype \
+        == "bfloat16"
+    assert cli.build_parser().parse_args(["plan", "wan", "--vae-dtype", "float32"]).vae_dtype == "float32"

@@ -120,7 +120,8 @@ def _plan(args: argparse.Namespace) -> int:
         from tpupedia import dryrun
 
         fields["width"], fields["height"] = dryrun.parse_resolution(args.resolution, 16)
-    request = pipeline.Request(prompt=args.prompt, image=getattr(args, "image", None), **fields)
+    request = pipeline.Request(prompt=args.prompt, image=getattr(args, "image", None), **fields,
+                               **_family_values(args, pipeline))
     pipeline.PIPELINE.check_size_given(request, ["--resolution"] if args.resolution else [])
     options = common.Options(mesh=common.parse_mesh(args.mesh) if args.mesh else None, sharding=args.sharding,
                              attention=args.attention, block_sizes=_block_sizes(args.block_sizes))
@@ -165,6 +166,23 @@ def _family_fields(pipeline) -> list:
     return [f for f in dataclasses.fields(pipeline.Request) if f.name not in shared]
 
 
+def _add_family_flags(parser: argparse.ArgumentParser, pipeline) -> None:
+    """A flag for each of `_family_fields(pipeline)` (`generate`, `bench generate`, `plan`)."""
+    for f in _family_fields(pipeline):
+        parser.add_argument(f"--{f.name.replace('_', '-')}", default=None, metavar=f.metadata.get("metavar"),
+                            type=f.metadata.get("type", str), help=f.metadata.get("help"))
+
+
+def _family_values(args: argparse.Namespace, pipeline) -> dict:
+    """The family's request fields from the flags `_add_family_flags` added, each `parse`d."""
+    out = {}
+    for f in _family_fields(pipeline):
+        value = getattr(args, f.name)
+        parse = f.metadata.get("parse")
+        out[f.name] = parse(value) if parse and value is not None else value
+    return out
+
+
 def _generate_setup(args: argparse.Namespace):
     """Preset, pipeline module, request and options from the command line, validated before JAX
     starts or any model loads; then the preset's devices and the compilation cache. Shared by
@@ -183,10 +201,7 @@ def _generate_setup(args: argparse.Namespace):
     fields = family.default_request(preset) | {k: v for k, v in (
         ("frames", args.frames), ("height", args.height), ("width", args.width), ("steps", args.steps),
         ("guidance", args.guidance), ("seed", args.seed), ("fps", args.fps)) if v is not None}
-    for f in _family_fields(pipeline):
-        value = getattr(args, f.name)
-        parse = f.metadata.get("parse")
-        fields[f.name] = parse(value) if parse and value is not None else value
+    fields |= _family_values(args, pipeline)
     request = pipeline.Request(prompt=args.prompt or "(from --prompts)", negative_prompt=args.negative_prompt,
                                vae_tiling=args.vae_tiling == "on", image=getattr(args, "image", None), **fields)
     options = common.Options(mesh=common.parse_mesh(args.mesh) if args.mesh else None, sharding=args.sharding,
@@ -403,9 +418,7 @@ def _add_generate_arguments(p: argparse.ArgumentParser, spec, *, stages: bool) -
     p.add_argument("--devices", type=int, default=None,
                    help="simulated CPU devices (the tiny preset: default its 8, or none for a checkpoint named with "
                         "--model, which runs on this machine's devices; simulated devices share the host's memory)")
-    for f in _family_fields(_pipeline_module(family)):
-        p.add_argument(f"--{f.name.replace('_', '-')}", default=None, metavar=f.metadata.get("metavar"),
-                       type=f.metadata.get("type", str), help=f.metadata.get("help"))
+    _add_family_flags(p, _pipeline_module(family))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -481,6 +494,7 @@ def build_parser() -> argparse.ArgumentParser:
             q.add_argument("--image", default=None, metavar="PICTURE",
                            help="plan image-to-video (the release's image-to-video checkpoint; the picture "
                                 "is only checked, its size does not matter)")
+        _add_family_flags(q, _pipeline_module(spec.name))
         q.add_argument("--json", default=None, help="also write the plan as JSON to this file")
         q.add_argument("--record", default=None, nargs="?", const="docs/results/plans.json",
                        help="merge the plan into a results file (default docs/results/plans.json)")

@@ -150,9 +150,10 @@ class Plan:
             if s.fits(self.hbm):
                 continue
             need = "did not compile" if s.peak is None else f"needs {s.peak / _GIB:.2f} GiB"
-            vae = "a smaller --resolution" if self.vae_tiling else "--vae-tiling on, or a smaller --resolution"
+            smaller = "a smaller frame (generate: --width/--height; plan: --resolution)"
+            vae = smaller if self.vae_tiling else f"--vae-tiling on, or {smaller}"
             fix = {"text": "--sharding tp (text encoders split over tp) or a mesh with a larger tp",
-                   "denoise": "--attention splash, --sharding fsdp, fewer frames or a smaller --resolution, or more chips",
+                   "denoise": f"--attention splash, --sharding fsdp, fewer frames or {smaller}, or more chips",
                    "image": vae, "decode": vae}[s.stage]
             if self.resident:
                 fix += "; or generate one video at a time (a batch keeps every stage's models)"
@@ -196,7 +197,8 @@ class Plan:
                 + (f", {self.layers} layers compiled" if self.layers else "")
                 + (", batch (models resident)" if self.resident else "")
                 + (f", VAE tiling {'on' if self.vae_tiling else 'off'}" if any(s.stage == "decode" for s in self.stages)
-                   else ""))
+                   else "")
+                + (f", VAE in {r['vae_dtype']}" if r.get("vae_dtype") else ""))
         lines = [head, f"  {self.memory}: {self.hbm / g:.2f} GiB"]
         for s in self.stages:
             peak = "does not compile" if s.peak is None else f"peak {s.peak / g:.2f} GiB"
@@ -275,7 +277,7 @@ def make(family: str, request: Any, options: Any, *, model: str | None = None, c
         programs["text"] = _stage_programs(pipe, "text", request)
     image = "image" in stages and request.image is not None  # image-to-video: the picture's encoder, tiled as the decode
     if image:  # built now, so that its models' missing layers are counted; compiled once the tiling is known
-        image_programs = _stage_programs(pipe, "image", _with_tiling(request, vae_tiling == "on"))
+        _stage_programs(pipe, "image", _with_tiling(request, vae_tiling == "on"))
     if "denoise" in stages:
         programs["denoise"] = _stage_programs(pipe, "denoise", request)
     full_depth = _full_depth(pipe, layers)  # the components loaded so far (the decode's VAE is not a torch model)
@@ -294,22 +296,38 @@ def make(family: str, request: Any, options: Any, *, model: str | None = None, c
     if pipe.indivisible_note():
         notes.append(pipe.indivisible_note())
     costs = {s: [_cost(p, extra) for p in ps] for s, ps in programs.items()}
-    tiling = vae_tiling == "on"
-    if "decode" in stages:
-        decode = [_cost(p, extra) for p in _stage_programs(pipe, "decode", _with_tiling(request, tiling))]
-        if vae_tiling == "auto" and not StageCost("decode", decode, 0.0).fits(hbm):
-            untiled = max((p.peak or p.oom_required or 0) for p in decode)
-            tiling = True
-            decode = [_cost(p, extra) for p in _stage_programs(pipe, "decode", _with_tiling(request, True))]
-            notes.append(f"VAE tiling: auto turned it on, the untiled decode does not fit "
-                         f"({untiled / _GIB:.2f} GiB or more of {hbm / _GIB:.2f} GiB)")
-            if image:  # the picture's encode is tiled as the decode is
-                image_programs = _stage_programs(pipe, "image", _with_tiling(request, True))
-        costs["decode"] = decode
-    else:
+
+    def vae_stages(request) -> tuple[dict[str, list[ProgramCost]], bool, list[str]]:
+        """The image and decode stages' costs for `request`, the tiling `auto` chose, and its note."""
+        found, tiling, said = {}, vae_tiling == "on", []
+        if "decode" in stages:
+            decode = [_cost(p, extra) for p in _stage_programs(pipe, "decode", _with_tiling(request, tiling))]
+            if vae_tiling == "auto" and not StageCost("decode", decode, 0.0).fits(hbm):
+                untiled = max((p.peak or p.oom_required or 0) for p in decode)
+                tiling = True
+                decode = [_cost(p, extra) for p in _stage_programs(pipe, "decode", _with_tiling(request, True))]
+                said.append(f"VAE tiling: auto turned it on, the untiled decode does not fit "
+                            f"({untiled / _GIB:.2f} GiB or more of {hbm / _GIB:.2f} GiB)")
+            found["decode"] = decode
+        if image:  # the picture's encode is tiled as the decode is
+            found["image"] = [_cost(p, extra) for p in _stage_programs(pipe, "image", _with_tiling(request, tiling))]
+        return found, tiling, said
+
+    vae, tiling, said = vae_stages(request)
+    over = [s for s, c in vae.items() if not StageCost(s, c, 0.0).fits(hbm)]
+    lowered = pipe_cls.lowered(request, dtype) if over else None
+    if lowered is not None:  # stock keeps the VAE wider than the run: the run's dtype, if that is what fits
+        narrow, narrow_tiling, narrow_said = vae_stages(lowered)
+        if all(StageCost(s, c, 0.0).fits(hbm) for s, c in narrow.items()):
+            need = max(max((p.peak or p.oom_required or 0) for p in vae[s]) for s in over)
+            notes.append(f"VAE in {lowered.vae_dtype}, not float32 as stock diffusers loads it: in float32 stage "
+                         f"{over[0]} needs {need / _GIB:.2f} GiB or more of {hbm / _GIB:.2f} GiB "
+                         f"(--vae-dtype float32 to insist)")
+            request, vae, tiling, said = lowered, narrow, narrow_tiling, narrow_said
+    notes += said
+    costs |= vae
+    if "decode" not in stages:
         notes.append(f"stages planned: {', '.join(s for s in STAGES if s in stages)} (the others are not in this plan)")
-    if image:
-        costs["image"] = [_cost(p, extra) for p in image_programs]
     weights = {s: StageCost(s, c, 0.0).weights for s, c in costs.items()}
     planned = [StageCost(s, costs[s], sum(w for o, w in weights.items() if o != s) if resident else 0.0)
                for s in STAGES if s in costs]
@@ -318,7 +336,8 @@ def make(family: str, request: Any, options: Any, *, model: str | None = None, c
     attention = backend + (f" {'/'.join(map(str, pipe.block_sizes))}" if backend == "splash" else "")
     return Plan(family=family, checkpoint=model, topology=name, chips=chips, mesh=dict(mesh.shape),
                 request={"width": r.width, "height": r.height, "frames": r.frames, "steps": r.steps,
-                         "guidance": r.guidance} | ({"image": True} if r.image is not None else {}),
+                         "guidance": r.guidance} | ({"image": True} if r.image is not None else {})
+                        | ({"vae_dtype": r.vae_dtype} if getattr(r, "vae_dtype", None) else {}),
                 layers=layers, resident=resident, hbm=hbm, stages=planned, vae_tiling=tiling, notes=notes,
                 attention=attention, memory=memory, host_copy=host_copy)
 
@@ -453,7 +472,9 @@ def preflight(family: str, request: Any, options: Any, configs: dict[str, dict],
     On TPU devices, compile every program of the run for `run_devices` (the run's own chips) with
     `PREFLIGHT_LAYERS` layers per model (`make`), and raise `PlanError` naming the stage and the
     fix when a stage will not fit; otherwise return `request` with `vae_tiling` resolved (`tiling`
-    `auto`: on only when the untiled decode does not fit). The answer is cached as JSON in
+    `auto`: on only when the untiled decode does not fit) and, for a family whose stock VAE is
+    float32 beside a narrower run (Wan), `vae_dtype` set to the run's dtype only when the float32
+    VAE stages do not fit (`StagedPipeline.lowered`; said each run). The answer is cached as JSON in
     `cache_dir`, keyed by everything it depends on (`_preflight_key`), so a second run with the
     same shapes compiles nothing; an unreadable cache file is planned again.
 
@@ -490,6 +511,8 @@ def preflight(family: str, request: Any, options: Any, configs: dict[str, dict],
                      resident=resident, dtype=dtype, run_devices=run_devices)
         peaks = [st.peak for st in found.stages]
         answer = {"key": key, "fits": found.fits, "vae_tiling": found.vae_tiling, "advice": found.advice(),
+                  "vae_dtype": found.request.get("vae_dtype"),
+                  "precision": next((n for n in found.notes if n.startswith("VAE in ")), ""),
                   "summary": found.summary(), "budget": found.hbm, "host_copy": found.host_copy,
                   "peak": None if None in peaks else max(peaks, default=0.0)}
         results.write_json_atomic(path, answer)
@@ -498,6 +521,10 @@ def preflight(family: str, request: Any, options: Any, configs: dict[str, dict],
         raise PlanError(f"{family} on {len(run_devices)} x {run_devices[0].device_kind} will not fit: "
                         f"{answer['advice']} (nothing was loaded; `tpupedia plan {family}` shows the whole plan, "
                         "--no-plan skips this check)")
+    if answer.get("precision"):  # said on every run, cached or not: the video differs from stock here
+        log(f"plan: {answer['precision']}")
+    if answer.get("vae_dtype"):
+        request = dataclasses.replace(request, vae_dtype=answer["vae_dtype"])
     return dataclasses.replace(request, vae_tiling=bool(answer["vae_tiling"]))
 
 

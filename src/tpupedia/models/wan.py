@@ -42,7 +42,7 @@ __all__ = ["FAMILY", "FULL_ID", "FULL_ID_22", "FULL_LAYERS", "DEFAULT_SHAPES", "
            "latent_shape", "video_tokens", "step_flops", "build", "step_inputs", "tiny_checkpoint",
            "model_source", "named_source", "component_configs", "experts", "boundary_timestep", "make_vae_jit_friendly",
            "FULL_ID_I2V", "FULL_ID_22_I2V", "i2v_transformer_config", "image_to_video", "full_image_encoder_config",
-           "tiny_image_encoder_config", "tiny_image_processor", "condition_mask", "FLOAT32_COMPONENTS",
+           "tiny_image_encoder_config", "tiny_image_processor", "condition_mask", "FLOAT32_COMPONENTS", "VAE_DTYPES",
            "component_dtype", "flow_shift"]
 
 FAMILY = "wan"
@@ -73,23 +73,26 @@ SCHEDULER_CONFIG: dict[str, Any] = dict(
     prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=3.0,
     solver_order=2, solver_type="bh2", lower_order_final=True, predict_x0=True, final_sigmas_type="zero",
     timestep_spacing="linspace")
-FLOAT32_COMPONENTS: tuple[str, ...] = ()
-"""The components that run in float32 whatever the run's dtype: none yet, and here this project
-differs from stock's documented usage. `WanPipeline`'s example (diffusers 0.42.1,
-`pipelines/wan/pipeline_wan.py`, `EXAMPLE_DOC_STRING`) loads `AutoencoderKLWan.from_pretrained(
-model_id, subfolder="vae", torch_dtype=torch.float32)` beside a bf16 pipeline, and
-`WanImageToVideoPipeline`'s (`pipeline_wan_i2v.py`) does the same for the VAE and
-`CLIPVisionModel`. At 720p and 81 frames the recorded bf16 plan's decode already binds the run at
-18.14 GiB per chip of a v6e-8; in float32 its activations double, an estimate of about 36 GiB
-against the 31.25 GiB a v6e chip gives a program, so the VAE stays in the run's dtype until a
-float32 plan is compiled and a smaller-memory decode (tiling) exists for Wan. Naming a component
-here makes the run load it, the plan compile it and the stage files record it in float32
-(`component_dtype`, `tpupedia.pipelines.wan.Wan.component_dtype`). Introduced in notebook 11."""
+FLOAT32_COMPONENTS: tuple[str, ...] = ("vae", "image_encoder")
+"""The components stock diffusers' Wan examples keep in float32 beside a bf16 pipeline, and so
+does a run here: `WanPipeline`'s example (diffusers 0.42.1, `pipelines/wan/pipeline_wan.py`,
+`EXAMPLE_DOC_STRING`) loads `AutoencoderKLWan.from_pretrained(model_id, subfolder="vae",
+torch_dtype=torch.float32)`, and `WanImageToVideoPipeline`'s (`pipeline_wan_i2v.py`) the VAE and
+`CLIPVisionModel` the same way. One exception, decided by the plan and said where it is made: a
+video whose float32 VAE stages do not fit a chip runs its VAE in the run's dtype
+(`Request.vae_dtype`, `tpupedia.pipelines.wan.Wan.lowered`). The run loads these components,
+the plan compiles them and the stage files record them in the dtype `component_dtype` gives.
+Introduced in notebook 11."""
+VAE_DTYPES = ("float32", "bfloat16")
+"""What `--vae-dtype` accepts."""
 
 
-def component_dtype(name: str, dtype: str) -> str:
+def component_dtype(name: str, dtype: str, vae_dtype: str | None = None) -> str:
     """The dtype (a name: `"bfloat16"`, `"float32"`) component `name` runs in when the run's is
-    `dtype`: float32 for `FLOAT32_COMPONENTS`, else `dtype`."""
+    `dtype`: the VAE in `vae_dtype` where one is given (`Request.vae_dtype`); otherwise float32
+    for `FLOAT32_COMPONENTS`, else `dtype`."""
+    if name == "vae" and vae_dtype is not None:
+        return vae_dtype
     return "float32" if name in FLOAT32_COMPONENTS else dtype
 
 

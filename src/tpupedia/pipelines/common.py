@@ -415,6 +415,13 @@ class StagedPipeline:
         p = self.options.matmul_precision
         return jax.default_matmul_precision(p) if p else contextlib.nullcontext()
 
+    @classmethod
+    def lowered(cls, request: Request, dtype: str) -> Request | None:
+        """`request` with the components stock keeps wider than the run's `dtype` (a name) lowered
+        to it, for `tpupedia.plan` to try when they do not fit; `None`: nothing to lower (Wan's
+        VAE is the one case, `tpupedia.pipelines.wan.Wan.lowered`)."""
+        return None
+
     def component_dtype(self, name: str) -> Any:  # noqa: ARG002 - a family may keep a component in another dtype
         """The torch dtype component `name` loads in: `self.dtype`, unless the family keeps it in
         another as stock's documented usage does (Wan: the VAE and the image encoder in float32,

@@ -30,10 +30,11 @@ Image-to-video (Wan2.1-I2V, Wan2.2-I2V-A14B; `Request.image`) adds a stage betwe
   mean), so the denoise stage's noise is the text-to-video one; each step feeds the condition
   beside the latents and the features to the cross-attention.
 
-Precision: with `dtype=bfloat16` (the full preset) every component runs in bf16, where diffusers'
-own examples keep the VAE and Wan 2.1 I2V's CLIP image encoder in float32: a float32 decode at
-720p and 81 frames is estimated not to fit a v6e chip (`tpupedia.models.wan.FLOAT32_COMPONENTS`
-says why, and is the one place to change it). The flow shift is the checkpoint's scheduler's
+Precision: with `dtype=bfloat16` (the full preset) the transformers and the text encoder run in
+bf16, and the VAE and Wan 2.1 I2V's CLIP image encoder in float32, as diffusers' own examples load
+them (`tpupedia.models.wan.FLOAT32_COMPONENTS`), unless the plan shows the float32 VAE stages do
+not fit a chip: then the VAE runs in the run's dtype (`Request.vae_dtype`, resolved by
+`tpupedia plan` and the pre-run check, which say so; `--vae-dtype` chooses it by hand). The flow shift is the checkpoint's scheduler's
 unless `Request.shift` overrides it (`--shift`; diffusers' example uses 5.0 for 720p), which
 rebuilds UniPC's tables as `UniPCMultistepScheduler.from_config(config, flow_shift=shift)` does.
 
@@ -66,7 +67,8 @@ __all__ = ["PipelineError", "Request", "Options", "validate", "resolve", "settin
 class Request(common.Request):
     """What to generate. `guidance_2` is Wan 2.2's low-noise expert's scale (`None`: `guidance`,
     as `WanPipeline` takes it); `shift` UniPC's flow shift (`None`: the checkpoint's scheduler's
-    `flow_shift`, `tpupedia.models.wan.flow_shift`)."""
+    `flow_shift`, `tpupedia.models.wan.flow_shift`); `vae_dtype` the VAE's (`None`: float32, as
+diffusers' examples load it, unless the plan shows that does not fit)."""
 
     frames: int = 81
     guidance: float = 5.0
@@ -77,6 +79,10 @@ class Request(common.Request):
     shift: float | None = field(default=None, metadata={
         "type": float, "help": "UniPC's flow shift (default: the checkpoint's scheduler; diffusers' example "
                                "uses 5.0 for 720p, 3.0 for 480p)"})
+    vae_dtype: str | None = field(default=None, metadata={
+        "type": str, "metavar": "|".join(family.VAE_DTYPES),
+        "help": "the VAE's dtype (default: float32 as diffusers' Wan examples load it, or the run's dtype where "
+                "the plan shows float32 does not fit, which the plan and the run say)"})
 
 
 def validate(request: Request, options: Options, device_count: int | None = None,
@@ -102,7 +108,7 @@ def settings(stage: str, source_label: str, configs: dict[str, dict], request: R
     clip = ({"image_encoder": common.config_fingerprint(configs["image_encoder"]),
              "image_processor": configs["pipeline"].get("image_processor"),
              "image_encoder_dtype": family.component_dtype("image_encoder", dtype)} if "image_encoder" in configs else {})
-    picture = clip | {"vae_dtype": family.component_dtype("vae", dtype)}
+    picture = clip | {"vae_dtype": family.component_dtype("vae", dtype, request.vae_dtype)}
     out = common.stage_settings(family.FAMILY, stage, source_label, configs, request, dtype, picture=picture)
     if stage in ("denoise", "decode"):
         out |= {name: common.config_fingerprint(configs[name]) for name in family.experts(configs)}
@@ -112,7 +118,7 @@ def settings(stage: str, source_label: str, configs: dict[str, dict], request: R
                 "steps": request.steps, "guidance": request.guidance, "guidance_2": request.guidance_2,
                 "shift": request.shift, "seed": request.seed}
     if stage == "decode":
-        out |= {"vae_config": common.config_fingerprint(configs["vae"]), "vae_dtype": family.component_dtype("vae", dtype)}
+        out |= {"vae_config": common.config_fingerprint(configs["vae"]), "vae_dtype": family.component_dtype("vae", dtype, request.vae_dtype)}
     return out
 
 
@@ -138,6 +144,8 @@ class Wan(common.StagedPipeline):
         if request.guidance_2 is not None and configs is not None and len(family.experts(configs)) == 1:
             raise PipelineError(f"guidance_2={request.guidance_2}: this checkpoint has one transformer (Wan 2.1); the "
                                 "low-noise guidance is for two-expert checkpoints (Wan 2.2 A14B)")
+        if request.vae_dtype is not None and request.vae_dtype not in family.VAE_DTYPES:
+            raise PipelineError(f"vae_dtype={request.vae_dtype!r} is not one of {', '.join(family.VAE_DTYPES)}")
         if request.vae_tiling:
             raise PipelineError("vae_tiling=on: Wan's VAE decodes untiled here (one latent frame at a time; "
                                 "tiled decode is not implemented for Wan yet); use --vae-tiling off")
@@ -156,16 +164,26 @@ class Wan(common.StagedPipeline):
     def settings_for(cls, source_label, configs, request, options, dtype, stage) -> dict:
         return settings(stage, source_label, configs, request, dtype=str(dtype).removeprefix("torch."))
 
-    def component_dtype(self, name: str) -> Any:
-        """float32 for `family.FLOAT32_COMPONENTS`, else the run's dtype."""
+    @classmethod
+    def lowered(cls, request: Request, dtype: str) -> Request | None:
+        """`request` with its VAE in the run's `dtype` (a name) where it would run in float32 by
+        default and `dtype` is narrower: what `tpupedia.plan` tries when the float32 VAE stages do
+        not fit a chip; `None` when there is nothing to lower (a dtype chosen, a float32 run)."""
+        if request.vae_dtype is not None or family.component_dtype("vae", dtype) == dtype:
+            return None
+        return dataclasses.replace(request, vae_dtype=dtype)
+
+    def component_dtype(self, name: str, request: Request | None = None) -> Any:
+        """The torch dtype of component `name` (`family.component_dtype`): float32 for
+        `family.FLOAT32_COMPONENTS`, else the run's dtype; the VAE in `request.vae_dtype` if set."""
         import torch
 
-        return getattr(torch, family.component_dtype(name, str(self.dtype).removeprefix("torch.")))
+        chosen = request.vae_dtype if request is not None else None
+        return getattr(torch, family.component_dtype(name, str(self.dtype).removeprefix("torch."), chosen))
 
-    @property
-    def vae_dtype(self) -> str:
-        """The VAE's dtype by name: what its programs compile in, for the run and the plan."""
-        return str(self.component_dtype("vae")).removeprefix("torch.")
+    def vae_dtype(self, request: Request) -> str:
+        """The VAE's dtype by name for `request`: what its programs compile in, for the run and the plan."""
+        return str(self.component_dtype("vae", request)).removeprefix("torch.")
 
     # -- stage 1 ---------------------------------------------------------------------------
     def _encode_text(self, request: Request) -> tuple[dict, dict]:
@@ -250,16 +268,18 @@ class Wan(common.StagedPipeline):
                 out["image_embeds"] = common.to_torch(jax.block_until_ready(features)).to(self.dtype)
             chips = decoding.decode_mesh(self.mesh)
 
+            dtype = self.component_dtype("vae", request)
+
             def load():
-                vae = checkpoints.load_component(AutoencoderKLWan, self.source, "vae", dtype=self.component_dtype("vae"))
+                vae = checkpoints.load_component(AutoencoderKLWan, self.source, "vae", dtype=dtype)
                 return self._to_jax("vae", vae, mesh=chips)  # a copy on each of the host's chips
 
-            vae = self.held("image", "vae", load)
+            vae = self.held("image", ("vae", dtype), load)
             first = VideoProcessor(vae_scale_factor=self.shapes.spatial).preprocess(
                 picture, height=request.height, width=request.width)
             black = first.new_zeros(1, 3, request.frames - 1, request.height, request.width)
             video = torch.cat([first[:, :, None], black], dim=2).to(vae.dtype)
-            moments = encode_frames(vae, video, self.env, self.held("image", "frames", lambda: {}), self.traces)
+            moments = encode_frames(vae, video, self.env, self.held("image", ("frames", dtype), lambda: {}), self.traces)
         config = vae.config
         mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1)
         std = torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1)
@@ -273,7 +293,7 @@ class Wan(common.StagedPipeline):
         (`_clip_program`); then the VAE encoder's chunks (`encode_programs`) on the host's chips."""
         clip = [self._clip_program()] if "image_encoder" in self.configs else []
         return clip + encode_programs(self.configs["vae"], request.frames, request.height, request.width,
-                                      decoding.decode_mesh(self.mesh), dtype=self.vae_dtype)
+                                      decoding.decode_mesh(self.mesh), dtype=self.vae_dtype(request))
 
     def _clip_program(self):
         """Wan 2.1's CLIP vision tower as the image stage compiles it, `(weights, buffers, pixels)`
@@ -456,30 +476,30 @@ class Wan(common.StagedPipeline):
         """The decode stage's programs: the VAE's first, second and later latent frames, each on
         one chip with its causal cache (`decode_programs`)."""
         return decode_programs(self.configs["vae"], self.shapes.latent_frames(request.frames), request.height,
-                               request.width, decoding.decode_mesh(self.mesh), dtype=self.vae_dtype)
+                               request.width, decoding.decode_mesh(self.mesh), dtype=self.vae_dtype(request))
 
-    def _decode(self, request: Request, latents) -> tuple[dict, dict]:  # noqa: ARG002 - every family's signature
+    def _decode(self, request: Request, latents) -> tuple[dict, dict]:
         """Latents -> frames, float32 (F, H, W, 3) in [0, 1] (diffusers' `output_type="np"`)."""
         import torch
         from diffusers import AutoencoderKLWan
         from diffusers.video_processor import VideoProcessor
 
-        chips = decoding.decode_mesh(self.mesh)
+        chips, dtype = decoding.decode_mesh(self.mesh), self.component_dtype("vae", request)
 
         def load():
             vae = family.make_vae_jit_friendly(checkpoints.load_component(AutoencoderKLWan, self.source, "vae",
-                                                                     dtype=self.component_dtype("vae")))
+                                                                          dtype=dtype))
             self._to_jax("vae", vae, mesh=chips)  # a copy on each of the host's chips
             return vae
 
-        vae = self.held("decode", "vae", load)
+        vae = self.held("decode", ("vae", dtype), load)
         config = vae.config
         mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(vae.dtype)
         std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(vae.dtype)
         z = latents.to(vae.dtype) / std + mean  # `WanPipeline`'s de-normalisation, on the host
         start = time.perf_counter()
         with self._precision():
-            video = decode_frames(vae, z, self.env, self.held("decode", "frames", lambda: {}), self.traces)
+            video = decode_frames(vae, z, self.env, self.held("decode", ("frames", dtype), lambda: {}), self.traces)
         seconds = time.perf_counter() - start
         frames = VideoProcessor(vae_scale_factor=self.shapes.spatial).postprocess_video(video.float(), output_type="np")[0]
         return {"frames": torch.from_numpy(frames.astype("float32"))}, {"first_s": seconds}
@@ -677,7 +697,7 @@ def stock(source: str, request: Request, dtype: Any = None) -> tuple[Any, dict[s
     """Stock diffusers `WanPipeline` (`WanImageToVideoPipeline` for a request with a picture, read
     as `diffusers.utils.load_image` reads it) loaded from `source` (float32 unless `dtype`;
     `family.FLOAT32_COMPONENTS` in float32 whatever `dtype`, passed in as diffusers' examples pass
-    a float32 VAE), its scheduler rebuilt with `request.shift`
+    a float32 VAE, the VAE in `request.vae_dtype` where set), its scheduler rebuilt with `request.shift`
     where given (`UniPCMultistepScheduler.from_config(pipe.scheduler.config, flow_shift=shift)`,
     as the example sets it), and the keyword arguments of the call that makes `request`'s video
     from the same seed (both experts' scales), frames as `output_type="np"`: what the parity tests
@@ -693,7 +713,10 @@ def stock(source: str, request: Request, dtype: Any = None) -> tuple[Any, dict[s
     if (dtype or torch.float32) != torch.float32:
         configs = family.component_configs(source)
         classes = {"vae": AutoencoderKLWan, "image_encoder": CLIPVisionModel}
-        kept = {name: classes[name].from_pretrained(source, subfolder=name, dtype=torch.float32, use_safetensors=True)
+        run = str(dtype).removeprefix("torch.")
+        kept = {name: classes[name].from_pretrained(
+                    source, subfolder=name, use_safetensors=True,
+                    dtype=getattr(torch, family.component_dtype(name, run, request.vae_dtype)))
                 for name in family.FLOAT32_COMPONENTS if name in configs}
     pipe = common.load_stock(WanImageToVideoPipeline if i2v else WanPipeline, source, dtype, **kept)
     if request.shift is not None:
