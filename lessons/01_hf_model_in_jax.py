@@ -34,7 +34,7 @@
 # *Reading time: about 13 minutes.*
 
 # %% [markdown]
-# The first cell does what notebook 00 did step by step: read the preset, create the simulated
+# The first cell does what notebook `start_here` did step by step: read the preset, create the simulated
 # devices before JAX starts, and silence a few known, harmless warnings
 # (`tpupedia.session.start`).
 

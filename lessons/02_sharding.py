@@ -41,7 +41,7 @@
 # %xmode Minimal
 from tpupedia import devices, session
 
-preset = session.start()  # preset, simulated devices, known warnings silenced (notebook 01)
+preset = session.start()  # preset, simulated devices, known warnings silenced (notebook `hf_model_in_jax`)
 
 # %% [markdown]
 # ## 1. A mesh and a `NamedSharding`

@@ -16,7 +16,7 @@
 # %% [markdown]
 # # 03 · torchax internals and the pitfall catalog
 #
-# Notebooks 01 and 02 used torchax as a black box: move a model to `"jax"`, wrap it, call it.
+# Notebooks `hf_model_in_jax` and `sharding` used torchax as a black box: move a model to `"jax"`, wrap it, call it.
 # This notebook opens the box. You will see what a torchax tensor is, how it trades places with
 # a `jax.Array`, how to replace one PyTorch operator with your own implementation, how to compile
 # methods other than `forward`, and how to move state that is not inside an `nn.Module`. It ends
@@ -55,13 +55,13 @@
 # The same first cell as every notebook: quiet, deterministic warnings and logs, then the preset
 # and the simulated devices, before anything touches JAX. torchax itself is always imported
 # through `tpupedia.compat.import_torchax`, which works around a torchax 0.0.13 / PyTorch 2.13
-# incompatibility (notebook 01 explains it).
+# incompatibility (notebook `hf_model_in_jax` explains it).
 
 # %%
 # %xmode Minimal
 from tpupedia import session
 
-preset = session.start()  # preset, simulated devices, known warnings silenced (notebook 01)
+preset = session.start()  # preset, simulated devices, known warnings silenced (notebook `hf_model_in_jax`)
 
 # %%
 import re
@@ -220,7 +220,7 @@ assert all(isinstance(v, jax.Array) for v in arrays.values())
 # The environment keeps a table from PyTorch operators to implementations, and
 # `env.override_op_definition(op, impl)` replaces one entry. The implementation receives
 # torchax tensors and may use torch ops (they are dispatched to JAX in turn) or call JAX
-# directly through `call_jax`. This is how the course plugs in TPU kernels: notebook 04 installs
+# directly through `call_jax`. This is how the course plugs in TPU kernels: notebook `splash_attention` installs
 # a Pallas splash-attention kernel as the implementation of
 # `F.scaled_dot_product_attention`, through this same mechanism.
 #
@@ -660,7 +660,7 @@ assert all(getattr(pipe, n).compiled_variants >= 1 for n in ("text_encoder", "tr
 # * **torchax**, this course's route, turns each torch operator into a JAX call: one call at a
 #   time eagerly, or one program under `jax.jit`, in the same program as JAX's sharding, Pallas
 #   kernels and Flax modules, and compilable ahead of time for a slice this host does not have
-#   (notebook 00).
+#   (notebook `start_here`).
 #
 # torch_xla needs its own build of torch (upstream's comparison ran torch_xla 2.9.0 with torch
 # 2.9.0; this course pins torch 2.13) and TorchTPU needs a TPU, so on this CPU host two routes
@@ -700,7 +700,7 @@ reference_logits = route_logits["eager PyTorch (CPU)"]
 print(f"{'route':>20} {'programs compiled, 1st call':>28} {'2nd call':>9} {'max |diff| from PyTorch':>24}")
 for route, logits in route_logits.items():
     first, second = route_programs[route]
-    error = float((logits - reference_logits).abs().max())  # float32 noise: shown as its bound (notebook 04's helper)
+    error = float((logits - reference_logits).abs().max())  # float32 noise: shown as its bound (notebook `splash_attention`'s helper)
     print(f"{route:>20} {first:>28} {second:>9} {'< 1e-06' if error < 1e-6 else f'{error:.1e}':>24}")
 
 # %% [markdown]
@@ -713,15 +713,15 @@ for route, logits in route_logits.items():
 # | route | put the model on the chips | run a step | one compiled program | shard it | ran here |
 # |---|---|---|---|---|---|
 # | eager PyTorch | `.to("cuda")` | `model(x)` | `torch.compile(model)` | `torch.distributed` | yes, on the CPU |
-# | torchax | `.to("jax")` inside `with env:` | `model(x)` | `tu.JitModule(model)` (a `jax.jit` over the weights) | `NamedSharding` tables (notebook 02) | yes |
+# | torchax | `.to("jax")` inside `with env:` | `model(x)` | `tu.JitModule(model)` (a `jax.jit` over the weights) | `NamedSharding` tables (notebook `sharding`) | yes |
 # | torch_xla | `.to(torch_xla.device())` | `model(x)`, then `torch_xla.sync()` | the lazy graph per step, or `torch.compile(backend="openxla")` | `xs.mark_sharding` | no: its own torch build |
 # | TorchTPU | `.to("tpu")` | `model(x)` | `torch.compile` | `torch.distributed` | no: needs a TPU |
 #
 # Which route when: torch_xla for code that already runs on it; TorchTPU if a native `tpu`
 # device is what you want and its maturity suits you (announced in 2026; the knowledge-base page
 # says what could and could not be checked); torchax when the program should meet JAX, as every
-# video pipeline of this course does: Splash attention as a Pallas kernel (notebook 04), a Flax
-# VAE in the same program (notebook 05), shardings as data, and compiles for a TPU slice from a
+# video pipeline of this course does: Splash attention as a Pallas kernel (notebook `splash_attention`), a Flax
+# VAE in the same program (notebook `cogvideox_vae_flax`), shardings as data, and compiles for a TPU slice from a
 # CPU host.
 
 # %%

@@ -26,7 +26,7 @@
 # |---|---|---|---|
 # | `text` | T5 encoder, prompt and negative prompt | one jitted forward | `text.safetensors` |
 # | `denoise` | transformer + guidance + scheduler, every step | **one** program for all steps | `denoise.safetensors` |
-# | `decode` | the VAE of notebook 05 | its per-frame-batch body | `decode.safetensors` (frames) |
+# | `decode` | the VAE of notebook `cogvideox_vae_flax` | its per-frame-batch body | `decode.safetensors` (frames) |
 #
 # Stages let you rerun only what changed, run each stage on the machine that suits it, and
 # survive a crash: a stage file is written atomically and checked when read.
@@ -59,7 +59,7 @@
 # %xmode Minimal
 from tpupedia import session
 
-preset = session.start()  # preset, simulated devices, known warnings silenced (notebook 01)
+preset = session.start()  # preset, simulated devices, known warnings silenced (notebook `hf_model_in_jax`)
 preset.name
 
 # %% [markdown]
@@ -208,7 +208,7 @@ print("traced", pipe.traces["text"], "time(s) for 2 prompts")
 # The same embeddings as diffusers' own `encode_prompt`, on PyTorch. In float32 (tiny) the two
 # agree to rounding, so the bound is absolute. In bfloat16 (full) a value keeps 8 significant
 # bits, so how far two correct programs drift apart grows with the values themselves, and an
-# absolute bound fails wherever a channel is large. There the measure is notebook 01's: the
+# absolute bound fails wherever a channel is large. There the measure is notebook `hf_model_in_jax`'s: the
 # largest difference over the reference's largest value, at most 2^-4 (`llm.BF16_RELATIVE_BOUND`).
 # T5 runs once per prompt, so the host CPU computes the reference at full size too.
 
@@ -219,7 +219,7 @@ from tpupedia import llm, results
 
 
 def relative(got, want):
-    """max |got - want| / max |want|, in float32: notebook 01's bfloat16 measure."""
+    """max |got - want| / max |want|, in float32: notebook `hf_model_in_jax`'s bfloat16 measure."""
     got, want = torch.as_tensor(got).float(), torch.as_tensor(want).float()
     return float((got - want).abs().max() / want.abs().max())
 
@@ -356,12 +356,12 @@ assert pure_step._cache_size() == 1  # one compiled program for all steps
 # 1. classifier-free guidance's two halves (negative, positive) as **one batch of 2**, placed on
 #    the mesh's `dp` axis, so each half runs on its own half of the chips;
 # 2. the transformer, its attention and MLP weights split over `tp` by the Megatron table of
-#    notebook 02 (column-parallel `to_q/to_k/to_v/ff.net.0`, row-parallel `to_out/ff.net.2`);
+#    notebook `sharding` (column-parallel `to_q/to_k/to_v/ff.net.0`, row-parallel `to_out/ff.net.2`);
 # 3. the guidance combination `uncond + g * (cond - uncond)`, with `g` traced;
 # 4. the pure scheduler step of section 3.
 #
 # Here it is, written out, before the pipeline module's copy of it is used. First the
-# transformer, placed as notebook 02 placed Llama: each chip receives only its shards of the
+# transformer, placed as notebook `sharding` placed Llama: each chip receives only its shards of the
 # family's `tp` table. `family.make_jit_friendly` swaps in one attention processor (section 5
 # shows why), and `FunctionalModule` turns the module into a function of its weights.
 
@@ -430,7 +430,7 @@ step = jax.jit(denoise_step, donate_argnums=(2, 3), out_shardings=(replicated, r
 # %% [markdown]
 # The loop: the inputs go to the mesh once, then one call per step with that step's noise. The
 # attention inside the transformer is torchax's SDPA routed to the backend the pipeline picks
-# (splash on a TPU, notebook 04; the reference on a CPU), and the matmuls run at the precision
+# (splash on a TPU, notebook `splash_attention`; the reference on a CPU), and the matmuls run at the precision
 # section 2 asked for.
 
 # %%
@@ -626,7 +626,7 @@ for in_place in (True, False):
 # did; here the split heads alone do). It was measured on this CPU with jax 0.10.2; nothing here
 # ran on a TPU. The cure does not depend on where it happens: build the rotated tensor anew with
 # `torch.cat`, as `FunctionalRoPEAttnProcessor` does, and there is no in-place update left to
-# partition. Notebook 03's rule, with a second reason behind it: inside a jitted torch function,
+# partition. Notebook `torchax_internals`'s rule, with a second reason behind it: inside a jitted torch function,
 # compute new tensors rather than writing into old ones; and check parity on the mesh you will
 # run, because a program right on one device can be wrong split.
 
@@ -640,7 +640,7 @@ if jax.default_backend() == "cpu":  # measured here; another backend's partition
 # ## 6. Stage 3: decode, and look at the video
 #
 # The padding latent frame is dropped, the latents are divided by the VAE's scaling factor and
-# decoded by the Flax NNX port of notebook 05 (`--vae torchax` runs diffusers' VAE under torchax
+# decoded by the Flax NNX port of notebook `cogvideox_vae_flax` (`--vae torchax` runs diffusers' VAE under torchax
 # instead). Frames come out as diffusers' `output_type="np"` returns them: float32
 # `(frames, height, width, 3)` in [0, 1]. Random weights make a random video; the shapes, the
 # value range and the parity below are what this preset proves.
@@ -659,7 +659,7 @@ video.show_frames(frames, f"{label}: {request.frames} frames at {request.width}x
 # ### The host's chips share the decode
 #
 # The VAE's causal convolutions run in time order (each frame batch takes the previous one's
-# cache, notebook 05), so time cannot be split between chips. Space can: the decode stage keeps a
+# cache, notebook `cogvideox_vae_flax`), so time cannot be split between chips. Space can: the decode stage keeps a
 # copy of the VAE's weights on every chip of the host and splits each activation of a frame batch
 # by width (by height when the latent width does not divide among the chips, not at all when
 # neither does), each chip computing its strip (`tpupedia.pipelines.decoding.activation_sharding`;
@@ -669,14 +669,14 @@ video.show_frames(frames, f"{label}: {request.frames} frames at {request.width}x
 # pins every convolution's input and output and every norm's output to the split
 # (`with_sharding_constraint`); a 3x3 convolution then trades one-pixel edges with its neighbours
 # and a GroupNorm one all-reduce of its sums. With tiling on (a size where even that does not
-# fit), the tiles of one shape are decoded side by side instead, one per chip (notebook 09; the
+# fit), the tiles of one shape are decoded side by side instead, one per chip (notebook `hunyuan_video`; the
 # knowledge base's [Decoding video on several chips](../kb/vae-decode.md) has both, measured).
 #
 # The decode's first frame batch compiled for one chip and for this host's chips, per chip
 # (on the tiny preset at 128x192, where the split divides the temporaries by about the chip
 # count; at the release's 1360x768, compiled ahead of time for a v6e host's 4 chips, the work
 # is split four ways but the memory falls far less: under 19 GiB per chip against the 22 GiB of
-# notebook 05's one-chip compile):
+# notebook `cogvideox_vae_flax`'s one-chip compile):
 
 # %%
 from tpupedia.pipelines import decoding
@@ -925,7 +925,7 @@ if preset.host_runs_whole_models:
 # ## Further reading
 #
 # - [Flow-matching schedulers](../kb/flow-matching.md): the other family of samplers, used by
-#   HunyuanVideo-1.5 and Wan (notebooks 09 and 11).
+#   HunyuanVideo-1.5 and Wan (notebooks `hunyuan_video` and `wan_on_tpu`).
 # - [Decoding video on several chips](../kb/vae-decode.md): the decode of section 6 in depth.
 # - [PyTorch on TPU: torch_xla, torchax and TorchTPU](../kb/torch-on-tpu.md): why this course
 #   runs diffusers' modules through torchax.

@@ -76,7 +76,7 @@ for label, frames, tokens, total, share, floor in rows:
 # %% [markdown]
 # The last column is the roofline floor: the step's FLOPs divided by the peak bf16 throughput of
 # eight v6e chips (7.3 PFLOP/s). No schedule of the computation can beat it. The step is far
-# above the v6e's ridge point (notebook 00), so memory bandwidth does not set the floor: each
+# above the v6e's ridge point (notebook `start_here`), so memory bandwidth does not set the floor: each
 # weight is read once per step and used for tens of thousands of tokens.
 
 # %%
@@ -195,7 +195,7 @@ print(f"reference attention needs {reference.oom_required_bytes / reference.oom_
 # more (39.84 GiB against 35.96 GiB here). A shallow "does not fit" stands; a shallow "fits"
 # close to the limit deserves a full-depth compile.
 #
-# Now the same step with Splash attention (notebook 04): the kernel streams keys and values
+# Now the same step with Splash attention (notebook `splash_attention`): the kernel streams keys and values
 # through on-chip memory block by block and never materialises the score matrix. The dry-run
 # installs `tpupedia.attention`'s override, compiled for the TPU (not in interpret mode), with
 # heads split over the `tp` axis, and removes it afterwards.
@@ -225,7 +225,7 @@ print(f"temporaries: {reference.oom_required_bytes / 2**30:.2f} GiB with referen
 # holds the 10.4 GiB of section 2 on every chip). `tp` is Megatron tensor parallelism for torch's `(out, in)`
 # weights (column-parallel projections split dimension 0, row-parallel ones dimension 1);
 # `tp_transposed` is the upstream project's "TP" table, which splits the other dimension of every
-# matrix (notebook 02 measures it on a tiny Llama: more collectives than `tp`, several times
+# matrix (notebook `sharding` measures it on a tiny Llama: more collectives than `tp`, several times
 # the bytes sent, and an all-reduce of the full logits); `fsdp` splits every matrix over all
 # eight chips and gathers it before use. Each strategy compiles one layer, on every preset, and
 # its collectives are scaled to the 42 layers.
@@ -253,7 +253,7 @@ print(f"compute floor of the step: {strategies['tp'].floors['compute'] * 1e3:.1f
 # is the largest of the compute, HBM and communication floors). What one chip can send is not
 # the v6e's headline 800 GB/s: that counts four ports and both directions. A ring along one
 # axis of the torus uses two ports, one direction each, 100 GB/s apiece: 200 GB/s
-# (`hardware.Chip.ring_bytes_per_s`, from Google's v6e page; notebook 10 and the hardware page
+# (`hardware.Chip.ring_bytes_per_s`, from Google's v6e page; notebook `beyond_one_host` and the hardware page
 # show the arithmetic). `tp_transposed` holds the same weight bytes,
 # but every matmul now splits the wrong dimension for the next one: the compiler re-shards
 # activations with many more collectives, and attention runs on all heads on every chip. That
@@ -311,7 +311,7 @@ assert all(0.05 < m < 0.5 for m in mfu.values())
 # %% [markdown]
 # Both runs sit well below the chips' peak, and attention is most of the work in both. That
 # points at the attention kernel: Splash attention's block sizes, the padding of sequences to
-# those blocks (notebook 04), and the exp/softmax work on the vector units, which the MXU peak
+# those blocks (notebook `splash_attention`), and the exp/softmax work on the vector units, which the MXU peak
 # does not count. The upstream profile of a HunyuanVideo-1.5 block (reported upstream, v6e-8:
 # about 35 ms in splash attention and 45 ms in linear layers plus all-reduces) agrees that both
 # halves matter. The roofline says how much room there is; the profile says where to look.
@@ -320,8 +320,8 @@ assert all(0.05 < m < 0.5 for m in mfu.values())
 # the time reported for it. The CogVideoX bar is the whole run over 50 (106.47 s for a 720p
 # video, yangwhale/gpu-tpu-pedia, commit 3fa9ce1, `tpu/CogVideoX/README.md`), so part of its
 # gap is the text encoder and the VAE; the HunyuanVideo-1.5 bar times the denoising steps alone.
-# Notebook 09 (section 10) splits that model's gap with upstream's per-block profile, and
-# notebook 10 (section 5) prices both gaps per video.
+# Notebook `hunyuan_video` (section 10) splits that model's gap with upstream's per-block profile, and
+# notebook `beyond_one_host` (section 5) prices both gaps per video.
 
 # %%
 fig, ax = plt.subplots(figsize=(7.5, 2.8))

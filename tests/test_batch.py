@@ -1,4 +1,4 @@
-"""Batch generation (notebook 10): prompts files, per-prompt outputs that are whole or absent, and
+"""Batch generation (notebook `beyond_one_host`): prompts files, per-prompt outputs that are whole or absent, and
 a job killed mid-batch that a rerun finishes with every prompt done exactly once."""
 
 from __future__ import annotations

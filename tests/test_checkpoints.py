@@ -1,4 +1,4 @@
-"""Loading a checkpoint (notebook 07's loading path, every family): a component whose weights do
+"""Loading a checkpoint (notebook `cogvideox_pipeline`'s loading path, every family): a component whose weights do
 not match its class is refused in one line naming the component and the first weights, and a
 Hub that cannot be reached (or, offline, a file not cached) is said as such, naming the file."""
 

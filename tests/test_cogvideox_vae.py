@@ -1,5 +1,5 @@
 """Parity of the Flax NNX CogVideoX VAE with diffusers (float32, random weights), tiling,
-bf16, weight loading from safetensors and input validation. Notebook 05's asserts prove the tiny
+bf16, weight loading from safetensors and input validation. Notebook `cogvideox_vae_flax`'s asserts prove the tiny
 config's encode/decode, its tiled decode and the layer-diff tool (`compare_layers`)."""
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def _torch_vae(case: Case) -> TorchVAE:
     return vae
 
 
-# Notebook 05 proves the tiny config's encode and decode (05:232) and its tiled decode (05:515), with
+# Notebook `cogvideox_vae_flax` proves the tiny config's encode and decode and its tiled decode, with
 # the same seeds and TOL: the tests below cover the other configs, and the tiled encode.
 ENCODE_CASES = [c for c in CASES if c.name != "tiny-9f"]
 DECODE_CASES = [c for c in CASES if c.name not in ("tiny-9f", "tiny-tiled")]

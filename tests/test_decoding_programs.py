@@ -140,7 +140,7 @@ def test_a_whole_latent_split_over_chips_is_split_by_the_pins_inside_the_vae(mon
     inside the VAE (`cogvideox_vae._spatial`) are what splits it: with them removed, the pipeline's
     first-batch program over 4 chips holds on each chip what it holds on one chip alone (CPU
     compiles, per-device temporaries). That with the pins each chip holds under a third of one
-    chip's is notebook 07's assert (the same program over the host's chips)."""
+    chip's is notebook `cogvideox_pipeline`'s assert (the same program over the host's chips)."""
     from tpupedia.models import cogvideox_vae
 
     def temporaries(chips):

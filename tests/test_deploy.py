@@ -1,4 +1,4 @@
-"""The deployment files for a v6e-16 slice (notebook 10) say what the slice is, mount the bucket
+"""The deployment files for a v6e-16 slice (notebook `beyond_one_host`) say what the slice is, mount the bucket
 the way GKE and XPK require, and run the batch command the CLI accepts on weights copied into
 the bucket once; the guides name the model licences."""
 

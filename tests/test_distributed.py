@@ -1,4 +1,4 @@
-"""Multi-controller JAX on one host (notebook 10): `tpupedia launch` runs the CogVideoX pipeline
+"""Multi-controller JAX on one host (notebook `beyond_one_host`): `tpupedia launch` runs the CogVideoX pipeline
 as 2 processes x 4 devices over one global mesh and writes the frames the 1-process, 8-device run
 writes, also when the processes share no disk (process 0 decides, every process gets the
 tensors); a failing process is named and stops the job."""
@@ -76,7 +76,7 @@ def _files(folder: Path) -> list[str]:
 
 def test_processes_that_share_no_disk_make_the_frames_one_process_makes(one_process, tmp_path, monkeypatch):
     """Issue 18: process 1 used to read the stage files process 0 wrote to its own disk, and crash.
-    (Two processes that share a disk, as on one host, are notebook 10's proof.)"""
+    (Two processes that share a disk, as on one host, are notebook `beyond_one_host`'s proof.)"""
     hosts = [tmp_path / "p0", tmp_path / "p1"]
     for host in hosts:
         host.mkdir()

@@ -1,6 +1,6 @@
 """Full-size work in the video lessons sits behind a preset gate (issue 18).
 
-On the full preset, notebooks 07, 09 and 10 hold the released checkpoints: a stock diffusers
+On the full preset, notebooks `cogvideox_pipeline`, `hunyuan_video` and `beyond_one_host` hold the released checkpoints: a stock diffusers
 pipeline run end to end on the host CPU takes hours to days, an unsharded 8.3B transformer fills
 half a chip (two do not fit), and a local CPU process running the CLI runs the real model on the
 CPU. Each of these belongs to the tiny preset only, so it must sit under a *preset gate*: an
@@ -17,7 +17,7 @@ Outside a gate, a lesson may not:
 2. **Start a process**: call `subprocess.run`, `Popen`, `call`, `check_call`, `check_output`,
    `getoutput`, `getstatusoutput`, `os.system` or `os.popen`, or a *subprocess helper*: a
    function of the lesson that makes such a call (or calls another helper) outside a gate in its
-   own body, like notebook 10's `tpupedia(...)`. Calls of a helper are checked, not its body.
+   own body, like notebook `beyond_one_host`'s `tpupedia(...)`. Calls of a helper are checked, not its body.
 3. **Move a module to a device whole**: call `X.to("jax")` unless `X` is
    - *preset-sized*: a name every binding of which is made inside a gate, or from an expression
      that contains a gate or uses a preset-sized name, or a function whose body does (notebook
@@ -33,7 +33,7 @@ Names are tracked per lesson, not per scope: a rule this coarse is meant for les
 name means one thing throughout. `find_problems` is the rule; the tests below apply it to the
 three lessons and show that it reports each kind of ungated call in small synthetic sources.
 It is applied to these three only: earlier lessons move one model to one device on purpose
-(notebook 01's Llama-2-7B fits a chip), which no syntactic rule can tell from the moves it is for.
+(notebook `hf_model_in_jax`'s Llama-2-7B fits a chip), which no syntactic rule can tell from the moves it is for.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ import pytest
 from tpupedia import presets
 
 ROOT = Path(__file__).resolve().parents[1]
-LESSONS = ("07_cogvideox_pipeline.py", "09_hunyuan_video.py", "10_beyond_one_host.py")
+LESSONS = ("07_cogvideox_pipeline.py", "10_hunyuan_video.py", "13_beyond_one_host.py")
 
 SUBPROCESS_CALLS = {("subprocess", name) for name in
                     ("run", "Popen", "call", "check_call", "check_output", "getoutput", "getstatusoutput")}
@@ -369,9 +369,9 @@ def test_the_rule_sees_the_gated_calls():
     looks past them."""
     reports = {lesson: find_problems((ROOT / "lessons" / lesson).read_text()) for lesson in LESSONS}
     assert reports["07_cogvideox_pipeline.py"].gated["pipeline"] >= 2  # the whole video, one step
-    assert reports["09_hunyuan_video.py"].gated["pipeline"] >= 2
-    assert reports["09_hunyuan_video.py"].sized_moves >= 3  # the transformers of sections 2 and 3
-    assert reports["10_beyond_one_host.py"].gated["subprocess"] >= 5  # every `tpupedia(...)` launch
+    assert reports["10_hunyuan_video.py"].gated["pipeline"] >= 2
+    assert reports["10_hunyuan_video.py"].sized_moves >= 3  # the transformers of sections 2 and 3
+    assert reports["13_beyond_one_host.py"].gated["subprocess"] >= 5  # every `tpupedia(...)` launch
 
 
 def test_the_gate_follows_the_weights():

@@ -223,6 +223,7 @@ def test_the_preflight_plans_each_pictures_aspect(tmp_path, monkeypatch):
     def make(name, request, options, *, configs, **kwargs):
         planned.append(pipeline.resolve(request, configs))
         return SimpleNamespace(fits=True, vae_tiling=False, advice=lambda: "", summary=lambda: "fits", stages=[], hbm=0.0,
+                               request={}, notes=[],
                                host_copy=0.0)
 
     monkeypatch.setattr(plan, "make", make)

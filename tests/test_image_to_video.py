@@ -68,7 +68,7 @@ def test_frames_match_stock_image_to_video_pipeline(checkpoint, tmp_path, pictur
     """Same weights, picture and seed: stock `CogVideoXImageToVideoPipeline(output_type="np")`
     frames within 1e-4 (fp32), for a picture whose size and aspect differ from the video's, with
     alpha, which diffusers' load_image drops. (The video stays 32x32: the tiny transformer's RoPE
-    grid, from its `sample_height/width` of 4, is 2x2 patches.) Notebook 07's asserts prove a wider
+    grid, from its `sample_height/width` of 4, is 2x2 patches.) Notebook `cogvideox_pipeline`'s asserts prove a wider
     RGB picture."""
     height, width, channels = picture
     request = _request(_picture(tmp_path / "in.png", height, width, channels), height=size[0], width=size[1])

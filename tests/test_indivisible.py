@@ -1,4 +1,4 @@
-"""Tensors that do not divide their mesh axis (notebook 02's rules): an embedding is replicated and
+"""Tensors that do not divide their mesh axis (notebook `sharding`'s rules): an embedding is replicated and
 the plan says so, a matmul weight is refused naming the sizes that would work; HunyuanVideo-1.5
 checkpoints with the released ByT5 vocabulary (1510) and a Qwen embedding resized to its tokenizer
 (259) give stock frames on a tp of 4; a run keeps exactly the hidden state stock diffusers keeps."""

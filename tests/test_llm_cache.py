@@ -1,5 +1,5 @@
 """`llm.static_cache`: a StaticCache rebuilt around given arrays decodes what no cache decodes
-(notebook 01, section 7)."""
+(notebook `hf_model_in_jax`, section 7)."""
 
 import jax
 import pytest

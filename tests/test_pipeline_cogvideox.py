@@ -1,4 +1,4 @@
-"""The CogVideoX pipeline (notebook 07): parity with stock diffusers, one compile for all
+"""The CogVideoX pipeline (notebook `cogvideox_pipeline`): parity with stock diffusers, one compile for all
 steps, stage files that resume and refuse, bad input refused before any model is loaded."""
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def _stock_frames_tiled_and_untiled(source: str, stock, request) -> tuple[np.nda
 @pytest.fixture(scope="module", params=[("ddim", 2), ("ddim", None)], ids=["1.5-ddim", "1.0-ddim"])
 def checkpoint(request, tmp_path_factory) -> Path:
     """Tiny checkpoints in the CogVideoX 1.5 layout (patch_size_t=2) and the 1.0 layout (none), with
-    DDIM. The default checkpoint (1.5 layout, DPM) is notebook 07's: its asserts prove that parity."""
+    DDIM. The default checkpoint (1.5 layout, DPM) is notebook `cogvideox_pipeline`'s: its asserts prove that parity."""
     scheduler, patch_size_t = request.param
     return family.tiny_checkpoint(tmp_path_factory.mktemp(f"ckpt-{scheduler}-{patch_size_t}"), scheduler=scheduler,
                                   patch_size_t=patch_size_t)

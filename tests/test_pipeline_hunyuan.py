@@ -1,6 +1,6 @@
-"""The HunyuanVideo-1.5 pipeline (notebook 09): parity with stock diffusers with tiling and
+"""The HunyuanVideo-1.5 pipeline (notebook `hunyuan_video`): parity with stock diffusers with tiling and
 without guidance, DeepCache's two programs and upstream's schedule, bad input refused before any
-model is loaded, and the command line. Notebook 09's asserts prove the guided parity with glyph
+model is loaded, and the command line. Notebook `hunyuan_video`'s asserts prove the guided parity with glyph
 text and that DeepCache at interval 1 is the plain pipeline bit for bit."""
 
 from __future__ import annotations

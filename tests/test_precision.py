@@ -32,7 +32,7 @@ def _lowered(precision: str | None) -> str:
 
 
 def test_highest_precision_reaches_every_dot_of_a_torchax_forward():
-    """`jax.default_matmul_precision("highest")` around the traced call (how notebooks 07 and 09
+    """`jax.default_matmul_precision("highest")` around the traced call (how notebooks `cogvideox_pipeline` and `hunyuan_video`
     and the pipelines' `matmul_precision="highest"` run their parity checks) marks every dot of
     a torchax-traced Hugging Face model HIGHEST; without it, the program leaves them DEFAULT."""
     highest, default = _lowered("highest"), _lowered(None)
@@ -58,7 +58,7 @@ def test_highest_precision_reaches_the_convolutions_of_a_torchax_function():
 
 # Lessons whose float32 parity checks must hold on a TPU, and the tolerance patterns that mark one.
 PARITY_LESSONS = ["00_start_here", "01_hf_model_in_jax", "02_sharding", "03_torchax_internals",
-                  "04_splash_attention", "05_cogvideox_vae_flax", "06_image_processing"]
+                  "05_splash_attention", "06_cogvideox_vae_flax", "04_image_processing"]
 _FP32_CHECK = re.compile(r"(atol=1e-[4-7]|[<]=? ?1e-[4-7]\b|tolerance = 1e-5|llm\.compare_logits\(.*preset\.dtype)")
 _REQUEST = re.compile(r"""default_matmul_precision(\(|", )"highest"\)?""")
 

@@ -1,4 +1,4 @@
-"""Pure scheduler steps (notebook 07) against the stock diffusers `step`, and one trace for all steps."""
+"""Pure scheduler steps (notebook `cogvideox_pipeline`) against the stock diffusers `step`, and one trace for all steps."""
 
 from __future__ import annotations
 

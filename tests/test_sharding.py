@@ -1,4 +1,4 @@
-"""tpupedia.sharding on families notebook 02 does not use (Qwen2, Mistral, diffusers tiny DiTs)."""
+"""tpupedia.sharding on families notebook `sharding` does not use (Qwen2, Mistral, diffusers tiny DiTs)."""
 
 import copy
 

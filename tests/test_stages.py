@@ -1,4 +1,4 @@
-"""Stage files (notebook 07): bit-exact round trips, atomic writes, and every refusal."""
+"""Stage files (notebook `cogvideox_pipeline`): bit-exact round trips, atomic writes, and every refusal."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 On CPU the notebooks run their kernels in Pallas interpret mode, which never meets Mosaic, the
 TPU kernel compiler: a block shape or an operation Mosaic cannot lower would only fail on a TPU
 VM. Here each kernel is lowered with ``interpret=False`` and compiled by libtpu for the devices
-of a ``v6e:2x4`` slice (the technique of notebook 00), at the shapes the notebooks use, so such
+of a ``v6e:2x4`` slice (the technique of notebook `start_here`), at the shapes the notebooks use, so such
 an error fails ``make test`` instead. Nothing runs: the compiled programs are only inspected.
 """
 
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(
     reason="libtpu not installed (pip install 'jax[tpu]'): TPU kernels cannot be compiled ahead of time",
 )
 
-LESSON_04 = Path(__file__).resolve().parents[1] / "lessons" / "04_splash_attention.py"
+LESSON_04 = Path(__file__).resolve().parents[1] / "lessons" / "05_splash_attention.py"
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Loading the CogVideoX VAE port from a diffusers checkpoint on disk: bf16 and float32 weights,
 the `vae/` subfolder of a pipeline repository, safetensors only, and the tiny checkpoint that
-notebook 05 loads through the same path as the real `zai-org/CogVideoX1.5-5B` VAE."""
+notebook `cogvideox_vae_flax` loads through the same path as the real `zai-org/CogVideoX1.5-5B` VAE."""
 
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ def test_missing_subfolder_is_reported(bf16_repo):
 
 
 def test_tiny_checkpoint_is_one_loading_path(tmp_path, monkeypatch):
-    """Notebook 05 on the tiny preset: a cached checkpoint with `vae/`, loaded by diffusers and by
+    """Notebook `cogvideox_vae_flax` on the tiny preset: a cached checkpoint with `vae/`, loaded by diffusers and by
     the port exactly as the full preset loads `zai-org/CogVideoX1.5-5B`."""
     monkeypatch.setenv("TPUPEDIA_CACHE", str(tmp_path))
     monkeypatch.delenv(cogvideox.ENV_MODEL, raising=False)

@@ -1,4 +1,4 @@
-"""Videos (notebook 07): a machine that cannot write an mp4 is refused before any stage runs, and
+"""Videos (notebook `cogvideox_pipeline`): a machine that cannot write an mp4 is refused before any stage runs, and
 frames that are no picture (NaN, one flat colour) are refused before the mp4 is written."""
 
 from __future__ import annotations

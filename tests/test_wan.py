@@ -1,4 +1,4 @@
-"""Wan 2.1 / 2.2 (notebook 11): UniPC as a pure step equal to the stock scheduler step by step,
+"""Wan 2.1 / 2.2 (notebook `wan_on_tpu`): UniPC as a pure step equal to the stock scheduler step by step,
 parity of the whole pipeline with stock `WanPipeline` for two experts and for the TI2V
 layout (expanded timesteps, the residual VAE), shape facts from the checkpoint, refusals before
 any model loads, and the command line."""
@@ -79,7 +79,7 @@ def test_frames_match_stock_wan_pipeline(checkpoint, tmp_path):
     """Same weights, same seed: stock `WanPipeline(output_type="np")` frames within 1e-4 (fp32),
     for Wan 2.2's two experts (a boundary inside the 4 steps, and a second guidance scale, so both
     experts and both scales are used). Wan 2.1 (one expert) at this request is
-    test_wan_precision.py's shift parity, and at the checkpoint's shift notebook 11's asserts."""
+    test_wan_precision.py's shift parity, and at the checkpoint's shift notebook `wan_on_tpu`'s asserts."""
     configs = family.component_configs(str(checkpoint))
     two = len(family.experts(configs)) == 2
     request = pipeline.Request(**{**REQUEST.__dict__, "guidance_2": 3.0 if two else None})

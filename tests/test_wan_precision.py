@@ -1,4 +1,4 @@
-"""Wan's precision and flow shift (notebook 11): a bf16 tiny run against stock in the same
+"""Wan's precision and flow shift (notebook `wan_on_tpu`): a bf16 tiny run against stock in the same
 precision, with a stated bound; `--shift` against stock's `UniPCMultistepScheduler.from_config(...,
 flow_shift=...)`; bad shifts refused before anything loads; the components the run keeps in
 float32 (`FLOAT32_COMPONENTS`, as diffusers' examples load them) are what it loads, what the plan

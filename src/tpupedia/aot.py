@@ -19,7 +19,7 @@ are lowered without source locations, so the key does not depend on where the pr
 out (a Pallas kernel would otherwise name its file's path), and `make test` keeps the slow ones in
 the repository (`tests/aot-kept`, trimmed to what a run used by `prune`).
 
-Introduced in notebook 00 (start here); the dry-run planner of notebook 08 builds on it.
+Introduced in notebook `start_here` (start here); the dry-run planner of notebook `plan_without_tpu` builds on it.
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ class Program:
 
     def flops(self) -> float:
         """XLA's FLOP count of one call: the whole program, lowered, before it is split over
-        devices (no compile). Notebook 09 compares a DeepCache step's two programs with it."""
+        devices (no compile). Notebook `hunyuan_video` compares a DeepCache step's two programs with it."""
         import contextlib
 
         import jax
@@ -263,7 +263,7 @@ def collective_traffic(hlo_text: str, devices: int) -> dict[str, float]:
     estimates of "How to Scale Your Model"): an all-reduce of `B` bytes sends `2 (n-1)/n B`, an
     all-gather or all-to-all `(n-1)/n B`, a reduce-scatter to `B` bytes `(n-1) B`, a
     collective-permute `B`. Group sizes are read from both of XLA's spellings of replica groups
-    (explicit lists and mesh axes). Introduced in notebook 02 (sharding); notebook 10 uses it.
+    (explicit lists and mesh axes). Introduced in notebook `sharding` (sharding); notebook `beyond_one_host` uses it.
     """
     traffic: dict[str, float] = {}
     for op in collective_ops(hlo_text, devices):

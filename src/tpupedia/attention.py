@@ -1,6 +1,6 @@
 """One attention function for every platform, and one SDPA override for torchax.
 
-Introduced in notebook 04 (splash attention).
+Introduced in notebook `splash_attention` (splash attention).
 
 :func:`attention` takes PyTorch-layout arrays ``(batch, heads, seq, head_dim)`` and computes
 softmax attention with one of three back ends:
@@ -14,7 +14,7 @@ softmax attention with one of three back ends:
 ``"auto"``
     splash on a TPU, the reference elsewhere (``resolve_backend``; the pipelines' ``--attention
     auto`` means the same). The functions here default to ``"splash"``: calling this module is
-    asking for the kernel, interpreted off a TPU, as notebook 04 runs it.
+    asking for the kernel, interpreted off a TPU, as notebook `splash_attention` runs it.
 
 Masks. Splash masks are static, host-side objects, while a caller such as Hugging Face passes a
 *traced* boolean mask of shape ``(B, 1, Sq, Skv)``. The splash path represents exactly the masks
@@ -399,7 +399,7 @@ def resolve_backend(backend: str = "auto", platform: str | None = None) -> str:
     The one meaning of ``"auto"`` everywhere (the pipelines, the plan, the dry-run): the splash
     kernel on a TPU, the reference elsewhere: a GPU has no splash kernel, and on a CPU the
     kernel runs in Pallas' interpret mode, which is for checking correctness, not for speed. Ask
-    for ``"splash"`` to interpret it off a TPU (notebook 04 does)."""
+    for ``"splash"`` to interpret it off a TPU (notebook `splash_attention` does)."""
     if backend not in BACKENDS:
         raise AttentionError(f"backend={backend!r}: expected one of {BACKENDS}")
     platform = platform or jax.default_backend()
@@ -525,7 +525,7 @@ def install_attention(
 
 
 # ---------------------------------------------------------------------------------------------
-# padding declared as a vector (HunyuanVideo-1.5, notebook 09)
+# padding declared as a vector (HunyuanVideo-1.5, notebook `hunyuan_video`)
 
 
 def padded_attend(backend: str, *, mesh=None, interpret=None, block_sizes=None, batch_axis="dp", head_axis="tp"):
@@ -550,7 +550,7 @@ def padded_attention(q, k, v, valid, *, backend="splash", scale=None, block_size
     """Joint attention with padding: token ``j`` is visible to token ``i`` iff ``valid[:, i]``
     and ``valid[:, j]`` (``valid``: ``(B, S)`` booleans; ``q, k, v``: ``(B, H, S, D)``).
 
-    This is the mask a joint text-video processor builds as a ``(B, 1, S, S)`` matrix (notebook 09), declared
+    This is the mask a joint text-video processor builds as a ``(B, 1, S, S)`` matrix (notebook `hunyuan_video`), declared
     by its structure instead: the splash path turns ``valid`` into segment ids and never forms an
     ``S x S`` mask; the reference path broadcasts it inside the score computation. Query rows that
     see no key (the padded tokens) return 0 on both paths. ``block_sizes`` are upper bounds, capped

@@ -18,7 +18,7 @@ With several processes (`tpupedia launch`, or the hosts of a TPU slice), each pr
 the prompts whose index modulo the process count is its id and runs them on its own devices:
 data parallelism over hosts, with no communication between them.
 
-Introduced in notebook 10 (beyond one host).
+Introduced in notebook `beyond_one_host` (beyond one host).
 """
 
 from __future__ import annotations

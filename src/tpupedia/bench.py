@@ -4,7 +4,7 @@ Every record says where it was measured (platform, device kind, CPU count, libra
 and how (the command), and is merged into one JSON results file that the docs' results page
 renders. Targets live here and in that file, never in timed unit tests.
 
-Introduced with `tpupedia bench llama` (notebook 01's model at a mid size); notebook 08 adds
+Introduced with `tpupedia bench llama` (notebook `hf_model_in_jax`'s model at a mid size); notebook `plan_without_tpu` adds
 `bench dit`.
 """
 
@@ -227,7 +227,7 @@ def bench_generate(family: str, preset: Any, request: Any, options: Any, model: 
     tiny one: a stock pipeline runs on the host), the family's stock diffusers pipeline then runs
     the same request from the same checkpoint in the same process (`stock_steps`), and the record
     gives the ratio of the two steady step times (below 1: the compiled step is faster).
-    `command` is recorded as the command that made the record. Introduced with notebook 07, used by notebooks 09 and 11; `tpupedia bench generate FAMILY`
+    `command` is recorded as the command that made the record. Introduced with notebook `cogvideox_pipeline`, used by notebooks `hunyuan_video` and `wan_on_tpu`; `tpupedia bench generate FAMILY`
     writes the record."""
     import importlib
     import tempfile
@@ -316,7 +316,7 @@ def bench_deepcache(family: str, preset: Any, request: Any, options: Any, model:
     """Video family `family` (one whose request takes a `deepcache` schedule)
     twice from the same seed, without and with `request.deepcache`: the steps recomputed, the
     denoising time (steps that compiled left out, scaled to all steps) and PSNR/SSIM of the
-    cached video against the uncached one. Notebook 09; `tpupedia bench deepcache FAMILY` writes
+    cached video against the uncached one. Notebook `hunyuan_video`; `tpupedia bench deepcache FAMILY` writes
     the record."""
     import dataclasses
     import importlib

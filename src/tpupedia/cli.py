@@ -224,11 +224,11 @@ def _generate_setup(args: argparse.Namespace):
         common.check_workdir(args.outdir, "--outdir")
     elif getattr(args, "workdir", None):
         common.check_workdir(args.workdir)
-    if distributed.requested():  # one process of a `tpupedia launch` job (notebook 10)
+    if distributed.requested():  # one process of a `tpupedia launch` job (notebook `beyond_one_host`)
         distributed.initialize()
     elif preset.simulated_devices and (args.devices or not family.named_source(args.model)):
         devices.simulate_cpu_devices(args.devices or preset.simulated_devices)
-    elif preset.simulated_devices:  # a checkpoint of any size: the devices this machine has (notebook 10)
+    elif preset.simulated_devices:  # a checkpoint of any size: the devices this machine has (notebook `beyond_one_host`)
         import jax
 
         devices.quiet_libtpu()

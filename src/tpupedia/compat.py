@@ -8,7 +8,7 @@ let exactly those missing overloads resolve to inert placeholder keys while torc
 op tables. `torch._decomp.get_decompositions` keeps only real operator objects, so the
 placeholders are ignored.
 
-Introduced in notebook 01 (a Hugging Face model in JAX); every notebook and module that needs
+Introduced in notebook `hf_model_in_jax` (a Hugging Face model in JAX); every notebook and module that needs
 torchax calls `import_torchax` instead of `import torchax`. Delete the shim once a fixed
 torchax is on PyPI.
 """

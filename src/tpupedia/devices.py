@@ -11,7 +11,7 @@ Three facts shape this module:
   and compile programs for it ahead of time. `tpu_topology` returns such a slice's devices,
   keeping libtpu's start-up warnings off stderr on hosts that have no TPU.
 
-Introduced in notebook 00 (start here).
+Introduced in notebook `start_here` (start here).
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ def live_bytes() -> dict[str, int]:
 
 def interpret_kernels() -> bool:
     """Whether Pallas TPU kernels must run in interpret mode here: everywhere but on a TPU (a
-    GPU cannot run Mosaic TPU kernels either). Introduced in notebook 04."""
+    GPU cannot run Mosaic TPU kernels either). Introduced in notebook `splash_attention`."""
     return platform() != "tpu"
 
 

@@ -21,7 +21,7 @@ and nothing hand-made on top of it:
   fails there fails on every process, instead of each host deciding from its own disk (the
   others crash on files they do not have, or run a collective process 0 skipped, and hang).
 
-Introduced in notebook 10 (beyond one host); `tpupedia generate` calls `initialize()`.
+Introduced in notebook `beyond_one_host` (beyond one host); `tpupedia generate` calls `initialize()`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`tpupedia doctor`: what this machine is, what is installed, and what it can do.
 
 Every probe is isolated: a missing or broken optional piece becomes a line that says what is
-missing and how to install it, never a crash. Introduced in notebook 00 (start here).
+missing and how to install it, never a crash. Introduced in notebook `start_here` (start here).
 """
 
 from __future__ import annotations

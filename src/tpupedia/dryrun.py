@@ -22,7 +22,7 @@ and 81 frames with reference attention, 35.96 GiB at one layer and 39.84 GiB at 
 measured here). Confirm a shallow "fits" near the limit with a full-depth compile. The report
 says when it scaled.
 
-Introduced in notebook 08 (plan a TPU run without a TPU).
+Introduced in notebook `plan_without_tpu` (plan a TPU run without a TPU).
 """
 
 from __future__ import annotations
@@ -200,7 +200,7 @@ def run(model: str, topology: str = "v6e:2x4", resolution: str | None = None,
     The mesh is `("dp", "tp")`; by default `dp=2` (the guidance batch) and `tp` the rest of the
     chips, for LLMs `dp=1`. A family whose stock attention builds a (B, 1, S, S) mask compiles the
     pipeline's forward with the padding as a vector (`mask="vector"`, its `padded_forward`) or the
-    stock processor (`mask="matrix"`, notebook 09 compares them).
+    stock processor (`mask="matrix"`, notebook `hunyuan_video` compares them).
     Splash runs at `block_sizes`, by default the family's `SPLASH_BLOCK_SIZES` (what the pipeline
     runs). `resolution` and `frames` default to the family's full-preset request (`generate`'s).
     Bad arguments raise `DryRunError` before anything is built.

@@ -7,7 +7,7 @@ runs a call that must fail, checks the exception type, and prints the type and t
 such paths replaced by `<path>`. The assert is part of the lesson: if the error ever stops
 happening, the notebook fails.
 
-Introduced in notebook 01 (a Hugging Face model in JAX).
+Introduced in notebook `hf_model_in_jax` (a Hugging Face model in JAX).
 """
 
 from __future__ import annotations

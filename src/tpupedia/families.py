@@ -12,7 +12,7 @@ notebook (tests/test_families.py checks that nothing else names it).
     >>> [s.name for s in families.video()]
     ['cogvideox', 'hunyuan']
 
-Introduced with the family registry (issue 20); notebook 08 plans a run from it.
+Introduced with the family registry (issue 20); notebook `plan_without_tpu` plans a run from it.
 """
 
 from __future__ import annotations

@@ -148,8 +148,8 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
            "tpupedia.hardware: peak bf16 FLOP/s / HBM bandwidth",
            quotes=(("docs/kb/*.md", r"(\d{3}) FLOP/byte for a v6e"), ("docs/kb/*.md", r"v6e ridge point[^\d]{0,20}(\d{3})"))),
     *_family_figures(),
-    *[Figure(f"nb10.{slice_}.{what}", _printed("10_beyond_one_host", rf"{topology} mesh [^\n]*?{pattern}"), fmt,
-             f"notebook 10, section 4: CogVideoX 720p step compiled for {slice_} (AOT here, printed by the notebook)",
+    *[Figure(f"nb10.{slice_}.{what}", _printed("13_beyond_one_host", rf"{topology} mesh [^\n]*?{pattern}"), fmt,
+             f"notebook `beyond_one_host`, section 4: CogVideoX 720p step compiled for {slice_} (AOT here, printed by the notebook)",
              quotes=quotes)
       for slice_, topology, what, pattern, fmt, quotes in [
           ("v6e-16", "v6e:4x4", "sent_gib", r"([\d.]+) GiB sent per chip", lambda v: f"{v:.1f}",

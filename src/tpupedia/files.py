@@ -4,7 +4,7 @@ A reader never sees half a file: the content goes to a temporary file in the tar
 is flushed to disk, and is renamed onto the target (a rename within one file system is atomic);
 if anything fails, the temporary file is removed and the old target, if any, is untouched. Stage
 files, batch records, results files, videos, notebooks and tiny checkpoints are all written this
-way. Introduced with the stage files of notebook 07.
+way. Introduced with the stage files of notebook `cogvideox_pipeline`.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ gets only part of it: on a TPU, `Chip.ring_bytes_per_s` is what one chip can sen
 along one axis of the torus (two of its ports, one direction each), and it is what the dry-run's
 communication floor divides by.
 
-Introduced in notebook 00 (start here); the dry-run planner of notebook 08 divides by these.
+Introduced in notebook `start_here` (start here); the dry-run planner of notebook `plan_without_tpu` divides by these.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ compiles well under `jax.jit` (through torchax's `jax_jit`):
   padding, matching torchvision's `gaussian_blur`.
 
 Output sizes are Python integers computed from input shapes, so a jitted pipeline compiles
-once per input size. Introduced in notebook 06 (image processing GPU to TPU).
+once per input size. Introduced in notebook `image_processing` (image processing GPU to TPU).
 """
 
 from __future__ import annotations

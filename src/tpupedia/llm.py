@@ -8,12 +8,12 @@ directory that `tiny_checkpoint` writes with `save_pretrained`: a random two-lay
 offline byte-level tokenizer. CI therefore exercises exactly the code a TPU user runs, on a
 checkpoint it can build without a network.
 
-Two more things notebook 01 needs in several cells live here too: `compare_logits`, the one
+Two more things notebook `hf_model_in_jax` needs in several cells live here too: `compare_logits`, the one
 measure of "the same logits" for float32 and bfloat16 runs, and `static_cache` /
 `cache_arrays` / `empty_cache_arrays`, which carry a transformers `StaticCache` in and out of a
 jitted decode step as plain arrays.
 
-Introduced in notebook 01 (a Hugging Face model in JAX); `tpupedia bench llama` uses it too.
+Introduced in notebook `hf_model_in_jax` (a Hugging Face model in JAX); `tpupedia bench llama` uses it too.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def offline_tokenizer():
     """A byte-level BPE tokenizer built in memory (no files, no network): 256 bytes + 3 specials,
     with Llama-2's special tokens and their quirks, so the tiny preset meets what the full
     checkpoint does: `<unk>` = 0, `<s>` = 1 prepended to every encoding, `</s>` = 2, and **no
-    pad token** (`pad_token_id` is None: pad with `eos_token_id`, as notebook 01 does)."""
+    pad token** (`pad_token_id` is None: pad with `eos_token_id`, as notebook `hf_model_in_jax` does)."""
     from tokenizers.pre_tokenizers import ByteLevel
     from tokenizers.processors import TemplateProcessing
     from transformers import Qwen2Tokenizer
@@ -137,7 +137,7 @@ def load_causal_lm(preset: Preset, source: str | os.PathLike | None = None, dtyp
 
 
 # ---------------------------------------------------------------------------------------------
-# "The same logits": one measure for both presets (notebook 01)
+# "The same logits": one measure for both presets (notebook `hf_model_in_jax`)
 
 FP32_ABS_BOUND = 1e-5
 """float32 runs (the tiny preset): largest absolute logit difference allowed. Two float32
@@ -228,7 +228,7 @@ def compare_logits(got: Any, reference: Any, dtype: str) -> LogitsAgreement:
     `BF16_RELATIVE_BOUND * max |reference|`. For both, the top-1 token must agree at every
     position whose reference top-2 margin exceeds `TOP1_MARGIN_STEPS` bfloat16 steps.
 
-    Introduced in notebook 01 (a Hugging Face model in JAX).
+    Introduced in notebook `hf_model_in_jax` (a Hugging Face model in JAX).
     """
     import numpy as np
 
@@ -258,7 +258,7 @@ def compare_logits(got: Any, reference: Any, dtype: str) -> LogitsAgreement:
 
 
 # ---------------------------------------------------------------------------------------------
-# A StaticCache as explicit state (notebook 01, section 7)
+# A StaticCache as explicit state (notebook `hf_model_in_jax`, section 7)
 
 
 def static_cache(config: Any, keys: list, values: list, lengths: list):
@@ -276,7 +276,7 @@ def static_cache(config: Any, keys: list, values: list, lengths: list):
 
     `max_cache_len` is `keys[0].shape[-2]`. Only full-attention layers (Llama) are supported.
 
-    Introduced in notebook 01 (a Hugging Face model in JAX), section 7.
+    Introduced in notebook `hf_model_in_jax` (a Hugging Face model in JAX), section 7.
     """
     from transformers import StaticCache
     from transformers.cache_utils import StaticLayer
@@ -299,7 +299,7 @@ def static_cache(config: Any, keys: list, values: list, lengths: list):
 
 def cache_arrays(cache) -> tuple[list, list, list]:
     """`(keys, values, lengths)` per layer of a `StaticCache`: what a decode step returns so that
-    the next step can rebuild the cache with `static_cache`. Introduced in notebook 01."""
+    the next step can rebuild the cache with `static_cache`. Introduced in notebook `hf_model_in_jax`."""
     layers = cache.layers
     return [l.keys for l in layers], [l.values for l in layers], [l.cumulative_length for l in layers]
 
@@ -308,7 +308,7 @@ def empty_cache_arrays(config: Any, max_cache_len: int, batch_size: int = 1, dty
                        device: Any = None) -> tuple[list, list, list]:
     """Zero `(keys, values, lengths)` for `static_cache`: room for `max_cache_len` tokens, which
     must be **prompt + new tokens** (under JAX, writes past the end are dropped silently). Call
-    inside `with env:` for `device="jax"`. Introduced in notebook 01."""
+    inside `with env:` for `device="jax"`. Introduced in notebook `hf_model_in_jax`."""
     import torch
 
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -329,7 +329,7 @@ def greedy_decode(step: Any, params: Any, buffers: Any, ids: Any, config: Any, c
     matmul precision the comparison needs. Returns prompt + `new_tokens` tokens on the CPU and the
     token count each layer's cache ended with (the last token is never fed back).
 
-    Introduced in notebook 01, section 7.
+    Introduced in notebook `hf_model_in_jax`, section 7.
     """
     import torch
 

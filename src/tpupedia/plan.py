@@ -19,7 +19,7 @@ others' weights.
 
 `layers=N` builds transformers and text encoders N layers deep (a cheap compile); the missing
 layers' weight shards are added from their shapes, temporaries are taken as compiled (see
-`tpupedia.dryrun` for what that can miss). Introduced in notebook 08 (plan a TPU run without a TPU).
+`tpupedia.dryrun` for what that can miss). Introduced in notebook `plan_without_tpu` (plan a TPU run without a TPU).
 """
 
 from __future__ import annotations
@@ -348,7 +348,7 @@ def programs(family: str, request: Any, options: Any, configs: dict[str, dict], 
     `make` builds them (the models on `meta` from `configs`, their weights abstract arguments
     placed as a run places them), not compiled: to compile or count on any devices, a CPU host's
     included. `step`: keyword arguments of the family's denoise programs (HunyuanVideo-1.5's
-    `text_tokens`, the text tokens a run keeps; a plan compiles them all). Notebook 09 counts the
+    `text_tokens`, the text tokens a run keeps; a plan compiles them all). Notebook `hunyuan_video` counts the
     FLOPs of a DeepCache step with them."""
     module = _pipeline_module(family)
     pipe = _abstract_pipeline(module.PIPELINE, configs, mesh, options, dtype, None)

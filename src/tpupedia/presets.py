@@ -7,7 +7,7 @@
     The real model ids through `from_pretrained`, real devices (a TPU VM, or a GPU). The same
     code path as `tiny`; only the sizes and the weight source change.
 
-Introduced in notebook 00 (start here).
+Introduced in notebook `start_here` (start here).
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ class Preset:
         end on the CPU as parity references, a whole transformer on one device, the CLI in local
         CPU processes that stand in for the hosts of a slice. True for random tiny models
         (seconds); False for the released checkpoints, where that takes hours to days of CPU time
-        and more than one chip's memory. There notebooks 07 and 09 compare one denoising step at
-        a small size, or the checkpoint's first blocks, and notebook 10 prints its multi-process
+        and more than one chip's memory. There notebooks `cogvideox_pipeline` and `hunyuan_video` compare one denoising step at
+        a small size, or the checkpoint's first blocks, and notebook `beyond_one_host` prints its multi-process
         commands instead of running them; `tests/test_full_preset_gates.py` checks that such code
         sits under a preset gate. A property, not a field: it follows from `pretrained`."""
         return not self.pretrained

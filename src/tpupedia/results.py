@@ -5,8 +5,8 @@ renders them). Records are merged by a key (a newer record with the same key rep
 one), every write is atomic (a temporary file in the same folder, then a rename), and every
 measurement carries `machine()`: where it was taken.
 
-Introduced with `tpupedia bench llama` (notebook 01); used by `tpupedia.bench`,
-`tpupedia.dryrun`, the pipelines' stage files (notebook 07) and `tpupedia doctor`.
+Introduced with `tpupedia bench llama` (notebook `hf_model_in_jax`); used by `tpupedia.bench`,
+`tpupedia.dryrun`, the pipelines' stage files (notebook `cogvideox_pipeline`) and `tpupedia doctor`.
 """
 
 from __future__ import annotations
@@ -91,5 +91,5 @@ def error_text(value: float, floor: float = 1e-5) -> str:
     (`"< 1e-05"`), above it to two significant digits. Float32 rounding noise is real, but its
     digits differ from one CPU to the next (an AMD and an Intel host print 4.2e-07 and 4.8e-07
     for the same forward), and nbval compares outputs exactly; so the floor is the check's own
-    tolerance, the bound the reader needs. Introduced in notebook 04 (as `below`)."""
+    tolerance, the bound the reader needs. Introduced in notebook `splash_attention` (as `below`)."""
     return f"< {floor:.0e}" if value < floor else f"{value:.1e}"

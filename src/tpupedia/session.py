@@ -1,6 +1,6 @@
 """The first cell of every notebook: read the preset, set up devices, silence known noise.
 
-Notebook 00 walks through these steps one at a time; later notebooks call `start()`.
+Notebook `start_here` walks through these steps one at a time; later notebooks call `start()`.
 
 The warnings silenced here are harmless and known, and each would otherwise print a line (often
 with a path or a timestamp) into stored notebook outputs that CI compares:
@@ -12,7 +12,7 @@ with a path or a timestamp) into stored notebook outputs that CI compares:
 * `is_gradient_checkpointing is deprecated`: touched by torchax when it collects a model's
   tensors with `getattr` over `dir(module)`.
 
-Introduced in notebook 01 (a Hugging Face model in JAX).
+Introduced in notebook `hf_model_in_jax` (a Hugging Face model in JAX).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ Strategies, for PyTorch's `Linear.weight` of shape `(out_features, in_features)`
   the output features, which is **dim 0** of a torch weight (`P("tp", None)`), biases too.
   The second is *row-parallel*: shard the input features, **dim 1** (`P(None, "tp")`). One
   all-reduce per pair; attention needs none when heads split cleanly (the compiler may still
-  gather small attention inputs: notebook 02 shows it). The Llama table splits the embedding
+  gather small attention inputs: notebook `sharding` shows it). The Llama table splits the embedding
   and `lm_head` over the vocabulary, as Megatron does (one all-reduce sums the lookups).
 * `"tp_transposed"`: the same pairs with the dims swapped: the layout some upstream CogVideoX
   scripts label "TP (Megatron column-row)". For torch's `(out, in)` weights it is the
@@ -27,7 +27,7 @@ Strategies, for PyTorch's `Linear.weight` of shape `(out_features, in_features)`
   all-reduce. It does not remove the communication: the column-parallel layer leaves its
   activations split over `tp`, and a replicated fc2 needs the whole hidden vector. The
   compiler either all-gathers the activations (every chip then does the whole fc2 matmul) or,
-  what GSPMD chooses in notebook 02's measurement, multiplies each chip's slice by the matching
+  what GSPMD chooses in notebook `sharding`'s measurement, multiplies each chip's slice by the matching
   columns of its replicated weight and all-reduces the partial outputs: the same all-reduce as
   `"tp"`, with 4x the fc2 weight memory on a 4-way `tp` axis.
 
@@ -50,7 +50,7 @@ the mesh axis and the sizes that would divide it, unless its rule replicates it)
 parameters and buffers in place. `describe(module)` reads
 back where every tensor actually lives, with bytes per device.
 
-Introduced in notebook 02 (distributed sharding).
+Introduced in notebook `sharding` (distributed sharding).
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ class Rule(tuple):
     """A rule: `(regex, spec)`, unpacking as that pair, with `indivisible`, what to do with a
     dimension `spec` does not divide (`INDIVISIBLE`; default `"refuse"`). A plain `(regex, spec)`
     pair, or a triple `(regex, spec, indivisible)`, is read as a rule too; a rule prints as its
-    pair. Introduced in notebook 02."""
+    pair. Introduced in notebook `sharding`."""
 
     indivisible: str
 
@@ -418,7 +418,7 @@ class ShardingPlan:
 def indivisible_note(plans: Mapping[str, ShardingPlan]) -> str:
     """One line naming every tensor of `plans` (by component) replicated because its mesh axis
     does not divide it, and what that costs per chip beyond the split its rule asked for; "" if
-    none. What `tpupedia plan` and `tpupedia generate` print (notebook 02 introduces the rule)."""
+    none. What `tpupedia plan` and `tpupedia generate` print (notebook `sharding` introduces the rule)."""
     found = [(label, p) for label, plan_ in plans.items() for p in plan_.placements if p.indivisible]
     if not found:
         return ""
@@ -517,7 +517,7 @@ def place(module: torch.nn.Module, rule_table: Iterable[tuple[str, Any]], mesh: 
     validated first (`plan`), so an error moves nothing. The module's tensors become torchax
     tensors (as after `module.to("jax")`), for `env` (default: torchax's default environment).
 
-    Used by the pipelines of notebooks 07 and 09; notebook 02 shows the per-device bytes.
+    Used by the pipelines of notebooks `cogvideox_pipeline` and `hunyuan_video`; notebook `sharding` shows the per-device bytes.
     """
     import jax
     from jax.sharding import NamedSharding

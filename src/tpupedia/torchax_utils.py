@@ -17,7 +17,7 @@ under torchax 0.0.13:
 * torchax's SDPA returns NaN for query rows whose mask is all False, where PyTorch returns 0;
   `install_masked_row_safe_sdpa` matches PyTorch.
 
-Introduced in notebook 01 (a Hugging Face model in JAX); notebook 03 (torchax internals) shows
+Introduced in notebook `hf_model_in_jax` (a Hugging Face model in JAX); notebook `torchax_internals` (torchax internals) shows
 every failure live.
 """
 
@@ -173,7 +173,7 @@ class FunctionalModule:
     `tpupedia.models.hunyuan.static_forward`). Static keyword arguments (`return_dict=False`)
     are baked in. Arguments and results are JAX arrays (pytrees of them).
 
-    Introduced in notebook 02 (distributed sharding); `tpupedia.dryrun` compiles through it.
+    Introduced in notebook `sharding` (distributed sharding); `tpupedia.dryrun` compiles through it.
     """
 
     def __init__(self, module: torch.nn.Module, method: Any = "forward", **static_kwargs: Any):

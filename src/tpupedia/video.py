@@ -4,7 +4,7 @@ Frames are what diffusers returns with `output_type="np"` (float32 `(F, H, W, 3)
 and what a decode stage file holds. They are rounded to 8-bit and encoded as H.264 (yuv420p,
 what browsers and players accept) with the ffmpeg binary that the `imageio-ffmpeg` wheel ships.
 
-Introduced in notebook 07 (CogVideoX text-to-video in three stages).
+Introduced in notebook `cogvideox_pipeline` (CogVideoX text-to-video in three stages).
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def write_mp4(frames: np.ndarray, path: str | os.PathLike, fps: int = 16) -> Pat
 def show_frames(frames: np.ndarray, title: str, count: int = 5, picture: np.ndarray | None = None) -> None:
     """Plot `count` frames spread evenly over the video in one row, with `title` above them
     (matplotlib; in a notebook the figure is stored as a PNG output); `picture` (image-to-video's
-    input, any size) first, at its own aspect. Notebooks 07 and 09."""
+    input, any size) first, at its own aspect. Notebooks `cogvideox_pipeline` and `hunyuan_video`."""
     import matplotlib.pyplot as plt
 
     picks = np.linspace(0, len(frames) - 1, count).astype(int)

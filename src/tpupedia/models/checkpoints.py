@@ -3,8 +3,8 @@
 One loading path for both presets: `from_pretrained(..., use_safetensors=True)` on a diffusers
 directory or hub id. The tiny preset first writes a random pipeline with `save_pretrained`
 (safetensors) into a cache folder named by everything that shapes it, so a changed config never
-reuses a stale checkpoint. Introduced with the CogVideoX pipeline (notebook 07); HunyuanVideo-1.5
-(notebook 09) uses the same functions.
+reuses a stale checkpoint. Introduced with the CogVideoX pipeline (notebook `cogvideox_pipeline`); HunyuanVideo-1.5
+(notebook `hunyuan_video`) uses the same functions.
 """
 
 from __future__ import annotations
@@ -222,7 +222,7 @@ def check_loading_info(source: str, component: str, info: Any) -> None:
     `from_pretrained(..., output_loading_info=True)` returns with the model (diffusers and
     transformers), after each library has dropped what it expects to differ (tied weights,
     non-persistent buffers, its class's `_keys_to_ignore_on_load_*` patterns): what stock diffusers
-    loads silently passes. Introduced with the CogVideoX pipeline (notebook 07)."""
+    loads silently passes. Introduced with the CogVideoX pipeline (notebook `cogvideox_pipeline`)."""
     if hasattr(info, "to_dict"):
         info = info.to_dict()
     info = dict(info or {})

@@ -5,7 +5,7 @@ counts, the analytic FLOPs of one denoising step, how to build the transformer o
 AOT dry-run, and how to write and load a checkpoint. `tpupedia.dryrun`, `tpupedia.bench`, the
 docs and `tpupedia.pipelines.cogvideox` read these; nothing else spells a CogVideoX fact.
 
-Introduced in notebook 07 (CogVideoX text-to-video in three stages); the dry-run of notebook 08
+Introduced in notebook `cogvideox_pipeline` (CogVideoX text-to-video in three stages); the dry-run of notebook `plan_without_tpu`
 reads the same facts.
 """
 
@@ -55,7 +55,7 @@ reported upstream +16.2% on a TPU v6e-8). Our kernel at these sizes compiles for
 VMEM at the release shape (AOT: `tests/test_plan.py` plans the release's denoise step with
 them); `--block-sizes` overrides."""
 
-# Sharding tables for the transformer (diffusers `CogVideoXTransformer3DModel` names; notebook 02
+# Sharding tables for the transformer (diffusers `CogVideoXTransformer3DModel` names; notebook `sharding`
 # teaches the strategies, `tpupedia.sharding.rules` reads a table). The FFN's first projection is
 # `ff.net.0.proj` in diffusers (upstream's tables name `ff.net.0`, which matches nothing:
 # docs/kb/corrections.md, entry 3).
@@ -260,7 +260,7 @@ def bench_step(layers: int, heads: int, head_dim: int, frames: int, height: int,
                seed: int = 0) -> tuple[Any, dict, dict[str, float]]:
     """A random CogVideoX1.5-shaped transformer (patch 2x2x2, 4x MLP, joint text-video attention)
     at the given width and depth, float32, and one denoising step's inputs (CFG batch 2):
-    `(model, forward keyword arguments, step_flops)`, for `tpupedia bench dit` (notebook 08).
+    `(model, forward keyword arguments, step_flops)`, for `tpupedia bench dit` (notebook `plan_without_tpu`).
     The full model is `layers=42, heads=48, head_dim=64`."""
     import torch
     from diffusers import CogVideoXTransformer3DModel
@@ -331,7 +331,7 @@ class FunctionalRoPEAttnProcessor:
     The stock processor writes the rotated video part back into the query and key
     (`query[:, :, text_len:] = apply_rotary_emb(...)`). On a mesh whose `dp` axis splits the
     guidance batch, that in-place write gave wrong numbers: one attention layer 0.67 off PyTorch,
-    the tiny transformer 0.04. Notebook 07 section 5 reproduces it in plain JAX (`.at[].set` on
+    the tiny transformer 0.04. Notebook `cogvideox_pipeline` section 5 reproduces it in plain JAX (`.at[].set` on
     an array whose heads are split over `tp`, then attention), so the fault is XLA's SPMD
     partitioner, not torchax (measured on CPU, jax 0.10.2). Concatenating the text part and the
     rotated video part gives PyTorch's values (3e-7). Everything else is the stock computation.

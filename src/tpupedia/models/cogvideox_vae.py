@@ -1,6 +1,6 @@
 """The CogVideoX VAE (`diffusers.AutoencoderKLCogVideoX`) as a Flax NNX module.
 
-Introduced in notebook 05 (CogVideoX VAE in Flax NNX).
+Introduced in notebook `cogvideox_vae_flax` (CogVideoX VAE in Flax NNX).
 
 The port follows diffusers 0.42 operation by operation, so that with the same weights it agrees
 with PyTorch at float32 rounding level (tests/test_cogvideox_vae.py checks max abs error <= 1e-4

@@ -1,7 +1,7 @@
 """Weights in, differences out: converting diffusers CogVideoX VAE weights to the Flax NNX port,
 and comparing the two layer by layer.
 
-Introduced in notebook 05 (CogVideoX VAE in Flax NNX).
+Introduced in notebook `cogvideox_vae_flax` (CogVideoX VAE in Flax NNX).
 
 The NNX module tree uses diffusers' attribute names, so a state-dict key maps to an NNX path by
 splitting on dots; only the *leaf* changes, by the rules in `WEIGHT_RULES` (a kernel transpose
@@ -145,13 +145,13 @@ def dryrun_decoder(width: int, height: int, placement: Any) -> tuple[Any, tuple,
     def decode(st, z):
         return nnx.merge(graph, st).decode_chunk(z, None)[0]
 
-    note = ("one frame batch (2 latent frames -> 8 video frames) of the Flax NNX decoder (notebook 05), "
+    note = ("one frame batch (2 latent frames -> 8 video frames) of the Flax NNX decoder (notebook `cogvideox_vae_flax`), "
             "bf16, untiled, on one chip; FLOPs are XLA's count of the program lowered for the host")
     return decode, (state, latents), 2 * (height // ratio) * (width // ratio), note
 
 
 SPEC = FamilySpec(name="cogvideox-vae", module=__name__, kind="vae", defaults_from="cogvideox", layer_prefix="",
-                  title="CogVideoX's VAE decoder in Flax NNX (notebook 05): one frame batch on one chip",
+                  title="CogVideoX's VAE decoder in Flax NNX (notebook `cogvideox_vae_flax`): one frame batch on one chip",
                   figures=(QuotedFigure("dryrun.cogvideox_vae_gib", "dryrun_peak", decimals=1,
                                         match={"model": "cogvideox-vae", "width": 1360, "height": 768},
                                         source="docs/results/dryruns.json: tpupedia dryrun cogvideox-vae (AOT here, "

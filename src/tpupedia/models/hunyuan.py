@@ -32,7 +32,7 @@ order), `blocks` and `final`; `deepcache_full` also returns the state entering t
 blocks, and `deepcache_cached` runs only those blocks from a cached state
 (`tpupedia.pipelines.deepcache`).
 
-Introduced for the dry-run planner of notebook 08; notebook 09 (HunyuanVideo-1.5 text-to-video)
+Introduced for the dry-run planner of notebook `plan_without_tpu`; notebook `hunyuan_video` (HunyuanVideo-1.5 text-to-video)
 explains and uses all of it.
 """
 

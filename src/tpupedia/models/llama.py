@@ -3,7 +3,7 @@
 Configs, depth, FLOPs of a forward and what `tpupedia.dryrun` needs to build and call it. The
 tiny model and the offline tokenizer live in `tpupedia.llm`, which loads both presets.
 
-Introduced in notebook 01 (a Hugging Face model in JAX); the dry-run of notebook 08 reads it.
+Introduced in notebook `hf_model_in_jax` (a Hugging Face model in JAX); the dry-run of notebook `plan_without_tpu` reads it.
 """
 
 from __future__ import annotations
@@ -65,6 +65,6 @@ def _tables() -> dict:
 
 SPEC = FamilySpec(name=FAMILY, module=__name__, kind="llm", full_id=FULL_ID, sharding=_tables(),
                   mask="causal_padding", layer_prefix="model.layers.0.",
-                  title="Llama-2-7B (notebook 01): one forward of the decoder")
+                  title="Llama-2-7B (notebook `hf_model_in_jax`): one forward of the decoder")
 """This dry-run target in the registry (`tpupedia.families`); its tables are Llama's names in
 `tpupedia.sharding.RULES`, shared by the Qwen2 and Mistral text encoders."""

@@ -9,7 +9,7 @@ keep them (`tpupedia.models.cogvideox.shape_facts`, `tpupedia.models.hunyuan.sha
 keeps the released checkpoint's values as the default (`DEFAULT_SHAPES`), which the presets and
 the dry-run use.
 
-Introduced with the full path of notebooks 07 and 09 (a checkpoint given with `--model`).
+Introduced with the full path of notebooks `cogvideox_pipeline` and `hunyuan_video` (a checkpoint given with `--model`).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ Kinds:
 * `"vae"`: a video decoder the dry-run compiles one frame batch of, with the frame and size
   rules of the video family it belongs to (`defaults_from`).
 
-Introduced with the family registry (issue 20); notebook 08 plans a run from it.
+Introduced with the family registry (issue 20); notebook `plan_without_tpu` plans a run from it.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ writes `tokenizer.json` for T5 and a separate `chat_template.jinja` for Qwen), s
 checkpoints lay their tokenizer folders out here, after `save_pretrained`, and load them through
 the same `AutoTokenizer.from_pretrained` call the full checkpoints go through.
 
-Introduced with the full path of notebooks 07 and 09.
+Introduced with the full path of notebooks `cogvideox_pipeline` and `hunyuan_video`.
 """
 
 from __future__ import annotations

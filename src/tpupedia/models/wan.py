@@ -21,7 +21,7 @@ Wan 2.1's I2V also cross-attends to the picture's CLIP ViT-H/14 features (`image
 
 Shape facts come from the checkpoint's configs as diffusers reads them (`shape_facts`: the VAE's
 `scale_factor_spatial` and `scale_factor_temporal`, the transformer's `patch_size`, the VAE's
-`z_dim`); the constants here are the 14B releases' and only defaults. Introduced in notebook 11
+`z_dim`); the constants here are the 14B releases' and only defaults. Introduced in notebook `wan_on_tpu`
 (Wan on TPU); the dry-run and the plan read the same facts.
 """
 
@@ -82,7 +82,7 @@ torch_dtype=torch.float32)`, and `WanImageToVideoPipeline`'s (`pipeline_wan_i2v.
 video whose float32 VAE stages do not fit a chip runs its VAE in the run's dtype
 (`Request.vae_dtype`, `tpupedia.pipelines.wan.Wan.lowered`). The run loads these components,
 the plan compiles them and the stage files record them in the dtype `component_dtype` gives.
-Introduced in notebook 11."""
+Introduced in notebook `wan_on_tpu`."""
 VAE_DTYPES = ("float32", "bfloat16")
 """What `--vae-dtype` accepts."""
 

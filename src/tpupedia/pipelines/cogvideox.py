@@ -26,7 +26,7 @@ Image-to-video (CogVideoX1.5-5B-I2V, `Request.image`) adds a stage between text 
   and feeds the image latents beside the noisy latents (twice the channels) with the `ofs`
   embedding the 1.5 release adds.
 
-Introduced in notebook 07 (CogVideoX text-to-video in three stages); `tpupedia generate
+Introduced in notebook `cogvideox_pipeline` (CogVideoX text-to-video in three stages); `tpupedia generate
 cogvideox` runs the same functions.
 """
 

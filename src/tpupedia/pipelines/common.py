@@ -1,7 +1,7 @@
 """What every staged text-to-video pipeline shares: requests and options, validation of what is
 not model-specific, meshes, the stage runner and the host <-> device conversions.
 
-A family pipeline (`cogvideox`, notebook 07; `hunyuan`, notebook 09) is a `StagedPipeline`
+A family pipeline (`cogvideox`, notebook `cogvideox_pipeline`; `hunyuan`, notebook `hunyuan_video`) is a `StagedPipeline`
 subclass with three stages, `encode_text`, `denoise` and `decode`, each returning
 `(tensors, timings)`; `run` drives them through the stage files of `tpupedia.pipelines.stages`
 (skip what is done, read what the next stage needs, write atomically, one writer per job) and
@@ -11,7 +11,7 @@ Memory comes back: every weight is built on its devices straight from host memor
 receiving only its shards (`tpupedia.sharding.place`), and a stage frees the models it loaded
 when it ends, so the text encoders are gone before the transformer loads. A `resident` pipeline
 (batch mode) keeps them, and its compiled programs, from one prompt to the next.
-Introduced in notebook 07, reused by notebook 09.
+Introduced in notebook `cogvideox_pipeline`, reused by notebook `hunyuan_video`.
 """
 
 from __future__ import annotations
@@ -254,7 +254,7 @@ def denoise_loop(step: Callable[[int, Any], Any], state: Any, steps: int,
     as stock draws it) while the chips still run step `i`, so they never wait for Python;
     `steady_s` is the mean of the other steps. Inside `step_times()` it waits after every step
     and records each (`step_s`; `steady_s` their median). Returns `(state, timings)`.
-    Introduced in notebook 07."""
+    Introduced in notebook `cogvideox_pipeline`."""
     import jax
     import numpy as np
 
@@ -716,7 +716,7 @@ def run(pipeline_cls: type[StagedPipeline], request: Request, options: Options, 
     the encoder is checked before any stage runs (`video.check_encoder`), the frames before the mp4
     is written (`video.check_frames`: NaN or flat frames are refused, naming the decode stage).
 
-    In a multi-process job (`tpupedia.distributed`, notebook 10) every process runs the same
+    In a multi-process job (`tpupedia.distributed`, notebook `beyond_one_host`) every process runs the same
     stages over one global mesh, and the hosts need not share a disk: process 0 decides, every
     process gets the tensors. Process 0 alone looks at `workdir` (what is up to date, the files a
     skipped stage left) and writes the stage files and the video; what it decides and reads is

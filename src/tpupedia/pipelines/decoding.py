@@ -13,7 +13,7 @@ decode instead of one working while the others wait:
   under torchax, is one piece given to every chip; at 720p it does not fit a chip and the plan
   tiles it.)
 
-A decode is not one program. CogVideoX's Flax NNX VAE (notebook 05) decodes two latent frames at a
+A decode is not one program. CogVideoX's Flax NNX VAE (notebook `cogvideox_vae_flax`) decodes two latent frames at a
 time and carries the cache from one frame batch to the next, so a run compiles one program for the
 first batch (no cache, and the odd extra frame) and one for the later batches; with tiling, one
 such pair per distinct tile shape. HunyuanVideo-1.5's VAE (diffusers under torchax) decodes all
@@ -25,7 +25,7 @@ with the VAE's weights as abstract arguments replicated on the host's chips and 
 so an ahead-of-time compile for a TPU says what each decoder call needs there: whether 720p fits
 untiled, and what tiling saves.
 
-Introduced in notebooks 07 and 09 (the decode stages); `tpupedia plan` compiles the programs.
+Introduced in notebooks `cogvideox_pipeline` and `hunyuan_video` (the decode stages); `tpupedia plan` compiles the programs.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def in_waves(pieces: list, decode_one: Callable[[Any], Any], mesh: Any = None, *
     Without `mesh` nothing is placed (`chips` pieces a wave): how `tpupedia.plan` traces the same
     waves on shapes only (`jax.eval_shape`). The `TileRunner` of the Flax VAE
     (`tpupedia.models.cogvideox_vae`); the HunyuanVideo-1.5 decode (and image-to-video's encode) use it through `tpupedia.pipelines.hunyuan.through_tiles`.
-    Introduced in notebook 07 (the decode stage)."""
+    Introduced in notebook `cogvideox_pipeline` (the decode stage)."""
     import jax
     import jax.numpy as jnp
     import numpy as np

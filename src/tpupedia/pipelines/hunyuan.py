@@ -1,6 +1,6 @@
 """HunyuanVideo-1.5 text-to-video in three stages, under torchax, on a mesh.
 
-The same path as CogVideoX (`tpupedia.pipelines.common`, notebook 07), with what this model needs:
+The same path as CogVideoX (`tpupedia.pipelines.common`, notebook `cogvideox_pipeline`), with what this model needs:
 
 1. `encode_text`: the Qwen2.5-VL text model over diffusers' chat template, jitted and returning
    only the hidden state diffusers uses (the third from last, the template's first 108 tokens
@@ -28,7 +28,7 @@ step-distilled release) also gets the next step's timestep, `timestep_r`, as sto
 Initial latents are drawn as diffusers draws them, from a CPU `torch.Generator(seed)`, so the same
 weights and seed give the stock `HunyuanVideo15Pipeline`'s video (tests/test_pipeline_hunyuan.py)
 and `HunyuanVideo15ImageToVideoPipeline`'s (tests/test_hunyuan_image_to_video.py).
-Introduced in notebook 09; `tpupedia generate hunyuan` runs the same functions.
+Introduced in notebook `hunyuan_video`; `tpupedia generate hunyuan` runs the same functions.
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def settings(stage: str, source_label: str, configs: dict[str, dict], request: R
 def prompt_defaults() -> dict[str, Any]:
     """diffusers' text settings for this pipeline: the system message, the 1000-token text
     length, the 108-token template crop and the layer offset, read from its own signature.
-    Notebook 09 (section 4) counts a prompt's tokens with them."""
+    Notebook `hunyuan_video` (section 4) counts a prompt's tokens with them."""
     from diffusers import HunyuanVideo15Pipeline
 
     params = inspect.signature(HunyuanVideo15Pipeline._get_mllm_prompt_embeds).parameters
@@ -149,7 +149,7 @@ def check_text_depth(configs: dict[str, dict]) -> None:
     `hidden_states[-(num_hidden_layers_to_skip + 1)]` (the embeddings and one state per layer):
     with 2 skipped, 2 layers still work (stock keeps the embeddings' state), 1 does not (stock
     fails with an IndexError). A run selects what stock selects or refuses; only a plan's
-    shallow compile (`tpupedia.plan`, `layers=`) takes the last state instead (notebook 09)."""
+    shallow compile (`tpupedia.plan`, `layers=`) takes the last state instead (notebook `hunyuan_video`)."""
     skip = prompt_defaults()["num_hidden_layers_to_skip"]
     layers = configs["text_encoder"].get("num_hidden_layers")
     if layers is not None and layers + 1 < skip + 1:
@@ -761,7 +761,7 @@ def through_tiles(vae: Any, part: str, x: Any, mesh: Any, env: Any, shapes_of: A
     stock code: first with a part that only records each tile it is given (answering with an empty
     `meta` tensor of the output's shape), then, once the recorded tiles are computed in waves, with
     a part that hands back those results in order. The blending runs on the host, in the VAE's
-    dtype, as diffusers runs it. Introduced in notebook 09 (the decode stage; section 11 encodes
+    dtype, as diffusers runs it. Introduced in notebook `hunyuan_video` (the decode stage; section 11 encodes
     the picture the same way)."""
     import torch
     from torchax.interop import jax_view, torch_view

@@ -22,7 +22,7 @@ computes in bf16; with float32 latents the two agree to float32 rounding (the te
 The flow-match step follows the stock dtype rules exactly (float32 sample, the `dt * output`
 product in the output's dtype, the result cast back).
 
-Introduced in notebook 07 (CogVideoX text-to-video in three stages).
+Introduced in notebook `cogvideox_pipeline` (CogVideoX text-to-video in three stages).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ by this request or is not whole:
 | `status` | the reason (str) | the reason (str) | `StageError` |
 | `done` | `False` | `False` | `StageError` |
 
-Introduced in notebook 07 (CogVideoX text-to-video in three stages).
+Introduced in notebook `cogvideox_pipeline` (CogVideoX text-to-video in three stages).
 """
 
 from __future__ import annotations

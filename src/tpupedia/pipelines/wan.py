@@ -1,6 +1,6 @@
 """Wan 2.1 / 2.2 text-to-video in three stages, under torchax, on a mesh.
 
-What is Wan's own, on top of what notebooks 07 and 09 built (`tpupedia.pipelines.common`):
+What is Wan's own, on top of what notebooks `cogvideox_pipeline` and `hunyuan_video` built (`tpupedia.pipelines.common`):
 
 1. `encode_text`: umT5 with its attention mask, each prompt cleaned as `WanPipeline` cleans it;
    the embeddings past the prompt's last token are zeros (diffusers cuts them off and pads with
@@ -42,7 +42,7 @@ Same weights and seed as `WanPipeline(output_type="np")` (`WanImageToVideoPipeli
 give the same frames (float32: within 1e-4, tests/test_wan.py, tests/test_wan_image_to_video.py;
 a shift override within 1e-4, and bf16 against stock in bf16 within a stated bound,
 tests/test_wan_precision.py).
-Introduced in notebook 11 (Wan on TPU); `tpupedia generate wan`.
+Introduced in notebook `wan_on_tpu` (Wan on TPU); `tpupedia generate wan`.
 """
 
 from __future__ import annotations

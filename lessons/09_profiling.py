@@ -14,13 +14,13 @@
 # ---
 
 # %% [markdown]
-# # 12 · Profiling: where a step's time and memory go
+# # 09 · Profiling: where a step's time and memory go
 #
-# A plan (notebook 08) says whether a program fits and how fast it could be. A profile says
+# A plan (notebook `plan_without_tpu`) says whether a program fits and how fast it could be. A profile says
 # what it actually did. On a GPU you would reach for Nsight Systems or `torch.profiler`; on a
 # TPU the tool is JAX's profiler, whose traces XProf (the TensorBoard profile plugin's successor)
 # displays. This notebook takes the three measurements you need before tuning anything, on the
-# tiny CogVideoX pipeline of notebook 07:
+# tiny CogVideoX pipeline of notebook `cogvideox_pipeline`:
 #
 # 1. **a trace of the denoising step**, read back in Python: how its time splits between
 #    attention, the other matmuls, collectives and everything else;
@@ -32,8 +32,8 @@
 #
 # | preset | loads | memory | compute time |
 # |---|---|---|---|
-# | `tiny` (CPU, CI) | notebook 07's random 2-layer CogVideoX checkpoint, 8 simulated devices | about 1 GB of host RAM | about 60 s, measured here on a 2-core CPU |
-# | `full` (TPU v6e-8) | `zai-org/CogVideoX1.5-5B`, the text encoder and the transformer | per chip as notebook 07's stages (T5-XXL 2.2 GiB, the step 5.6 GiB at 1360x768, AOT here) | two denoising steps traced, plus two short processes that compile the step: minutes, most of it the first compile |
+# | `tiny` (CPU, CI) | notebook `cogvideox_pipeline`'s random 2-layer CogVideoX checkpoint, 8 simulated devices | about 1 GB of host RAM | about 60 s, measured here on a 2-core CPU |
+# | `full` (TPU v6e-8) | `zai-org/CogVideoX1.5-5B`, the text encoder and the transformer | per chip as notebook `cogvideox_pipeline`'s stages (T5-XXL 2.2 GiB, the step 5.6 GiB at 1360x768, AOT here) | two denoising steps traced, plus two short processes that compile the step: minutes, most of it the first compile |
 #
 # *Reading time: about 7 minutes.*
 
@@ -47,7 +47,7 @@ preset.name
 # %% [markdown]
 # ## 1. A trace of the denoising step
 #
-# The pipeline of notebook 07 on this preset's checkpoint, kept `resident` so that its models
+# The pipeline of notebook `cogvideox_pipeline` on this preset's checkpoint, kept `resident` so that its models
 # and compiled programs stay between calls. It runs once untraced first: the first call
 # compiles, and a profile of a compile measures the compiler, not the step. Then
 # `jax.profiler.trace(folder)` records everything the process does inside the block, on the
@@ -115,7 +115,7 @@ for module, seconds in sorted(programs.items(), key=lambda kv: -kv[1]):
 # or a fusion whose body holds one; attention if its result is a score matrix, the sequence
 # against itself (`[..., S, S]`: the reference attention on this CPU; on a TPU, splash's
 # kernel is one custom call instead). `tpupedia.plan.programs` rebuilds the step the pipeline
-# compiled (notebook 09 counted its FLOPs this way), and compiling it gives the same
+# compiled (notebook `hunyuan_video` counted its FLOPs this way), and compiling it gives the same
 # instruction names, which the coverage check below confirms.
 
 # %%
@@ -187,7 +187,7 @@ assert all(shares[name] > 0 for name in ("attention", "other matmuls", "collecti
 # %% [markdown]
 # ## 3. The persistent compilation cache
 #
-# A full-size step compiles for minutes (notebook 08's dry-run: 182 s for CogVideoX's on a
+# A full-size step compiles for minutes (notebook `plan_without_tpu`'s dry-run: 182 s for CogVideoX's on a
 # CPU host; upstream reports about 60 s for a HunyuanVideo-1.5 program on a TPU VM, and about
 # 5 s to load it from the cache). `jax_compilation_cache_dir` makes JAX write each compiled
 # program to a folder, keyed by the program and the compiler's options, and a later process
@@ -344,7 +344,7 @@ assert memory_stats is None or "bytes_in_use" in memory_stats
 # - **Watch memory.** `jax.devices()[0].memory_stats()` gives the allocator's `bytes_in_use` and
 #   `peak_bytes_in_use` per chip; `jax.profiler.save_device_memory_profile("mem.prof")` writes
 #   what holds the memory, by the Python line that allocated it, for `pprof`. The plan of
-#   notebook 08 says what the peak should be; compare.
+#   notebook `plan_without_tpu` says what the peak should be; compare.
 #
 # ## Takeaways
 #

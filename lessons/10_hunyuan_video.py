@@ -14,9 +14,9 @@
 # ---
 
 # %% [markdown]
-# # 09 · HunyuanVideo-1.5 text-to-video on TPU
+# # 10 · HunyuanVideo-1.5 text-to-video on TPU
 #
-# The second destination of the course. Notebook 07 built a staged pipeline for CogVideoX:
+# The second destination of the course. Notebook `cogvideox_pipeline` built a staged pipeline for CogVideoX:
 # stage files, a scheduler step as a pure function, one compiled program for all steps, the
 # guidance pair as one batch. HunyuanVideo-1.5 (an 8.3B-parameter transformer of 54 dual-stream
 # blocks) goes down the same path, `tpupedia.pipelines.common`, and meets three new problems:
@@ -63,13 +63,13 @@
 # %xmode Minimal
 from tpupedia import session
 
-preset = session.start()  # preset, simulated devices, known warnings silenced (notebook 01)
+preset = session.start()  # preset, simulated devices, known warnings silenced (notebook `hf_model_in_jax`)
 preset.name
 
 # %% [markdown]
 # ## The whole thing in one call
 #
-# As in notebook 07: a request, one call that runs the stages and writes the mp4, and the video.
+# As in notebook `cogvideox_pipeline`: a request, one call that runs the stages and writes the mp4, and the video.
 # This is what `tpupedia generate hunyuan --prompt ...` does; the preset picks the checkpoint and
 # the default size. The prompt quotes a word, which wakes the second text encoder (section 4).
 
@@ -284,12 +284,12 @@ print(f"NaN in the output: {np.isnan(naive).mean():.0%} of the values")
 # too, and the stack's SDPA override does it). And the mask should never be built: it is fully
 # described by the `(B, S)` validity vector. `hunyuan.PaddingAttnProcessor` is diffusers'
 # processor with the vector kept and handed to an `attend(q, k, v, valid)` function; under
-# torchax that is `tpupedia.attention.padded_attention`, where splash (notebook 04) takes the
+# torchax that is `tpupedia.attention.padded_attention`, where splash (notebook `splash_attention`) takes the
 # vector as segment ids and the reference path broadcasts it inside the score computation.
 #
-# The fixed forward is compared with the stock one as notebook 07 compares its stages: in
+# The fixed forward is compared with the stock one as notebook `cogvideox_pipeline` compares its stages: in
 # float32 (tiny) to rounding, an absolute bound; in bfloat16 (full) relative to the largest
-# value, at most 2^-4 (notebook 01's `llm.BF16_RELATIVE_BOUND`), because bfloat16 rounds each
+# value, at most 2^-4 (notebook `hf_model_in_jax`'s `llm.BF16_RELATIVE_BOUND`), because bfloat16 rounds each
 # value relative to its size.
 
 # %%
@@ -301,7 +301,7 @@ from tpupedia import attention, llm, results
 
 
 def relative(got, want):
-    """max |got - want| / max |want| in float32 (torch or NumPy arrays): notebook 01's bfloat16 measure."""
+    """max |got - want| / max |want| in float32 (torch or NumPy arrays): notebook `hf_model_in_jax`'s bfloat16 measure."""
     got, want = (a.float().numpy() if isinstance(a, torch.Tensor) else np.asarray(a, np.float32) for a in (got, want))
     return float(np.abs(got - want).max() / np.abs(want).max())
 
@@ -377,7 +377,7 @@ _ = gc.collect()
 
 # %% [markdown]
 # At full size the same comparison comes from an ahead-of-time compile for a `v6e:2x4` slice
-# (notebook 08's dry-run; `--mask matrix` keeps diffusers' processor, `--mask vector` is the
+# (notebook `plan_without_tpu`'s dry-run; `--mask matrix` keeps diffusers' processor, `--mask vector` is the
 # pipeline's). One block is compiled at 720p and 121 frames, the other 53 blocks' weights are
 # added from their shapes. The tiny preset reads the recorded compiles.
 
@@ -415,13 +415,13 @@ print(f"the matrix itself, had it been stored: {materialized:.1f} GiB per chip")
 
 # %% [markdown]
 # The same memory, to the byte's neighbourhood. On this stack the TPU compiler never stores the
-# matrix: the splash override of notebook 04 reduces it straight back to the two validity
+# matrix: the splash override of notebook `splash_attention` reduces it straight back to the two validity
 # vectors, and XLA fuses the broadcast-and-compare into those reductions. So the vector is not
 # a memory rescue here; it is a guarantee. Correctness and memory no longer depend on a fusion
 # decision, no shape-checking branch is compiled, and the reference path (GPUs, and CPUs for
 # checks) receives a vector it can broadcast lazily instead of a 13 G-element tensor built by
 # `repeat`. What costs memory on the reference path is the `(B, H, S, S)` score matrix itself,
-# which is why notebook 04's kernel exists.
+# which is why notebook `splash_attention`'s kernel exists.
 
 # %%
 temps = {m: r["temporaries_bytes"] for m, r in masks.items()}
@@ -612,7 +612,7 @@ assert pure._cache_size() == 2  # one program per dtype, whatever the step
 # %% [markdown]
 # ## 6. Stage 2: the denoising step, written out
 #
-# One compiled step for all steps, as in notebook 07, with what this model changes:
+# One compiled step for all steps, as in notebook `cogvideox_pipeline`, with what this model changes:
 #
 # 1. the transformer's input is the latents with 33 more channels, the picture's latents and a
 #    mask, which are zeros for text-to-video (diffusers' `prepare_cond_latents_and_mask`);
@@ -629,7 +629,7 @@ assert pure._cache_size() == 2  # one program per dtype, whatever the step
 # (`family.kept_text_tokens`). What is cut is padding, which every query masks out anyway, so
 # the video does not change, and on this tiny model most of a step's work goes with it.
 #
-# First the transformer, placed as notebook 07 placed CogVideoX's: each chip receives only its
+# First the transformer, placed as notebook `cogvideox_pipeline` placed CogVideoX's: each chip receives only its
 # shards of the family's `tp` table, and `family.make_jit_friendly` installs section 2's traceable
 # forward with section 3's attention.
 
@@ -741,7 +741,7 @@ assert torch.equal(latents["latents"], ours)
 
 # %% [markdown]
 # What the `tp` split costs. Each row-parallel layer leaves partial sums that an **all-reduce**
-# over `tp` adds up, as in notebook 07's step. A dual-stream block has four such layers (each
+# over `tp` adds up, as in notebook `cogvideox_pipeline`'s step. A dual-stream block has four such layers (each
 # stream's attention output and second MLP layer), and the text refiner and the glyph embedder
 # have their own. The placement lists them; the compiled step has at least one all-reduce for
 # each, and the other collectives the compiler chose to move activations between layouts:
@@ -766,7 +766,7 @@ assert in_blocks == 4 * step_blocks
 assert kinds["all-reduce"] >= len(row_parallel)
 
 # %% [markdown]
-# Where the module put the first block's weights (Megatron tensor parallelism, notebook 02: q/k/v and the
+# Where the module put the first block's weights (Megatron tensor parallelism, notebook `sharding`: q/k/v and the
 # first MLP layer split by output rows, the attention output and second MLP layer by input
 # columns):
 
@@ -850,7 +850,7 @@ assert frames.std() > 0.01  # not a constant image that would match anything
 # This decoder takes all latent frames in one call, and its causal convolutions run in time
 # order, so time cannot be split between chips. Space can. At 720p and 121 frames the untiled
 # decoder's last stage alone is a 121 x 720 x 1280 x 128 bfloat16 tensor, 28.5 GB, on one
-# 31.25 GiB chip: 720p decodes in 256-pixel tiles, and the plan (notebook 08) turns tiling on
+# 31.25 GiB chip: 720p decodes in 256-pixel tiles, and the plan (notebook `plan_without_tpu`) turns tiling on
 # when the untiled decode does not fit. diffusers decodes the tiles one after another, so one
 # chip works while seven wait. The tiles are independent until they are blended, so the
 # pipeline decodes the tiles of one shape side by side, one per chip
@@ -896,7 +896,7 @@ del stock
 _ = gc.collect()
 
 # %% [markdown]
-# `tpupedia generate hunyuan` runs these three stages with the stage files of notebook 07
+# `tpupedia generate hunyuan` runs these three stages with the stage files of notebook `cogvideox_pipeline`
 # (atomic writes, fingerprints, resume, refusal of a file made for another request):
 #
 # ```
@@ -1164,12 +1164,12 @@ assert modulation / params > 0.25  # a quarter of the weights, replicated by eve
 # | SageAttention (8-bit attention) | 8x H100 | ~3.25 | reported upstream |
 # | DeepCache on GPU | 8x H100 | ~2.84 | reported upstream |
 # | splash attention, TP with fc2 replicated | TPU v6e-8 | 7.29 | reported upstream |
-# | the same with an exp2 splash kernel (notebook 04) | TPU v6e-8 | 5.81 | reported upstream |
+# | the same with an exp2 splash kernel (notebook `splash_attention`) | TPU v6e-8 | 5.81 | reported upstream |
 # | DeepCache 11:45:4 | TPU v6e-8 | ~4.1 (1.72x) | reported upstream |
 #
 # What this repository can add without a TPU is the floor under those numbers: the compiled
 # step's FLOPs over the slice's peak, its weight bytes over HBM bandwidth and its collective bytes
-# over ICI bandwidth (notebook 08), per table:
+# over ICI bandwidth (notebook `plan_without_tpu`), per table:
 
 # %%
 for (s, mesh_shape), r in plans.items():
@@ -1268,7 +1268,7 @@ assert release["transformer"]["in_channels"] == family.full_configs()["transform
 assert family.image_to_video(release) and not family.image_to_video(family.full_configs())
 
 # %% [markdown]
-# The pipeline adds an `image` stage between text and denoise, as CogVideoX's does (notebook 07
+# The pipeline adds an `image` stage between text and denoise, as CogVideoX's does (notebook `cogvideox_pipeline`
 # §9): its file holds `image_latents` and `image_embeds`, and its settings hold the picture's
 # SHA-256, so another picture at the same path reruns it and every stage after it. SigLIP runs as
 # one compiled program with a copy on every chip (one picture, 0.4B parameters); the VAE's
@@ -1333,7 +1333,7 @@ if preset.host_runs_whole_models:
 # in the decode's 256-pixel tiles, one per chip; `tpupedia plan hunyuan --image PICTURE` compiles
 # them with the other stages for a v6e-8. The record below holds the two stages image-to-video
 # changes, image and denoise (the picture is this section's 96x64 shape, so the video is
-# 1168x784; the decode is section 7's at that size), read as in notebook 08:
+# 1168x784; the decode is section 7's at that size), read as in notebook `plan_without_tpu`:
 
 # %%
 from tpupedia import plan as planner

@@ -14,7 +14,7 @@
 # ---
 
 # %% [markdown]
-# # 04 · Splash attention: from online softmax to a sharded TPU kernel
+# # 05 · Splash attention: from online softmax to a sharded TPU kernel
 #
 # A CogVideoX 720p step attends over about 40,000 tokens; HunyuanVideo-1.5 at 121 frames over
 # more than 110,000. The score matrix of one head at 40k tokens is 1.6 billion numbers, so
@@ -59,7 +59,7 @@
 # %xmode Minimal
 from tpupedia import devices, session
 
-preset = session.start()  # preset, simulated devices, known warnings silenced (notebook 01)
+preset = session.start()  # preset, simulated devices, known warnings silenced (notebook `hf_model_in_jax`)
 interpret = devices.interpret_kernels()  # Pallas interpret mode everywhere but on a TPU
 print(preset.name, "preset, interpret mode:", interpret)
 

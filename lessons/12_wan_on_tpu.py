@@ -14,12 +14,12 @@
 # ---
 
 # %% [markdown]
-# # 11 · Wan 2.1 and 2.2 on TPU
+# # 12 · Wan 2.1 and 2.2 on TPU
 #
 # Wan is the open video family every TPU project runs, so it is where this course meets the
 # others. It is also the test of the course's own structure: a third family should need its
 # model module, its pipeline, a scheduler step and this notebook, and nothing else
-# (`tests/test_families.py` checks it). Everything notebooks 07 and 09 built carries over: the
+# (`tests/test_families.py` checks it). Everything notebooks `cogvideox_pipeline` and `hunyuan_video` built carries over: the
 # stage files, the guidance pair as a batch on `dp`, one compiled step for all steps, parity
 # with stock diffusers. This notebook teaches only what is new:
 #
@@ -43,7 +43,7 @@
 # %xmode Minimal
 from tpupedia import session
 
-preset = session.start()  # preset, simulated devices, known warnings silenced (notebook 01)
+preset = session.start()  # preset, simulated devices, known warnings silenced (notebook `hf_model_in_jax`)
 preset.name
 
 # %% [markdown]
@@ -252,7 +252,7 @@ assert all(error < 1e-4 for error in parity.values())
 # ## 6. The full size, planned for a v6e-8
 #
 # `tpupedia plan wan` compiles every program of a `generate wan --preset full` run for a TPU
-# topology ahead of time, from the release's configs (notebook 08): the umT5 encoder, the
+# topology ahead of time, from the release's configs (notebook `plan_without_tpu`): the umT5 encoder, the
 # denoising step at 720p and 81 frames, the VAE's three frame programs. Compiling the full
 # depth on a CPU host takes long, so the recorded plan compiles one layer per model and adds
 # the other layers' weight shards from their shapes. On the tiny preset this cell reads the
@@ -317,7 +317,7 @@ mask = family.condition_mask(request.frames, 1, 1, facts)[0, :, :, 0, 0]
 print(f"mask for {request.frames} frames (channel x latent frame):\n{mask.int().numpy()}")
 
 # %% [markdown]
-# The pipeline adds an `image` stage between text and denoise, as CogVideoX's does (notebook 07
+# The pipeline adds an `image` stage between text and denoise, as CogVideoX's does (notebook `cogvideox_pipeline`
 # §9). Its file holds the condition (mask and picture latents) and the CLIP features, and its
 # settings hold the picture's SHA-256, so another picture at the same path reruns it. The VAE's
 # encoder runs as its decoder does in section 4: the first frame, then 4 frames at a time, the

@@ -14,7 +14,7 @@
 # ---
 
 # %% [markdown]
-# # 06 · Image processing, GPU → TPU: crop, resize, blur
+# # 04 · Image processing, GPU → TPU: crop, resize, blur
 #
 # Before a video model sees a frame, the frame is usually cropped around a subject, resized so
 # its sides are multiples of 16 (the model's patch grid) and sometimes blurred. On a GPU this is
@@ -49,7 +49,7 @@
 # %xmode Minimal
 from tpupedia import session
 
-preset = session.start()  # preset, simulated devices, known warnings silenced (notebook 01)
+preset = session.start()  # preset, simulated devices, known warnings silenced (notebook `hf_model_in_jax`)
 FRAME_HW = preset.frame_size
 print(preset.name, FRAME_HW)
 

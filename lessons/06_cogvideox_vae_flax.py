@@ -14,7 +14,7 @@
 # ---
 
 # %% [markdown]
-# # 05 · The CogVideoX VAE in Flax NNX, with exact parity
+# # 06 · The CogVideoX VAE in Flax NNX, with exact parity
 #
 # Lessons 01–03 ran PyTorch models *through* JAX with torchax. This lesson does the other thing
 # a PyTorch engineer eventually does: rewrite a model natively in JAX, here the video VAE of
@@ -40,7 +40,7 @@
 # *Reading time: about 13 minutes.*
 
 # %% [markdown]
-# Two settings come first. The preset (notebook 00) decides what the VAE is loaded from. The
+# Two settings come first. The preset (notebook `start_here`) decides what the VAE is loaded from. The
 # matmul precision matters because this is a parity notebook: on a TPU, JAX computes float32
 # matmuls and convolutions in bf16 passes by default, which would fail the 1e-4 checks below and
 # make the layer-by-layer tool of section 3 blame the very first convolution. `"highest"` asks
@@ -52,7 +52,7 @@
 # %xmode Minimal
 from tpupedia import session
 
-preset = session.start()  # preset, simulated devices, known warnings silenced (notebook 01)
+preset = session.start()  # preset, simulated devices, known warnings silenced (notebook `hf_model_in_jax`)
 
 import jax  # noqa: E402
 
@@ -261,7 +261,7 @@ assert error_map.max() <= TOL  # the colour scale above tops out at float32 roun
 
 # %% [markdown]
 # Four latent frames decoded to 16 video frames, not 13. CogVideoX's frame rule
-# (`tpupedia.models.cogvideox.latent_frames`, notebook 07) keeps the first frame and compresses
+# (`tpupedia.models.cogvideox.latent_frames`, notebook `cogvideox_pipeline`) keeps the first frame and compresses
 # the rest four times, L = (F − 1)/4 + 1 latent frames for F video frames, and the way back is
 # expected to give 4(L − 1) + 1. But the decoder works in frame batches of two latents, and only
 # the first batch of a video carries the single "first frame" of the causal design (it takes

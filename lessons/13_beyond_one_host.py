@@ -14,7 +14,7 @@
 # ---
 
 # %% [markdown]
-# # 10 · Beyond one host
+# # 13 · Beyond one host
 #
 # A v6e-8 is one machine: one Python process drives all eight chips. Bigger slices (v6e-16, 32,
 # ..., 256) are several machines, and JAX runs them as a **multi-controller** job: every host
@@ -162,7 +162,7 @@ if preset.host_runs_whole_models:
 # ## 2. The same video, from one process or two
 #
 # `tpupedia generate cogvideox` calls `tpupedia.distributed.initialize()` first: under
-# `tpupedia launch` (or on a multi-host TPU VM) it joins the job, and the pipeline of notebook 07
+# `tpupedia launch` (or on a multi-host TPU VM) it joins the job, and the pipeline of notebook `cogvideox_pipeline`
 # builds its `dp=2, tp=4` mesh over `jax.devices()`, now spread over both processes. Every
 # process runs the same three stages, and the hosts need not share a disk: process 0 decides,
 # every process gets the tensors. Only process 0 looks at the work directory (which stages are
@@ -266,7 +266,7 @@ if preset.host_runs_whole_models:
 # describes a `v6e:4x4` slice (16 chips, 4 hosts) and a `v6e:8x8` (64 chips, 16 hosts) on this CPU. One layer compiled, weights
 # scaled to all 42, splash attention, the guidance pair on `dp` and the heads on `tp`.
 #
-# Each plan gets three floors on its step time (notebook 08): FLOPs at the bf16 peak, weights
+# Each plan gets three floors on its step time (notebook `plan_without_tpu`): FLOPs at the bf16 peak, weights
 # read once from HBM, and the bytes each chip sends in collectives over ICI. For that last one,
 # what matters is how fast *one chip* can send in *one collective*. Google's v6e page gives
 # 800 GB/s of ICI per chip, but that counts both directions of all 4 ports: one port carries
@@ -330,7 +330,7 @@ for r in plans.values():  # bytes sent over a one-axis ring: 2 ports x 100 GB/s,
 # %% [markdown]
 # The v6e-64 (8x8, 16 hosts) is the counter-example. With `dp=2` the `tp` axis has 32 chips, and
 # 48 heads do not split 32 ways, so the attention override falls back to splitting queries along
-# the sequence (notebook 04). The compiler then re-shards activations around every attention:
+# the sequence (notebook `splash_attention`). The compiler then re-shards activations around every attention:
 # all-gathers, all-to-alls and dozens of collective-permutes per layer. Each chip holds less and
 # computes less, but it now sends far more than it can compute: the step is
 # **communication-bound**, its ICI floor several times its compute floor, and it is set by ICI,
@@ -357,7 +357,7 @@ assert sum(eight.collectives.values()) > 10 * sum(two.collectives.values())
 #   gpu-tpu-pedia, commit 3fa9ce1, CogVideoX README), assumed to double on a 4-chip host
 #   (an assumption about time, not memory: each chip of a 4-chip host has the same HBM, holds
 #   twice the transformer's shards, and still fits every stage; the results page's plans give
-#   each stage's per-chip peak there, and section 8 of notebook 05 shows that a 1360x768 VAE
+#   each stage's per-chip peak there, and section 8 of notebook `cogvideox_vae_flax` shows that a 1360x768 VAE
 #   frame batch fits one chip).
 
 # %%
@@ -458,7 +458,7 @@ assert 6 < reported_step / flop_floor < 7 and reported_step > sum(floor_parts.va
 #          --prompts prompts.jsonl --outdir /mnt/shared/videos"
 #
 # Each host first joins the job (`jax.distributed.initialize()` needs no arguments there), then
-# plans its own requests before loading a weight (the preflight of notebook 08), then works
+# plans its own requests before loading a weight (the preflight of notebook `plan_without_tpu`), then works
 # through its share of the prompts, as the processes of section 3 did. Each host prints a line
 # per prompt it owns, the form section 3's rerun printed: `0002-rain-over-a-neon-city: wrote
 # 0002-rain-over-a-neon-city.mp4` followed by its timings, or `done already, skipped` for a prompt
