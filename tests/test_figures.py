@@ -71,3 +71,17 @@ def test_each_lesson_header_states_the_run_time_its_notebook_stored(lesson):
     assert min(claimed) / 2 <= stored <= max(claimed) * 2, (
         f"{lesson.name}: the header says {m.group(0).split('|')[-1].strip()!r}, its notebook stored "
         f"{stored:.0f} s of cell execution (update the header)")
+
+
+def test_the_core_path_is_notebooks_that_exist_and_its_figures_are_their_sums():
+    """`tpupedia.notebooks.CORE` names lessons by slug, in course order; `reading.core` and
+    `run.core` are the sums of their lessons' own figures (the learning path's afternoon)."""
+    from tpupedia import notebooks
+
+    numbers = [int(notebooks.lesson(slug, ROOT).name[:2]) for slug in notebooks.CORE]
+    assert numbers == sorted(numbers) and len(set(numbers)) == len(numbers) and numbers[0] == 0
+    for kind in ("reading", "run"):
+        parts = [figures.figure(f"{kind}.{n:02d}").value(ROOT) for n in numbers]
+        assert figures.figure(f"{kind}.core").value(ROOT) == pytest.approx(sum(parts)) and all(p > 0 for p in parts)
+    with pytest.raises(FileNotFoundError, match="'no_such_notebook': 0 lessons match"):
+        notebooks.lesson("no_such_notebook", ROOT)

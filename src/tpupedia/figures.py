@@ -175,12 +175,31 @@ def _lesson_figure(kind: str, n: int) -> Figure:
                   f"lessons/{n:02d}_*.py: its prose words / 200 words per minute, rounded up")
 
 
+def _core_figure(kind: str) -> Figure:
+    """`run.core` / `reading.core`: the sums of those figures over the core path's notebooks
+    (`tpupedia.notebooks.CORE`)."""
+    from tpupedia import notebooks
+
+    def numbers(root: Path) -> list[int]:
+        return [int(notebooks.lesson(slug, root).name[:2]) for slug in notebooks.CORE]
+
+    def total(root: Path) -> float:
+        return sum(_lesson_figure(kind, n).value(root) for n in numbers(root))
+
+    what = "stored cell execution times (measured here, 2-core CPU)" if kind == "run" else "prose words / 200 per minute"
+    return Figure(f"{kind}.core", total, duration_text if kind == "run" else (lambda v: f"{v:.0f} min"),
+                  f"the core path's notebooks (tpupedia.notebooks.CORE): the sum of their {what}")
+
+
 def figure(name: str) -> Figure:
-    lesson = re.fullmatch(r"(run|reading)\.(\d\d)", name)
+    lesson = re.fullmatch(r"(run|reading)\.(\d\d|core)", name)
+    if lesson and lesson.group(2) == "core":
+        return _core_figure(lesson.group(1))
     if lesson:
         return _lesson_figure(lesson.group(1), int(lesson.group(2)))
     if name not in FIGURES:
-        raise FigureError(f"no figure named {name!r}; known: {', '.join(sorted(FIGURES))}, run.NN, reading.NN")
+        raise FigureError(f"no figure named {name!r}; known: {', '.join(sorted(FIGURES))}, run.NN, reading.NN, run.core, "
+                          "reading.core")
     return FIGURES[name]
 
 

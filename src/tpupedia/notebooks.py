@@ -37,6 +37,8 @@ __all__ = [
     "reading_minutes",
     "check_reading_time",
     "check_all",
+    "CORE",
+    "lesson",
 ]
 
 SECRET_PATTERNS: dict[str, re.Pattern[str]] = {
@@ -55,6 +57,21 @@ MACHINE_PATH_PATTERNS: dict[str, re.Pattern[str]] = {
     "workspace path": re.compile(r"(?<![\w.])/work/"),
     "installed package path": re.compile(r"(?:site|dist)-packages/"),
 }
+
+CORE = ("start_here", "hf_model_in_jax", "sharding", "image_processing", "cogvideox_pipeline", "plan_without_tpu")
+"""The core path, by slug: from a Hugging Face model in JAX to one family's video planned for a
+TPU slice and run on a TPU VM (the learning path's afternoon). It uses splash attention and the
+Flax VAE as finished parts; the other notebooks open them, and go deeper (profiling, two more
+families, several hosts)."""
+
+
+def lesson(slug: str, root: Path | None = None) -> Path:
+    """The lesson file of notebook `slug` (`lessons/NN_slug.py`), whatever its number."""
+    found = sorted((root or _root()).glob(f"lessons/[0-9][0-9]_{slug}.py"))
+    if len(found) != 1:
+        raise FileNotFoundError(f"notebook {slug!r}: {len(found)} lessons match lessons/NN_{slug}.py")
+    return found[0]
+
 
 TAG_RAISES = "raises-exception"
 
