@@ -57,6 +57,16 @@
 
 # %%
 # %xmode Minimal
+# On Colab or Kaggle: fetch and install the course once, then work in its notebooks/ folder;
+# anywhere else this does nothing.
+import os
+import sys
+
+if "google.colab" in sys.modules or "KAGGLE_KERNEL_RUN_TYPE" in os.environ:
+    raise RuntimeError("this copy of the course names no public repository to install from: clone the "
+                       "course yourself, install it as its README says, and open its notebooks/ folder")
+# (end of the hosted-runtime setup: python -m tpupedia.notebooks hosted writes the lines above)
+
 from tpupedia import session
 
 preset = session.start()  # preset, simulated devices, known warnings silenced (notebook `hf_model_in_jax`)

@@ -22,6 +22,7 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 from tpupedia import files
 
@@ -39,6 +40,12 @@ __all__ = [
     "check_all",
     "CORE",
     "lesson",
+    "REPOSITORY_KEY",
+    "repository",
+    "hosted_links",
+    "hosted_setup",
+    "check_hosted",
+    "write_hosted",
 ]
 
 SECRET_PATTERNS: dict[str, re.Pattern[str]] = {
@@ -71,6 +78,123 @@ def lesson(slug: str, root: Path | None = None) -> Path:
     if len(found) != 1:
         raise FileNotFoundError(f"notebook {slug!r}: {len(found)} lessons match lessons/NN_{slug}.py")
     return found[0]
+
+
+REPOSITORY_KEY = "Repository"
+"""The `[project.urls]` entry of pyproject.toml naming the course's public git repository (a
+GitHub https URL): what the notebooks' "Open in Colab" and "Open in Kaggle" links and their
+hosted-runtime setup are built from. None is set while the repository has no public address:
+the notebooks then carry no links, and on a hosted runtime their setup says there is nothing to
+install from."""
+_GITHUB = re.compile(r"https://github\.com/([\w.-]+)/([\w.-]+?)(?:\.git)?/?")
+_SETUP_FIRST = "# On Colab or Kaggle: fetch and install the course once, then work in its notebooks/ folder;"
+_SETUP_LAST = "# (end of the hosted-runtime setup: python -m tpupedia.notebooks hosted writes the lines above)"
+
+
+def repository(root: Path | None = None) -> str | None:
+    """The repository URL `pyproject.toml` names under `[project.urls]` (`REPOSITORY_KEY`), or `None`.
+    Raises `ValueError` for one that is not a GitHub https URL (Colab opens notebooks from GitHub)."""
+    import tomllib
+
+    urls = tomllib.loads(((root or _root()) / "pyproject.toml").read_text())["project"].get("urls", {})
+    url = (urls.get(REPOSITORY_KEY) or "").strip()
+    if url and not _GITHUB.fullmatch(url):
+        raise ValueError(f"[project.urls] {REPOSITORY_KEY} = {url!r}: give a GitHub https URL, "
+                         "https://github.com/OWNER/REPO (Colab and Kaggle open notebooks from GitHub)")
+    return url or None
+
+
+def hosted_links(notebook: str, repo: str | None) -> str:
+    """The markdown line of "Open in Colab" and "Open in Kaggle" links to `notebooks/NOTEBOOK` of
+    `repo` (its main branch), or "" without a repository."""
+    m = _GITHUB.fullmatch(repo or "")
+    if not m:
+        return ""
+    path = f"{m.group(1)}/{m.group(2)}/blob/main/notebooks/{notebook}"
+    return (f"[Open in Colab](https://colab.research.google.com/github/{path}) · "
+            f"[Open in Kaggle](https://www.kaggle.com/kernels/welcome?src=https://github.com/{path})")
+
+
+def hosted_setup(repo: str | None) -> str:
+    """The lines a notebook's first code cell starts with: on Colab or Kaggle (found by the
+    `google.colab` module or Kaggle's `KAGGLE_KERNEL_RUN_TYPE` variable), clone `repo` once,
+    install it as `make test` does (`requirements/ci.txt` with `requirements/lock.txt`), put its
+    `src` on the path (a running kernel does not see a new editable install) and move to its
+    `notebooks/` folder, where the notebooks' relative paths point; anywhere else, nothing.
+    Without a repository, a hosted runtime stops here with what to do instead."""
+    lines = [_SETUP_FIRST, "# anywhere else this does nothing.", "import os", "import sys", "",
+             'if "google.colab" in sys.modules or "KAGGLE_KERNEL_RUN_TYPE" in os.environ:']
+    if repo is None:
+        lines += ['    raise RuntimeError("this copy of the course names no public repository to install from: clone the "',
+                  '                       "course yourself, install it as its README says, and open its notebooks/ folder")']
+    else:
+        lines += ['    import subprocess',
+                  '    course = os.path.join("/content" if "google.colab" in sys.modules else "/kaggle/working", '
+                  '"gpu-tpu-pedia")',
+                  '    if not os.path.isdir(course):',
+                  f'        subprocess.run(["git", "clone", "--quiet", "--depth", "1", "{repo}", course], check=True)',
+                  '        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "-r", f"{course}/requirements/ci.txt",',
+                  '                        "-c", f"{course}/requirements/lock.txt", "-e", course], check=True)',
+                  '    sys.path.insert(0, os.path.join(course, "src"))',
+                  '    os.chdir(os.path.join(course, "notebooks"))']
+    return "\n".join(lines)
+
+
+def _first_cells(nb) -> tuple[Any, Any]:
+    markdown = next(c for c in nb.cells if c.cell_type == "markdown")
+    code = next(c for c in nb.cells if c.cell_type == "code")
+    return markdown, code
+
+
+def check_hosted(lesson: Path, repo: str | None) -> list[str]:
+    """The lesson's title cell carries `hosted_links` for its notebook (no link without a
+    repository) and its first code cell starts with `hosted_setup` (after `%xmode`)."""
+    import jupytext
+
+    markdown, code = _first_cells(jupytext.read(lesson))
+    problems, links = [], hosted_links(f"{Path(lesson).stem}.ipynb", repo)
+    found = [line for line in markdown.source.splitlines() if "[Open in Colab]" in line]
+    if found != ([links] if links else []):
+        problems.append(f"{Path(lesson).name}: the title cell's Colab/Kaggle links are {found or 'absent'}, the "
+                        f"repository setting gives {links or 'none'} (python -m tpupedia.notebooks hosted)")
+    body = "\n".join(line for line in code.source.splitlines() if not line.startswith("%xmode"))
+    if not body.startswith(hosted_setup(repo) + "\n" + _SETUP_LAST + "\n"):
+        problems.append(f"{Path(lesson).name}: its first code cell does not start with the hosted-runtime setup "
+                        "(python -m tpupedia.notebooks hosted)")
+    return problems
+
+
+def write_hosted(lesson: Path, repo: str | None) -> bool:
+    """Rewrite `lesson` (and its paired notebook's same cells, outputs kept) so that
+    `check_hosted` passes; returns whether anything changed. Off a hosted runtime the setup does
+    nothing, so the notebook's stored outputs stay what the cells print."""
+    import jupytext
+
+    lesson = Path(lesson)
+    notebook = lesson.parents[1] / "notebooks" / f"{lesson.stem}.ipynb"
+    changed = False
+    for path, fmt in ((lesson, "py:percent"), (notebook, "ipynb")):
+        if not path.exists():
+            continue
+        nb = jupytext.read(path)
+        markdown, code = _first_cells(nb)
+        title = [line for line in markdown.source.splitlines() if "[Open in Colab]" not in line]
+        while len(title) > 2 and title[1] == "" and title[2] == "":  # the blank line a removed link leaves
+            del title[1]
+        links = hosted_links(f"{lesson.stem}.ipynb", repo)
+        if links:
+            title[1:1] = ["", links]
+        source = "\n".join(title)
+        lines = code.source.splitlines()
+        magics = [line for line in lines if line.startswith("%xmode")]
+        rest = "\n".join(line for line in lines if not line.startswith("%xmode"))
+        if rest.startswith(_SETUP_FIRST):  # an older setup: up to its end marker
+            rest = rest.split(_SETUP_LAST + "\n", 1)[1].lstrip("\n") if _SETUP_LAST in rest else ""
+        setup = "\n".join([*magics, hosted_setup(repo), _SETUP_LAST, "", rest])
+        if (source, setup) != (markdown.source, code.source):
+            markdown.source, code.source, changed = source, setup, True
+            files.write_atomic(path, lambda tmp, nb=nb, fmt=fmt: jupytext.write(nb, tmp, fmt=fmt), suffix=path.suffix)
+    return changed
 
 
 TAG_RAISES = "raises-exception"
@@ -210,8 +334,12 @@ def check_reading_time(lesson: Path) -> list[str]:
 def check_all(root: Path | None = None) -> list[str]:
     """Every hygiene problem in the repository's lessons and notebooks."""
     problems = []
+    try:
+        repo = repository(root)
+    except ValueError as err:
+        return [str(err)]
     for lesson, notebook in pairs(root):
-        problems += check_pair(lesson, notebook) + check_reading_time(lesson)
+        problems += check_pair(lesson, notebook) + check_reading_time(lesson) + check_hosted(lesson, repo)
         if notebook.exists():
             problems += check_executed(notebook) + check_outputs_clean(notebook)
     return problems
@@ -252,11 +380,18 @@ def main(argv: list[str] | None = None) -> int:
         import pytest
 
         return int(pytest.main(["-p", "no:cacheprovider", "-q", *NBVAL_ARGS, *(argv[1:] or ["notebooks"])]))
+    if argv[:1] == ["hosted"]:
+        repo = repository()
+        changed = [lesson.name for lesson, _ in pairs() if write_hosted(lesson, repo)]
+        print(f"hosted-runtime setup and links ({repo or 'no repository set'}): "
+              + (", ".join(changed) if changed else "every lesson already has them"))
+        return 0
     if argv[:1] == ["check"]:
         problems = check_all()
         print("\n".join(problems) or "notebooks: all clean")
         return 1 if problems else 0
-    print("usage: python -m tpupedia.notebooks execute LESSON.py [...] | check | nbval [PATH ...]", file=sys.stderr)
+    print("usage: python -m tpupedia.notebooks execute LESSON.py [...] | check | hosted | nbval [PATH ...]",
+          file=sys.stderr)
     return 2
 
 
