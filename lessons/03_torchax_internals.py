@@ -230,7 +230,7 @@ assert all(isinstance(v, jax.Array) for v in arrays.values())
 # The environment keeps a table from PyTorch operators to implementations, and
 # `env.override_op_definition(op, impl)` replaces one entry. The implementation receives
 # torchax tensors and may use torch ops (they are dispatched to JAX in turn) or call JAX
-# directly through `call_jax`. This is how the course plugs in TPU kernels: notebook `splash_attention` installs
+# directly through `call_jax`. This is how the course will plug in TPU kernels: notebook `splash_attention`, later, installs
 # a Pallas splash-attention kernel as the implementation of
 # `F.scaled_dot_product_attention`, through this same mechanism.
 #
@@ -710,7 +710,7 @@ reference_logits = route_logits["eager PyTorch (CPU)"]
 print(f"{'route':>20} {'programs compiled, 1st call':>28} {'2nd call':>9} {'max |diff| from PyTorch':>24}")
 for route, logits in route_logits.items():
     first, second = route_programs[route]
-    error = float((logits - reference_logits).abs().max())  # float32 noise: shown as its bound (notebook `splash_attention`'s helper)
+    error = float((logits - reference_logits).abs().max())  # float32 noise: shown as its bound
     print(f"{route:>20} {first:>28} {second:>9} {'< 1e-06' if error < 1e-6 else f'{error:.1e}':>24}")
 
 # %% [markdown]
@@ -741,7 +741,7 @@ assert route_programs["torchax, jax.jit"] == (1, 0)  # one program, compiled onc
 assert route_programs["torchax, eager"][0] > 10 and route_programs["torchax, eager"][1] == 0  # many, cached
 
 # %% [markdown]
-# ## Summary
+# ## Summary: nine pitfalls
 #
 # | pitfall | symptom | fix |
 # |---|---|---|
@@ -757,3 +757,20 @@ assert route_programs["torchax, eager"][0] > 10 and route_programs["torchax, eag
 #
 # The [torchax pitfalls](../kb/torchax-pitfalls.md) page keeps the same list with the full error
 # texts, for searching.
+
+
+# %% [markdown]
+# ## Takeaways
+#
+# - A torchax tensor is a torch tensor whose operators run as JAX calls, and only inside the
+#   environment; mixing it with plain torch tensors is the first error everyone meets (section 1).
+# - `jax_view`, `torch_view` and `call_jax` cross between the two worlds without copies, and an
+#   operator's definition can be replaced: that is how a TPU kernel becomes torch's attention
+#   (sections 2 and 3).
+# - A whole forward compiles once its outputs are pytrees, its flags static and its shapes fixed;
+#   run eagerly, each operator is dispatched alone, correct but slow (section 4).
+# - Methods other than `forward` and state outside modules (a scheduler's tensors) need the same
+#   treatment; then a whole diffusers pipeline compiles component by component (sections 5 to 7).
+# - torchax builds one JAX program that shares a mesh, Pallas kernels and Flax modules, and
+#   compiles ahead of time for a slice this host lacks: why this course takes it over torch_xla
+#   and TorchTPU (section 8).

@@ -271,7 +271,7 @@ assert error_map.max() <= TOL  # the colour scale above tops out at float32 roun
 
 # %% [markdown]
 # Four latent frames decoded to 16 video frames, not 13. CogVideoX's frame rule
-# (`tpupedia.models.cogvideox.latent_frames`, notebook `cogvideox_pipeline`) keeps the first frame and compresses
+# (`tpupedia.models.cogvideox.latent_frames`, which the pipeline of the next notebook uses) keeps the first frame and compresses
 # the rest four times, L = (F − 1)/4 + 1 latent frames for F video frames, and the way back is
 # expected to give 4(L − 1) + 1. But the decoder works in frame batches of two latents, and only
 # the first batch of a video carries the single "first frame" of the causal design (it takes

@@ -679,7 +679,7 @@ video.show_frames(frames, f"{label}: {request.frames} frames at {request.width}x
 # pins every convolution's input and output and every norm's output to the split
 # (`with_sharding_constraint`); a 3x3 convolution then trades one-pixel edges with its neighbours
 # and a GroupNorm one all-reduce of its sums. With tiling on (a size where even that does not
-# fit), the tiles of one shape are decoded side by side instead, one per chip (notebook `hunyuan_video`; the
+# fit), the tiles of one shape are decoded side by side instead, one per chip (HunyuanVideo-1.5's decode, in notebook `hunyuan_video`, does this; the
 # knowledge base's [Decoding video on several chips](../kb/vae-decode.md) has both, measured).
 #
 # The decode's first frame batch compiled for one chip and for this host's chips, per chip

@@ -330,7 +330,7 @@ assert all(0.05 < m < 0.5 for m in mfu.values())
 # the time reported for it. The CogVideoX bar is the whole run over 50 (106.47 s for a 720p
 # video, yangwhale/gpu-tpu-pedia, commit 3fa9ce1, `tpu/CogVideoX/README.md`), so part of its
 # gap is the text encoder and the VAE; the HunyuanVideo-1.5 bar times the denoising steps alone.
-# Notebook `hunyuan_video` (section 10) splits that model's gap with upstream's per-block profile, and
+# Notebook `hunyuan_tuning_and_i2v` (section 3) splits that model's gap with upstream's per-block profile, and
 # notebook `beyond_one_host` (section 5) prices both gaps per video.
 
 # %%

@@ -35,7 +35,7 @@
 # | `tiny` (CPU, CI) | notebook `cogvideox_pipeline`'s random 2-layer CogVideoX checkpoint, 8 simulated devices | about 1 GB of host RAM | about 60 s, measured here on a 2-core CPU |
 # | `full` (TPU v6e-8) | `zai-org/CogVideoX1.5-5B`, the text encoder and the transformer | per chip as notebook `cogvideox_pipeline`'s stages (T5-XXL 2.2 GiB, the step 5.6 GiB at 1360x768, AOT here) | two denoising steps traced, plus two short processes that compile the step: minutes, most of it the first compile |
 #
-# *Reading time: about 7 minutes.*
+# *Reading time: about 8 minutes.*
 
 # %%
 # %xmode Minimal
@@ -125,7 +125,7 @@ for module, seconds in sorted(programs.items(), key=lambda kv: -kv[1]):
 # or a fusion whose body holds one; attention if its result is a score matrix, the sequence
 # against itself (`[..., S, S]`: the reference attention on this CPU; on a TPU, splash's
 # kernel is one custom call instead). `tpupedia.plan.programs` rebuilds the step the pipeline
-# compiled (notebook `hunyuan_video` counted its FLOPs this way), and compiling it gives the same
+# compiled (notebook `hunyuan_tuning_and_i2v` will count a DeepCache step's FLOPs this way), and compiling it gives the same
 # instruction names, which the coverage check below confirms.
 
 # %%

@@ -19,15 +19,16 @@
 # The second destination of the course. Notebook `cogvideox_pipeline` built a staged pipeline for CogVideoX:
 # stage files, a scheduler step as a pure function, one compiled program for all steps, the
 # guidance pair as one batch. HunyuanVideo-1.5 (an 8.3B-parameter transformer of 54 dual-stream
-# blocks) goes down the same path, `tpupedia.pipelines.common`, and meets three new problems:
+# blocks) goes down the same path, `tpupedia.pipelines.common`, and meets two new problems:
 #
 # 1. its diffusers forward **cannot be traced** by `jax.jit` (a Python `if` on a tensor, and
 #    boolean-mask indexing whose output shape depends on the data);
 # 2. its attention processor turns a padding vector into a **(B, 1, S, S) mask** in every block,
 #    about 13 G elements per sample at 720p and 121 frames, and masks padded *queries* too, so
 #    whole rows are masked and a naive softmax returns NaN;
-# 3. at 50 steps it is slow, and **DeepCache** (reuse deep features between steps) needs a
-#    different program on cached steps, which `jax.jit` cannot branch between cheaply.
+#
+# At 50 steps it is also slow; notebook `hunyuan_tuning_and_i2v` takes that on next (DeepCache,
+# the sharding tables compared) and adds image-to-video.
 #
 # The notebook first makes a video in one call, the way `tpupedia generate hunyuan` does, and
 # then takes that call apart:
@@ -38,26 +39,22 @@
 # 4. stage 1, two text encoders;
 # 5. flow matching as a pure step;
 # 6. stage 2, the denoising step written out here, and its collectives;
-# 7. stage 3, decode, and parity with stock diffusers;
-# 8. DeepCache;
-# 9. three sharding tables planned for a v6e-8;
-# 10. the GPU reference numbers;
-# 11. from a picture: image-to-video, parity with the stock pipeline, its plan.
+# 7. stage 3, decode, and parity with stock diffusers.
 #
 # | preset | loads | memory | compute time |
 # |---|---|---|---|
-# | `tiny` (CPU, CI) | a random 2-block HunyuanVideo-1.5 checkpoint written with `save_pretrained`, 8 simulated devices | about 2 GB of host RAM | about 120 s, measured here on a 2-core CPU |
+# | `tiny` (CPU, CI) | a random 2-block HunyuanVideo-1.5 checkpoint written with `save_pretrained`, 8 simulated devices | about 2 GB of host RAM | about 40 s, measured here on a 2-core CPU |
 # | `full` (TPU v6e-8) | `hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_t2v`: bf16 transformer 16.7 GB, Qwen2.5-VL-7B text model 15.2 GB, ByT5 and the VAE under 1 GB each (from their parameter counts) | per chip: the text stage about 3 GiB (Qwen split over `tp`, AOT here); the transformer step at 720p, 121 frames, 7.8 GiB of arguments + 2.3 GiB of temporaries (AOT here, the `tp` table on the 2×4 mesh); the tiled VAE decode under 29 GiB (AOT here, one 256-pixel tile per chip) | 7.29 s per step at 720p, 121 frames (reported upstream, TPU v6e-8): about 6 minutes for 50 steps, plus compiles, twice over: the opening call and sections 4 to 7 each make the video, and section 6 runs the denoising loop twice |
 #
-# Section 9 reads recorded AOT compiles on the tiny preset and compiles live on the full one
-# (tens of minutes on a CPU host). On the full preset the checks against stock diffusers run what
+# Section 3 reads recorded AOT compiles on the tiny preset and compiles live on the full one
+# (minutes on a CPU host). On the full preset the checks against stock diffusers run what
 # the host CPU can: the first two blocks of the checkpoint (sections 2 and 3), one forward of each
 # text encoder (section 4), one denoising step at a small size (section 7).
 #
 # The full preset downloads HunyuanVideo-1.5, released under the **Tencent Hunyuan Community
 # License Agreement**. Its territory excludes the European Union, the United Kingdom and South
 # Korea: the agreement grants no licence to use the model there. Read it before you run the full
-# preset. *Reading time: about 26 minutes.*
+# preset. *Reading time: about 17 minutes.*
 
 # %%
 # %xmode Minimal
@@ -392,27 +389,17 @@ _ = gc.collect()
 # added from their shapes. The tiny preset reads the recorded compiles.
 
 # %%
-import json
 from pathlib import Path
 
 from tpupedia import dryrun
 
-records = json.loads((Path("..") / dryrun.DEFAULT_RECORDS).read_text())["records"]
-
-
-def hunyuan_record(sharding="tp", mesh=(2, 4), mask="vector", layers=54, frames=121):
-    for r in records:
-        if (r["model"], r["sharding"], r.get("mask"), r["layers_compiled"], r["frames"], r["attention"]) == (
-                "hunyuan", sharding, mask, layers, frames, "splash") and tuple(r["mesh"].values()) == mesh:
-            return r
-    raise LookupError(f"no recorded dry-run for hunyuan {sharding} {mesh} mask={mask} layers={layers}")
-
 
 def hunyuan_plan(sharding="tp", mesh=(2, 4), mask="vector", layers=54):
-    if preset.compile_full_size:  # minutes to tens of minutes of compiling on a CPU host
-        return dryrun.run("hunyuan", "v6e:2x4", "720p", 121, sharding=sharding, attention="splash",
-                          layers=layers, mesh_shape=mesh, mask=mask).as_dict()
-    return hunyuan_record(sharding, mesh, mask, layers)
+    """The full-size step's dry-run for a v6e-8: compiled on the full preset (minutes to tens of
+    minutes on a CPU host), read from the recorded ones on tiny."""
+    return dryrun.compiled_or_recorded(preset.compile_full_size, "hunyuan", "v6e:2x4", "720p", 121, sharding=sharding,
+                                       mesh_shape=mesh, mask=mask, layers=layers,
+                                       records=Path("..") / dryrun.DEFAULT_RECORDS)
 
 
 GiB = 2**30
@@ -911,456 +898,24 @@ _ = gc.collect()
 #
 # ```
 # tpupedia generate hunyuan --preset tiny --prompt "a fox in the snow" --out fox.mp4
-# tpupedia generate hunyuan --preset full --prompt "..." --vae-tiling --deepcache 11:45:4 --out video.mp4
+# tpupedia generate hunyuan --preset full --prompt "..." --vae-tiling --out video.mp4
 # ```
 
 # %% [markdown]
-# ## 8. DeepCache: fewer blocks on most steps
+# ## Takeaways
 #
-# Adjacent denoising steps see similar inputs, so the features deep inside the transformer
-# change slowly. DeepCache runs some steps in full and, on the others, starts from the state a
-# full step left just before its last block ("the tail"), recomputing only the tail with this
-# step's timestep. Which steps are which is decided on the host before anything runs: every step
-# before `start` and from `end` on is full, and between them one step in `interval`.
-#
-# Inside `jax.jit` a per-step branch would need `lax.cond` with both programs compiled and
-# matching output structures; the upstream port hit exactly that (pytree mismatches, leaked
-# tracers) and compiled two separate programs instead. So does `tpupedia.pipelines.deepcache`:
-# a *full* program that also returns the tail's input state, and a *cached* program that takes it.
-# The Python loop picks one per step.
-#
-# Where this sits among step caches. DeepCache itself (Ma, Fang and Wang, CVPR 2024) was written
-# for U-Nets: it reuses the deep features of the up-sampling path and recomputes the shallow skip
-# branch. What runs here is its transformer form: keep the state entering the last blocks,
-# recompute only those. FORA (Selvaraju et al., 2024) instead reuses every block's attention and
-# MLP outputs for a fixed number of steps. First-Block-Cache (from ParaAttention) always runs the
-# first block and skips the rest when that block's output moved less than a threshold since the
-# last full step, so its schedule adapts to the video. diffusers 0.42 ships these ideas as hooks
-# (`transformer.enable_cache(config)`): `FirstBlockCacheConfig`, `PyramidAttentionBroadcastConfig`
-# (PAB: attention outputs reused over step ranges set apart for spatial, temporal and cross
-# attention), `FasterCacheConfig` (attention outputs reused, and the unconditional half of the
-# guidance pair skipped on some steps), and MagCache, TaylorSeer and SeaCache. The adaptive ones
-# decide from a tensor's value at every step. On a GPU that is a cheap read in eager PyTorch;
-# under `jax.jit` it is a device-to-host wait every step, or a `lax.cond` with both branches
-# compiled. A schedule fixed on the host, as here, costs neither, and is what upstream runs.
-#
-# The upstream default, `11:45:4` over 50 steps:
-
-# %%
-from tpupedia.pipelines import deepcache
-
-schedule = deepcache.UPSTREAM_DEFAULT
-full_steps = schedule.full_steps(50)
-print(f"{schedule}: {len(full_steps)} full steps of 50:", full_steps)
-print("".join("F" if i in full_steps else "." for i in range(50)), "(F = full, . = cached)")
-
-# %% [markdown]
-# The best it can do follows from the costs. A cached step of the 54-block model runs 1 block
-# of 54 (plus the small timestep embedding and final layer), so with 25 cached steps the
-# transformer's work falls from 50 step-equivalents to `25 + 25/54`:
-
-# %%
-bound = 50 / (len(full_steps) + (50 - len(full_steps)) / family.FULL_LAYERS)
-print(f"upper bound on the speed-up: {bound:.2f}x (the upstream project reports 1.93-1.96x in theory, "
-      f"1.72x measured at 121 frames and 1.83x at 49 frames on a TPU v6e-8)")
-
-# %%
-assert len(full_steps) == 25 and full_steps[:11] == list(range(11)) and full_steps[-5:] == list(range(45, 50))
-assert 1.9 < bound < 2.0
-
-# %% [markdown]
-# Two properties are tested rather than assumed. With `interval = 1` every step is full, and the
-# result is the plain pipeline's bit for bit (the full program computes the same ops and also
-# hands out the cached state):
-
-# %%
-import dataclasses
-
-exact_request = dataclasses.replace(request, deepcache=deepcache.Schedule(0, request.steps, 1))
-latents_every, timings_every = pipe.denoise(exact_request, embeds)
-print("interval 1 equals the plain pipeline bit for bit:", torch.equal(latents_every["latents"], latents["latents"]),
-      f"({timings_every['full_steps']} full steps, traced full {pipe.traces['full']}x)")
-
-# %%
-assert torch.equal(latents_every["latents"], latents["latents"])
-assert timings_every["full_steps"] == request.steps
-
-# %% [markdown]
-# And its cost on this model: `bench_deepcache` runs the pipeline twice from the same seed, with
-# and without a schedule, and compares the videos (PSNR in dB and SSIM; identical videos give
-# infinity and 1). The tiny model has random weights and 2 blocks, so the quality figure says
-# little about the real model: the point here is that the mechanism runs, recomputes the steps it
-# says, and is measured the same way `tpupedia bench deepcache` measures it on a TPU VM.
-
-# %%
-from tpupedia import bench
-
-trade_request = dataclasses.replace(request, steps=10, deepcache=deepcache.Schedule(2, 9, 3))
-trade = bench.bench_deepcache(family.SPEC.name, preset, trade_request, pipeline.Options(quiet=True))["result"]
-n_full, n_cached = trade["full_steps"], trade["steps"] - trade["full_steps"]
-print(f"{trade_request.deepcache} over {trade['steps']} steps: {n_full} full, {n_cached} cached")
-print(f"quality against the uncached video: PSNR {trade['psnr_db']:.1f} dB, 1 - SSIM = {1 - trade['ssim']:.1e}")
-
-# %%
-assert trade["full_steps"] == len(trade_request.deepcache.full_steps(10)) == 6
-assert 0 < trade["ssim"] < 1 and np.isfinite(trade["psnr_db"])
-
-# %% [markdown]
-# How much faster can it be here? Counting blocks, a cached step runs 1 of the tiny model's 2,
-# which would cap the speed-up at 10 / (6 + 4 x 1/2) = 1.25x. But a cached step also skips all
-# that comes before the tail: the first block, and the text refiner and embeddings that feed the
-# blocks. How large a share that is on a model this small is a question for counting:
-# `tpupedia.plan.programs` builds the two step programs the pipeline compiles (as `tpupedia plan`
-# does, the weights abstract; with the text tokens this run keeps, `timings_every["text_tokens"]`),
-# and XLA's cost analysis counts each one's FLOPs (`Program.flops`):
-
-# %%
-from tpupedia import plan as planner
-
-step_programs = planner.programs(family.SPEC.name, trade_request, pipeline.Options(), pipe.configs, mesh, "denoise",
-                                 dtype="float32", text_tokens=timings_every["text_tokens"])
-step_flops = {("cached" if "cached" in p.name else "full"): p.flops() for p in step_programs}
-cached_share = step_flops["cached"] / step_flops["full"]
-tiny_blocks = pipe.configs["transformer"]["num_layers"]
-block_bound = trade["steps"] / (n_full + n_cached / tiny_blocks)
-flop_bound = trade["steps"] / (n_full + n_cached * cached_share)
-print(f"FLOPs per step: full {step_flops['full']:.3g}, cached {step_flops['cached']:.3g} ({cached_share:.1%} of full)")
-print(f"speed-up bound: {block_bound:.2f}x counting blocks (1/{tiny_blocks} per cached step), "
-      f"{flop_bound:.2f}x counting FLOPs")
-
-# %%
-assert len(step_programs) == 2 and 0 < cached_share < 1 / tiny_blocks  # less than its share of the blocks
-assert flop_bound > block_bound
-
-# %% [markdown]
-# The measured speed-up on this CPU, next to that bound. It is a timing, so its printed value
-# varies from run to run, and it should stay under the bound: FLOPs are what the programs must do,
-# while the time also pays for what they do not count (memory traffic, the host's loop):
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-print(f"denoising, compile steps left out: {trade['plain_s']:.2f} s without, {trade['cached_s']:.2f} s with "
-      f"DeepCache: {trade['speedup']:.2f}x measured on this CPU, of a {flop_bound:.2f}x bound from FLOPs")
-
-# %% [markdown]
-# ## 9. Three sharding tables, planned for a v6e-8
-#
-# The tables are data (`tpupedia.sharding`), so the dry-run can compile the full 54-block step
-# (batch 2, 720p, 121 frames, splash attention, the vector mask) for a `v6e:2x4` slice under each:
-#
-# * `tp`: Megatron. Column-parallel q/k/v and first MLP layer, row-parallel attention output and
-#   second MLP layer (`fc2`), whose partial sums need an **all-reduce** per block and stream.
-# * `tp_fc2_replicated`: the upstream default. The row-parallel layers are replicated, so their
-#   all-reduce goes away; but their input is the column-parallel layers' output, split over
-#   `tp`, so it must be **all-gathered** first. And the replicated weights cost memory.
-# * `fsdp`: every weight split over all 8 chips, gathered when used.
-
-# %%
-from tpupedia import sharding
-
-for strategy in ("tp", "tp_fc2_replicated", "fsdp"):
-    print(f"{strategy}:")
-    for pattern, spec in sharding.rules(family.SPEC, strategy, axis=("dp", "tp") if strategy == "fsdp" else "tp")[:3]:
-        print(f"    {pattern:60} -> {spec}")
-
-# %%
-plans = {(s, (2, 4)): hunyuan_plan(sharding=s) for s in ("tp", "tp_fc2_replicated", "fsdp")}
-plans[("tp", (1, 8))] = hunyuan_plan(sharding="tp", mesh=(1, 8))
-print(f"{'table':>18} {'mesh':>6} {'args GiB':>9} {'temp GiB':>9} {'all-reduce':>16} {'all-gather':>16} {'other':>6}")
-for (s, mesh_shape), r in plans.items():
-    counts, sent = r["collectives"], r["collective_bytes"]
-
-    def both(kind):
-        return f"{counts.get(kind, 0):>4} / {sent.get(kind, 0) / GiB:>6.1f}G"
-
-    other = sum(v for k, v in counts.items() if k not in ("all-reduce", "all-gather"))
-    print(f"{s:>18} {mesh_shape[0]}x{mesh_shape[1]:<4} {r['arguments_bytes'] / GiB:>9.2f} "
-          f"{r['temporaries_bytes'] / GiB:>9.2f} {both('all-reduce'):>16} {both('all-gather'):>16} {other:>6}")
-print("(per chip; collectives: ops in the compiled step / bytes sent per chip per step)")
-
-# %% [markdown]
-# The same rows as bars: what each chip sends per step, by kind of collective, beside what it
-# holds.
-
-# %%
-fig, (sent_ax, held_ax) = plt.subplots(1, 2, figsize=(9, 3.4), sharey=True)
-row_names = [f"{s} {m[0]}x{m[1]}" for s, m in plans]
-for y, r in enumerate(plans.values()):
-    sent = r["collective_bytes"]
-    parts = {"all-reduce": sent.get("all-reduce", 0), "all-gather": sent.get("all-gather", 0)}
-    parts["other"] = sum(sent.values()) - sum(parts.values())
-    held = {"arguments": r["arguments_bytes"], "temporaries": r["temporaries_bytes"]}
-    for ax, bars, colours in ((sent_ax, parts, ("tab:blue", "tab:orange", "tab:gray")),
-                              (held_ax, held, ("tab:green", "tab:olive"))):
-        left = 0.0
-        for (kind, size), colour in zip(bars.items(), colours):
-            ax.barh(y, size / GiB, left=left, color=colour, label=kind if y == 0 else None)
-            left += size / GiB
-sent_ax.set_yticks(range(len(row_names)), row_names)
-sent_ax.invert_yaxis()
-sent_ax.set_xlabel("GiB sent per chip per step")
-held_ax.set_xlabel("GiB held per chip")
-for ax in (sent_ax, held_ax):
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3, frameon=False)
-fig.suptitle("HunyuanVideo-1.5 step, 720p, 121 frames, v6e-8 (AOT here)", fontsize=10)
-plt.tight_layout()
-plt.show()
-
-# %% [markdown]
-# Read the rows against the three bullet points above (recorded compile, libtpu 0.0.42.1):
-#
-# * Replicating `fc2` and the attention output projection **halves the all-reduce bytes** (70.2
-#   to 35.1 GiB per chip per step) and **adds all-gathers** (17.6 GiB): the compiler gathers the
-#   split activations for about half of the replicated layers and keeps a partial-sum all-reduce
-#   for the rest. Fewer bytes in all (52.7 against 70.2 GiB), for 3.2 GiB more weights per chip.
-#   The upstream project reports the same direction on a v6e-8: 7.29 s/step against 8.12.
-# * `fsdp` holds the fewest weights but gathers them every step, with several hundred
-#   all-to-all and permute ops, and needs the most temporaries.
-# * Putting all 8 chips on `tp` (no `dp`) makes every all-reduce carry both halves of the
-#   guidance batch over a ring twice as long: 2.3x the bytes of `dp=2, tp=4`.
-#
-# All of it is far under the compute floor (section 10): on this model the layout is chosen for
-# memory and overlap, not for bandwidth.
-
-# %%
-tp24, fc2, fsdp24, tp18 = (plans[k] for k in (("tp", (2, 4)), ("tp_fc2_replicated", (2, 4)), ("fsdp", (2, 4)),
-                                              ("tp", (1, 8))))
-sent = {k: sum(r["collective_bytes"].values()) for k, r in plans.items()}
-assert fc2["arguments_bytes"] > tp24["arguments_bytes"] + 2 * GiB  # replicated projections cost memory
-assert fc2["collective_bytes"]["all-reduce"] < 0.6 * tp24["collective_bytes"]["all-reduce"]
-assert fc2["collective_bytes"]["all-gather"] > 100 * max(tp24["collective_bytes"].get("all-gather", 0), 1.0)
-assert sent[("tp_fc2_replicated", (2, 4))] < sent[("tp", (2, 4))] < sent[("tp", (1, 8))]
-assert fsdp24["arguments_bytes"] == min(r["arguments_bytes"] for r in plans.values())
-assert all(r["fits"] for r in plans.values())
-
-# %% [markdown]
-# The argument column is not 16.7 GB / 4 under `tp`. The plans say why, without compiling:
-# every weight no rule matches stays whole on every chip, and the largest such weights are the
-# AdaLN modulation projections (`norm1.linear`, `norm1_context.linear`: width 2048 to 6 x 2048,
-# two per block), which none of the three tables (nor the upstream project's) splits.
-
-# %%
-import collections
-
-mesh8 = devices.make_mesh((2, 4), ("dp", "tp"))
-print(f"{'table':>18} {'weights per chip':>17} {'left whole':>11}  largest weights left whole")
-for strategy in ("tp", "tp_fc2_replicated", "fsdp"):
-    table_rules = sharding.rules(family.SPEC, strategy, axis=("dp", "tp") if strategy == "fsdp" else "tp")
-    weight_plan = sharding.plan(full, table_rules, mesh8)
-    whole = collections.Counter()
-    for p in weight_plan.placements:
-        if p.rule is None or p.bytes_per_device == p.bytes_total:
-            whole[re.sub(r"\.\d+\.", ".N.", p.name)] += p.bytes_total
-    top = ", ".join(f"{name} {b / 1e9:.1f} GB" for name, b in whole.most_common(2))
-    print(f"{strategy:>18} {weight_plan.bytes_per_device / 1e9:>14.2f} GB {sum(whole.values()) / 1e9:>8.2f} GB  {top}")
-modulation = sum(p.numel() for n, p in full.named_parameters() if re.search(r"norm1(_context)?\.linear", n))
-print(f"AdaLN modulation: {modulation / 1e9:.2f} B parameters, {modulation / params:.0%} of the model")
-
-# %%
-tp_plan = sharding.plan(full, sharding.rules(family.SPEC, "tp", axis="tp"), mesh8)
-assert abs(tp_plan.bytes_per_device - plans[("tp", (2, 4))]["arguments_bytes"]) < 0.02 * tp_plan.bytes_per_device
-assert modulation / params > 0.25  # a quarter of the weights, replicated by every table
-
-# %% [markdown]
-# ## 10. Next to the GPU
-#
-# None of the following was measured here: the upstream project reports these times for 121
-# frames at 720p, 50 steps (yangwhale/gpu-tpu-pedia, commit 3fa9ce1, `tpu/HunyuanVideo-1.5/` and
-# its GPU counterpart). Step times are per denoising step with the guidance pair.
-#
-# | setup | hardware | s/step | source |
-# |---|---|---|---|
-# | FlashAttention-2, sequence parallel over 8 GPUs | 8x H100 | ~5.2 | reported upstream |
-# | SageAttention (8-bit attention) | 8x H100 | ~3.25 | reported upstream |
-# | DeepCache on GPU | 8x H100 | ~2.84 | reported upstream |
-# | splash attention, TP with fc2 replicated | TPU v6e-8 | 7.29 | reported upstream |
-# | the same with an exp2 splash kernel (notebook `splash_attention`) | TPU v6e-8 | 5.81 | reported upstream |
-# | DeepCache 11:45:4 | TPU v6e-8 | ~4.1 (1.72x) | reported upstream |
-#
-# What this repository can add without a TPU is the floor under those numbers: the compiled
-# step's FLOPs over the slice's peak, its weight bytes over HBM bandwidth and its collective bytes
-# over ICI bandwidth (notebook `plan_without_tpu`), per table:
-
-# %%
-for (s, mesh_shape), r in plans.items():
-    floors = r["floors"]
-    print(f"{s:>18} {mesh_shape[0]}x{mesh_shape[1]}: compute {floors['compute']:.2f} s, HBM {floors['memory']:.3f} s, "
-          f"ICI {floors['communication']:.3f} s per step -> {r['bound']}-bound, floor {r['roofline_seconds']:.2f} s")
-from tpupedia import hardware
-
-v6e8 = hardware.parse_topology("v6e:2x4")
-mfu = plans[("tp_fc2_replicated", (2, 4))]["flops"]["total"] / (7.29 * v6e8.num_chips * v6e8.chip.bf16_flops)
-print(f"at the reported 7.29 s/step (batch 2, per-step time), the v6e-8 runs at {mfu:.0%} of its bf16 peak")
-
-# %% [markdown]
-# Why is the reported step 4x its floor? Upstream profiled one block of this step on the TPU
-# v6e-8 and reports about 35 ms in splash attention and about 45 ms in the linear layers with
-# their all-reduces (reported upstream; `tpu/HunyuanVideo-1.5/generate_hunyuan_torchax_staged/
-# TORCHAX_MIGRATION_GUIDE.md`, section 6.1.3, commit 3fa9ce1; the video size of that profile is
-# not stated). Set that beside the FLOPs. At 121 frames attention is 90% of the step's FLOPs, and
-# still 79% at 49 frames, yet it took under half of the block's time: the linear layers and
-# their all-reduces ran far further from the chips' peak than splash did. Left, the floor under
-# the reported step; right, what share of the work each part is, and what share of the time it
-# took:
-
-# %%
-import matplotlib.pyplot as plt
-
-fc2_plan = plans[("tp_fc2_replicated", (2, 4))]
-peak = v6e8.num_chips * v6e8.chip.bf16_flops
-flop_share = {frames: family.step_flops(1280, 720, frames) for frames in (121, 49)}
-fig, (left, right) = plt.subplots(1, 2, figsize=(8, 2.8))
-left.bar(["floor"], [fc2_plan["flops"]["attention"] / peak], color="tab:blue", label="attention FLOPs at peak")
-left.bar(["floor"], [fc2_plan["flops"]["linear"] / peak], bottom=[fc2_plan["flops"]["attention"] / peak],
-         color="tab:cyan", label="linear FLOPs at peak")
-left.bar(["reported upstream"], [7.29], color="tab:gray", label="reported step (all of it)")
-left.set_ylabel("seconds per step, v6e-8")
-left.legend(fontsize=7)
-columns = {"FLOPs, 121 frames": (flop_share[121]["attention"], flop_share[121]["linear"]),
-           "FLOPs, 49 frames": (flop_share[49]["attention"], flop_share[49]["linear"]),
-           "time per block\n(reported upstream)": (35.0, 45.0)}
-for name, (attention_part, linear_part) in columns.items():
-    whole = attention_part + linear_part
-    right.bar([name], [attention_part / whole], color="tab:blue")
-    right.bar([name], [linear_part / whole], bottom=[attention_part / whole], color="tab:cyan")
-right.set_ylabel("share: attention (dark), linear (light)", fontsize=8)
-right.tick_params(axis="x", labelsize=7)
-plt.tight_layout()
-plt.show()
-
-# %%
-attention_flops_share = {f: v["attention"] / v["total"] for f, v in flop_share.items()}
-assert 0.89 < attention_flops_share[121] < 0.91 and 0.78 < attention_flops_share[49] < 0.80
-assert 35 / (35 + 45) < 0.5 < attention_flops_share[49]  # attention: most of the work, under half the time
-assert 4 < 7.29 / fc2_plan["roofline_seconds"] < 4.5
-
-# %% [markdown]
-# ## 11. From a picture: image-to-video
-#
-# The image-to-video releases (`720p_i2v`, `480p_i2v` and their distilled variants) are the same
-# transformer with other weights: the same 65 input channels and the same three conditioning
-# slots. What was zeros for text-to-video is now filled:
-#
-# * the **32 condition channels** of latent frame 0 hold the picture's latents (the VAE's
-#   posterior mean of the picture, times its scaling factor), and the **mask channel** is one on
-#   that frame; later frames stay zero;
-# * the **729 image slots** hold SigLIP's last hidden state of the picture (27 x 27 patches at
-#   384 px), which the forward now counts as valid tokens (its `torch.all(image_embeds == 0)`
-#   test, section 2, comes out false).
-#
-# Two things are new. The video's **size comes from the picture**: the stock pipeline picks the
-# bucket (multiples of 16, about `target_size`² pixels, 960² for 720p) whose aspect is nearest the
-# picture's, resizes and centre-crops the picture to it, and ignores any width or height, so
-# `tpupedia generate hunyuan --image` refuses `--width/--height` rather than ignore them. And a
-# checkpoint's kind cannot be read from its transformer: both kinds take 65 channels, and its
-# `task_type` is a label the model never reads (diffusers' conversion script writes `i2v` into its
-# 480p t2v config: `scripts/convert_hunyuan_video1_5_to_diffusers.py`, `TRANSFORMER_CONFIGS`,
-# diffusers 0.42.1). The pipeline asks `model_index.json` whether it names an image encoder.
-
-# %%
-i2v_checkpoint = family.tiny_checkpoint(image_to_video=True)
-i2v_configs = family.component_configs(str(i2v_checkpoint))
-release = family.full_configs(image_to_video=True)
-print(f"{'picture':>9} {'720p i2v video':>15} {'latent tokens/frame':>20} {'tiny i2v video':>15}")
-for w, h in ((1920, 1080), (1080, 1920), (1024, 1024), (96, 64), (4000, 1000)):
-    rw, rh = family.video_size(w, h, release)
-    tw, th = family.video_size(w, h, i2v_configs)
-    print(f"{w:>4}x{h:<4} {rw:>9}x{rh:<5} {rw * rh // 16**2:>20} {tw:>9}x{th:<5}")
-print(f"image slot: {family.image_tokens(release)} SigLIP tokens of width {release['image_encoder']['hidden_size']} "
-      f"(tiny: {family.image_tokens(i2v_configs)} of {i2v_configs['image_encoder']['hidden_size']})")
-print("kind from model_index.json:", {name: family.image_to_video(c) for name, c in
-                                      (("720p_t2v", family.full_configs()), ("720p_i2v", release))})
-
-# %%
-assert family.video_size(1920, 1080, release) == (1280, 720)
-assert family.image_tokens(release) == family.TEXT_SLOTS["image"][0] == 729
-assert release["transformer"]["in_channels"] == family.full_configs()["transformer"]["in_channels"] == 65
-assert family.image_to_video(release) and not family.image_to_video(family.full_configs())
-
-# %% [markdown]
-# The pipeline adds an `image` stage between text and denoise, as CogVideoX's does (notebook `cogvideox_pipeline`
-# §9): its file holds `image_latents` and `image_embeds`, and its settings hold the picture's
-# SHA-256, so another picture at the same path reruns it and every stage after it. SigLIP runs as
-# one compiled program with a copy on every chip (one picture, 0.4B parameters); the VAE's
-# encoder is one program on the picture's single frame. A 96x64 picture, on the tiny
-# image-to-video checkpoint (its buckets are around 64 pixels):
-
-# %%
-import tempfile
-
-from PIL import Image, ImageDraw
-
-from tpupedia.pipelines import stages
-
-scratch = Path(tempfile.mkdtemp())
-picture = Image.new("RGB", (96, 64), (40, 70, 140))
-ImageDraw.Draw(picture).ellipse((30, 12, 66, 48), fill=(230, 180, 40))
-picture.save(scratch / "start.png")
-i2v_request = pipeline.Request(prompt="a sun rising over the sea", negative_prompt="blurry", frames=9, steps=3,
-                               seed=7, fps=8, image=str(scratch / "start.png"))
-i2v_reports = pipeline.run(i2v_request, pipeline.Options(quiet=True), preset=preset, model=str(i2v_checkpoint),
-                           workdir=scratch / "i2v", log=lambda _: None)
-sized = pipeline.resolve(i2v_request, i2v_configs)  # the size the picture gave
-
-
-def read(stage):  # a stage file of this run, checked against the settings it was made with
-    settings = pipeline.Hunyuan.settings_for(str(i2v_checkpoint), i2v_configs, i2v_request, pipeline.Options(),
-                                             torch.float32, stage)
-    return stages.read(scratch / "i2v", stage, settings).tensors
-
-
-image_stage, i2v_frames = read("image"), read("decode")["frames"].numpy()
-print("stages:", ", ".join(r.stage for r in i2v_reports), f"| video {sized.width}x{sized.height}")
-print("image latents", tuple(image_stage["image_latents"].shape), "| SigLIP features", tuple(image_stage["image_embeds"].shape))
-video.show_frames(i2v_frames, f"tiny HunyuanVideo-1.5 i2v: a 96x64 picture -> {i2v_request.frames} frames at "
-                  f"{sized.width}x{sized.height}", picture=np.asarray(picture))
-
-# %% [markdown]
-# The weights are random, so the frames are noise around the picture's colours; what counts is
-# that they are the stock pipeline's. The stock `HunyuanVideo15ImageToVideoPipeline`, same
-# checkpoint, picture, prompt and seed (`pipeline.stock` builds it and its call, with the picture
-# and no size):
-
-# %%
-if preset.host_runs_whole_models:
-    stock_i2v, stock_call = pipeline.stock(str(i2v_checkpoint), i2v_request)
-    with torch.no_grad():
-        expected_i2v = stock_i2v(**stock_call).frames[0]
-    i2v_error = float(np.abs(i2v_frames - expected_i2v).max())
-    print("image-to-video frames: max abs difference from stock diffusers", results.error_text(i2v_error, 1e-4))
-    del stock_i2v
-
-# %%
-assert [r.stage for r in i2v_reports] == ["text", "image", "denoise", "decode"]
-assert (sized.width, sized.height) == family.video_size(96, 64, i2v_configs) == (64, 48)
-assert i2v_frames.shape == (i2v_request.frames, sized.height, sized.width, 3)
-assert image_stage["image_embeds"].shape[1] == family.image_tokens(i2v_configs)
-if preset.host_runs_whole_models:
-    assert expected_i2v.shape == i2v_frames.shape and i2v_error <= 1e-4
-
-# %% [markdown]
-# At full size the image stage is SigLIP at 384 px and the VAE's encoder on one 720p-class frame,
-# in the decode's 256-pixel tiles, one per chip; `tpupedia plan hunyuan --image PICTURE` compiles
-# them with the other stages for a v6e-8. The record below holds the two stages image-to-video
-# changes, image and denoise (the picture is this section's 96x64 shape, so the video is
-# 1168x784; the decode is section 7's at that size), read as in notebook `plan_without_tpu`:
-
-# %%
-from tpupedia import plan as planner
-
-if preset.pretrained:
-    full_i2v = pipeline.Request(prompt="a sun rising over the sea", frames=121, steps=50, image=str(scratch / "start.png"))
-    i2v_plan = planner.make("hunyuan", full_i2v, pipeline.Options(), topology="v6e:2x4", layers=1,
-                          stages=("image", "denoise"), vae_tiling="on").as_dict()
-else:
-    i2v_plan = next(r for r in results.load(Path("..") / planner.DEFAULT_RECORDS)
-                    if r.get("family") == "hunyuan" and r["request"].get("image"))
-for stage in i2v_plan["stages"]:
-    print(f"{stage['stage']:8} peak {stage['peak'] / 2**30:6.2f} GiB per chip (weights {stage['weights'] / 2**30:.2f} GiB)")
-print("binding stage:", i2v_plan["binding"], "| fits:", i2v_plan["fits"])
-
-# %%
-assert i2v_plan["fits"] and [s["stage"] for s in i2v_plan["stages"]] == ["image", "denoise"]
+# - A forward that `jax.jit` cannot trace is made traceable by replacing its data-dependent steps
+#   (a Python `if` on a tensor, boolean indexing) with fixed-shape ones that give the same numbers
+#   (section 2).
+# - A padding mask is the `(B, S)` validity vector, never an S x S matrix, and a row with no
+#   visible key gives 0, not NaN; the TPU compiler happened not to store the matrix anyway, the
+#   vector makes that a guarantee (section 3).
+# - Two text encoders are two compiled programs at their own token lengths; the second runs only
+#   when the prompt quotes text (section 4).
+# - The sampler is a pure function of the step index, its tables computed on the host once
+#   (section 5); the step it drives is written out and its collectives counted (section 6).
+# - The three stages match stock diffusers within stated tolerances, and the decode spreads its
+#   tiles over the host's chips (section 7).
 
 # %% [markdown]
 # ## Further reading
@@ -1368,8 +923,6 @@ assert i2v_plan["fits"] and [s["stage"] for s in i2v_plan["stages"]] == ["image"
 # - [HunyuanVideo-1.5 on TPU](../kb/hunyuan-video.md): this notebook's model, its checkpoints and
 #   upstream's TPU runs in one page.
 # - [Flow-matching schedulers](../kb/flow-matching.md): section 5's sampler and its shift.
-# - [DeepCache](../kb/deepcache.md): section 8 in depth, with upstream's schedules and timings.
 # - [Splash attention](../kb/splash-attention.md): the kernel behind section 3's padded attention.
-# - ["GPU reference: HunyuanVideo-1.5 on 8x H100"](../kb/gpu-references.md) and
-#   [What a video costs](../kb/cost-per-video.md): section 10's GPU rows and what each setup
-#   costs per video.
+# - Next: notebook `hunyuan_tuning_and_i2v`, DeepCache, the sharding tables on a v6e-8 and
+#   image-to-video on this pipeline.

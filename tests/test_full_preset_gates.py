@@ -1,6 +1,6 @@
 """Full-size work in the video lessons sits behind a preset gate (issue 18).
 
-On the full preset, notebooks `cogvideox_pipeline`, `hunyuan_video` and `beyond_one_host` hold the released checkpoints: a stock diffusers
+On the full preset, notebooks `cogvideox_pipeline`, `hunyuan_video`, `hunyuan_tuning_and_i2v` and `beyond_one_host` hold the released checkpoints: a stock diffusers
 pipeline run end to end on the host CPU takes hours to days, an unsharded 8.3B transformer fills
 half a chip (two do not fit), and a local CPU process running the CLI runs the real model on the
 CPU. Each of these belongs to the tiny preset only, so it must sit under a *preset gate*: an
@@ -31,7 +31,7 @@ Outside a gate, a lesson may not:
 
 Names are tracked per lesson, not per scope: a rule this coarse is meant for lessons, where a
 name means one thing throughout. `find_problems` is the rule; the tests below apply it to the
-three lessons and show that it reports each kind of ungated call in small synthetic sources.
+lessons above and show that it reports each kind of ungated call in small synthetic sources.
 It is applied to these three only: earlier lessons move one model to one device on purpose
 (notebook `hf_model_in_jax`'s Llama-2-7B fits a chip), which no syntactic rule can tell from the moves it is for.
 """
@@ -47,7 +47,7 @@ import pytest
 from tpupedia import presets
 
 ROOT = Path(__file__).resolve().parents[1]
-LESSONS = ("07_cogvideox_pipeline.py", "10_hunyuan_video.py", "13_beyond_one_host.py")
+LESSONS = ("07_cogvideox_pipeline.py", "10_hunyuan_video.py", "11_hunyuan_tuning_and_i2v.py", "13_beyond_one_host.py")
 
 SUBPROCESS_CALLS = {("subprocess", name) for name in
                     ("run", "Popen", "call", "check_call", "check_output", "getoutput", "getstatusoutput")}
@@ -270,10 +270,24 @@ def _parameters(function: ast.FunctionDef) -> set[str]:
     return set(names)
 
 
+def _without_hosted_setup(source: str) -> str:
+    """`source` with the hosted-runtime setup's lines blanked (line numbers kept)."""
+    from tpupedia import notebooks
+
+    lines, out, inside = source.split("\n"), [], False
+    for line in lines:
+        inside = inside or line == notebooks._SETUP_FIRST
+        out.append("" if inside else line)
+        inside = inside and line != notebooks._SETUP_LAST
+    return "\n".join(out)
+
+
 def find_problems(source: str, name: str = "<lesson>") -> Report:
-    """Apply the module docstring's rule to the Python source of one lesson."""
+    """Apply the module docstring's rule to the Python source of one lesson. The hosted-runtime
+    setup that opens every lesson (`tpupedia.notebooks.hosted_setup`: on Colab or Kaggle it clones
+    and installs the course, on any preset) is not full-size work, and is left out."""
     c = _Collector()
-    c.visit(ast.parse(source, name))
+    c.visit(ast.parse(_without_hosted_setup(source), name))
     report = Report()
     sized, tensors = _preset_sized(c), _built_tensors(c)
     pipelines = {n for n, bs in c.bindings.items()  # any binding: rebinding a pipeline does not excuse it
@@ -372,6 +386,17 @@ def test_the_rule_sees_the_gated_calls():
     assert reports["10_hunyuan_video.py"].gated["pipeline"] >= 2
     assert reports["10_hunyuan_video.py"].sized_moves >= 3  # the transformers of sections 2 and 3
     assert reports["13_beyond_one_host.py"].gated["subprocess"] >= 5  # every `tpupedia(...)` launch
+
+
+def test_the_hosted_setup_is_not_full_size_work_but_the_same_call_elsewhere_is():
+    """With a repository set, every lesson's first cell runs `git clone` and `pip install` on
+    Colab or Kaggle (`tpupedia.notebooks.hosted_setup`): not a gate's business. The same call
+    after the setup's end marker is reported."""
+    from tpupedia import notebooks
+
+    setup = notebooks.hosted_setup("https://github.com/example/gpu-tpu-pedia") + "\n" + notebooks._SETUP_LAST + "\n"
+    assert not find_problems(setup).problems
+    assert len(find_problems(setup + 'subprocess.run(["tpupedia", "generate"], check=True)\n').problems) == 1
 
 
 def test_the_gate_follows_the_weights():

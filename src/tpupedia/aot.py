@@ -168,7 +168,7 @@ class Program:
 
     def flops(self) -> float:
         """XLA's FLOP count of one call: the whole program, lowered, before it is split over
-        devices (no compile). Notebook `hunyuan_video` compares a DeepCache step's two programs with it."""
+        devices (no compile). Notebook `hunyuan_tuning_and_i2v` compares a DeepCache step's two programs with it."""
         import contextlib
 
         import jax

@@ -316,7 +316,7 @@ def bench_deepcache(family: str, preset: Any, request: Any, options: Any, model:
     """Video family `family` (one whose request takes a `deepcache` schedule)
     twice from the same seed, without and with `request.deepcache`: the steps recomputed, the
     denoising time (steps that compiled left out, scaled to all steps) and PSNR/SSIM of the
-    cached video against the uncached one. Notebook `hunyuan_video`; `tpupedia bench deepcache FAMILY` writes
+    cached video against the uncached one. Notebook `hunyuan_tuning_and_i2v`; `tpupedia bench deepcache FAMILY` writes
     the record."""
     import dataclasses
     import importlib

@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from tpupedia import aot, devices, families, hardware, results
@@ -37,6 +38,7 @@ from tpupedia import sharding as sharding_rules
 from tpupedia.errors import TpupediaError
 
 __all__ = [
+    "compiled_or_recorded",
     "DryRunError",
     "step_floors",
     "RESOLUTIONS",
@@ -319,6 +321,29 @@ def run(model: str, topology: str = "v6e:2x4", resolution: str | None = None,
         floor_basis={"hbm": chip.hbm_bytes_per_s, "ici": chip.ring_bytes_per_s},
         block_sizes=list(blocks) if blocks else None,
     )
+
+
+def compiled_or_recorded(compile_now: bool, model: str, topology: str, resolution: str, frames: int, *,
+                         records: str | Path = DEFAULT_RECORDS, sharding: str = "tp", attention: str = "splash",
+                         layers: int | None = None, mesh_shape: tuple[int, int] = (2, 4),
+                         mask: str = "vector") -> dict[str, Any]:
+    """One full-size dry-run as a dict: compiled now (`run`) when `compile_now` (a preset that
+    compiles full size: minutes to tens of minutes on a CPU host), otherwise its record in
+    `records` (what `tpupedia dryrun --record` wrote for the same model, slice, size, table,
+    attention, mask, mesh and layers compiled). Raises `LookupError` naming the dry-run when none
+    is recorded. Introduced in notebook `hunyuan_video`; notebook `hunyuan_tuning_and_i2v` reads
+    its tables the same way."""
+    if compile_now:
+        return run(model, topology, resolution, frames, sharding=sharding, attention=attention, layers=layers,
+                   mesh_shape=mesh_shape, mask=mask).as_dict()
+    width, height = parse_resolution(resolution, 16)
+    want = {"model": model, "topology": topology, "width": width, "height": height, "frames": frames,
+            "sharding": sharding, "attention": attention, "mask": mask, "mesh": dict(zip(("dp", "tp"), mesh_shape))}
+    for r in results.load(Path(records)):
+        if all(r.get(k) == v for k, v in want.items()) and (layers is None or r.get("layers_compiled") == layers) \
+                and (layers is not None or r.get("layers_compiled") == r.get("layers_full")):
+            return r
+    raise LookupError(f"no recorded dry-run of {want} with {layers or 'all'} layers compiled in {records}")
 
 
 def _install_splash(env, mesh, mask: str, block_sizes) -> None:

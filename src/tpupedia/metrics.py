@@ -1,7 +1,7 @@
 """Image quality of a video against a reference: PSNR and SSIM, from scikit-image.
 
 Used where a video is compared with another made differently from the same seed: DeepCache
-against the uncached run (notebook `hunyuan_video`, `tpupedia bench deepcache`), bf16 against float32. The
+against the uncached run (notebook `hunyuan_tuning_and_i2v`, `tpupedia bench deepcache`), bf16 against float32. The
 numbers are scikit-image's (`skimage.metrics`), the maintained implementations papers and tools
 report, computed frame by frame over the color channels and averaged over the frames.
 """

@@ -348,8 +348,8 @@ def programs(family: str, request: Any, options: Any, configs: dict[str, dict], 
     `make` builds them (the models on `meta` from `configs`, their weights abstract arguments
     placed as a run places them), not compiled: to compile or count on any devices, a CPU host's
     included. `step`: keyword arguments of the family's denoise programs (HunyuanVideo-1.5's
-    `text_tokens`, the text tokens a run keeps; a plan compiles them all). Notebook `hunyuan_video` counts the
-    FLOPs of a DeepCache step with them."""
+    `text_tokens`, the text tokens a run keeps; a plan compiles them all). Notebook `hunyuan_tuning_and_i2v` counts
+    the FLOPs of a DeepCache step with them."""
     module = _pipeline_module(family)
     pipe = _abstract_pipeline(module.PIPELINE, configs, mesh, options, dtype, None)
     request = _resolved(module, request, configs)

@@ -13,7 +13,7 @@ the pipeline compiles two programs, full and cached, and the Python loop picks o
 Quality and time are measured, not assumed: `tpupedia.metrics.compare` gives PSNR and SSIM of a
 cached video against the uncached one; `tpupedia bench deepcache` records both with the time per
 step.
-Introduced in notebook `hunyuan_video`.
+Introduced in notebook `hunyuan_tuning_and_i2v`.
 """
 
 from __future__ import annotations

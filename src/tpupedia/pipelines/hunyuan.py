@@ -28,7 +28,8 @@ step-distilled release) also gets the next step's timestep, `timestep_r`, as sto
 Initial latents are drawn as diffusers draws them, from a CPU `torch.Generator(seed)`, so the same
 weights and seed give the stock `HunyuanVideo15Pipeline`'s video (tests/test_pipeline_hunyuan.py)
 and `HunyuanVideo15ImageToVideoPipeline`'s (tests/test_hunyuan_image_to_video.py).
-Introduced in notebook `hunyuan_video`; `tpupedia generate hunyuan` runs the same functions.
+Introduced in notebook `hunyuan_video` (image-to-video and DeepCache in notebook
+`hunyuan_tuning_and_i2v`); `tpupedia generate hunyuan` runs the same functions.
 """
 
 from __future__ import annotations
@@ -761,8 +762,8 @@ def through_tiles(vae: Any, part: str, x: Any, mesh: Any, env: Any, shapes_of: A
     stock code: first with a part that only records each tile it is given (answering with an empty
     `meta` tensor of the output's shape), then, once the recorded tiles are computed in waves, with
     a part that hands back those results in order. The blending runs on the host, in the VAE's
-    dtype, as diffusers runs it. Introduced in notebook `hunyuan_video` (the decode stage; section 11 encodes
-    the picture the same way)."""
+    dtype, as diffusers runs it. Introduced in notebook `hunyuan_video` (the decode stage; notebook
+    `hunyuan_tuning_and_i2v`, section 4, encodes the picture the same way)."""
     import torch
     from torchax.interop import jax_view, torch_view
 
