@@ -29,7 +29,7 @@
 # | preset | loads | memory | compute time |
 # |---|---|---|---|
 # | `tiny` (CPU, CI) | notebook `hunyuan_video`'s random 2-block checkpoint, and a 2-block image-to-video one, 8 simulated devices | about 2 GB of host RAM | about 50 s, measured here on a 2-core CPU |
-# | `full` (TPU v6e-8) | `hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_t2v` and its `720p_i2v` sibling (sizes in notebook `hunyuan_video`'s header) | per chip as notebook `hunyuan_video`'s stages; the three tables' steps compiled ahead of time in section 2 | the opening denoise at 720p and 121 frames (7.29 s per step reported upstream, TPU v6e-8), DeepCache's comparison runs the loop twice more, and section 2 compiles the full step four times: tens of minutes |
+# | `full` (TPU v6e-8) | `hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_t2v` (sizes in notebook `hunyuan_video`'s header); image-to-video runs a random 2-block checkpoint on both presets and plans the `720p_i2v` release from its built-in configs | per chip as notebook `hunyuan_video`'s stages; the three tables' steps compiled ahead of time in section 2 | the opening denoise at 720p and 121 frames (7.29 s per step reported upstream, TPU v6e-8), DeepCache's checks run the loop again (50 steps, then 10 steps twice), and section 2 compiles the full step four times on the host: tens of minutes |
 #
 # Section 2 reads recorded AOT compiles on the tiny preset and compiles live on the full one
 # (tens of minutes on a CPU host).

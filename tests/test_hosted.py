@@ -102,8 +102,8 @@ def test_on_a_hosted_runtime_the_setup_clones_installs_and_moves_to_the_notebook
     course = f"{home}/gpu-tpu-pedia"
     assert _run_setup(REPO, monkeypatch, hosted) == [
         ("run", ["git", "clone", "--quiet", "--depth", "1", REPO, course]),
-        ("run", [sys.executable, "-m", "pip", "install", "--quiet", "-r", f"{course}/requirements/ci.txt",
-                 "-c", f"{course}/requirements/lock.txt", "-e", course]),
+        ("run", [sys.executable, "-m", "pip", "install", "--quiet", "--extra-index-url", notebooks.TORCH_CPU_INDEX,
+                 "-r", f"{course}/requirements/ci.txt", "-c", f"{course}/requirements/lock.txt", "-e", course]),
         ("chdir", f"{course}/notebooks"), ("path", f"{course}/src")]
     with pytest.raises(RuntimeError, match="names no public repository to install from"):
         _run_setup(None, monkeypatch, hosted)

@@ -86,6 +86,9 @@ GitHub https URL): what the notebooks' "Open in Colab" and "Open in Kaggle" link
 hosted-runtime setup are built from. None is set while the repository has no public address:
 the notebooks then carry no links, and on a hosted runtime their setup says there is nothing to
 install from."""
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+"""Where the hosted setup finds the pinned torch as a CPU wheel: from PyPI alone, pip would fetch
+the CUDA build, gigabytes a TPU runtime never uses."""
 _GITHUB = re.compile(r"https://github\.com/([\w.-]+)/([\w.-]+?)(?:\.git)?/?")
 _SETUP_FIRST = "# On Colab or Kaggle: fetch and install the course once, then work in its notebooks/ folder;"
 _SETUP_LAST = "# (end of the hosted-runtime setup: python -m tpupedia.notebooks hosted writes the lines above)"
@@ -118,7 +121,8 @@ def hosted_links(notebook: str, repo: str | None) -> str:
 def hosted_setup(repo: str | None) -> str:
     """The lines a notebook's first code cell starts with: on Colab or Kaggle (found by the
     `google.colab` module or Kaggle's `KAGGLE_KERNEL_RUN_TYPE` variable), clone `repo` once,
-    install it as `make test` does (`requirements/ci.txt` with `requirements/lock.txt`), put its
+    install it as `make test` does (`requirements/ci.txt` with `requirements/lock.txt`; torch as
+    its CPU wheel, `TORCH_CPU_INDEX`), put its
     `src` on the path (a running kernel does not see a new editable install) and move to its
     `notebooks/` folder, where the notebooks' relative paths point; anywhere else, nothing.
     Without a repository, a hosted runtime stops here with what to do instead."""
@@ -129,12 +133,14 @@ def hosted_setup(repo: str | None) -> str:
                   '                       "course yourself, install it as its README says, and open its notebooks/ folder")']
     else:
         lines += ['    import subprocess',
+                  f'    TORCH_CPU = "{TORCH_CPU_INDEX}"  # the pinned torch as its CPU wheel, not a CUDA one',
                   '    course = os.path.join("/content" if "google.colab" in sys.modules else "/kaggle/working", '
                   '"gpu-tpu-pedia")',
                   '    if not os.path.isdir(course):',
                   f'        subprocess.run(["git", "clone", "--quiet", "--depth", "1", "{repo}", course], check=True)',
-                  '        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "-r", f"{course}/requirements/ci.txt",',
-                  '                        "-c", f"{course}/requirements/lock.txt", "-e", course], check=True)',
+                  '        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--extra-index-url", TORCH_CPU,',
+                  '                        "-r", f"{course}/requirements/ci.txt", "-c", f"{course}/requirements/lock.txt",',
+                  '                        "-e", course], check=True)',
                   '    sys.path.insert(0, os.path.join(course, "src"))',
                   '    os.chdir(os.path.join(course, "notebooks"))']
     return "\n".join(lines)
