@@ -155,7 +155,7 @@ assert slice_.accelerator_type == "v6e-8" and slice_.num_chips == 8
 #
 # A *mesh* names the devices along axes. With `("data", "model")` of shape `(2, 4)`, the batch
 # is split in two and each weight matrix in four. We always build meshes with
-# `AxisType.Auto` axes, because torchax (lesson 01) relies on the compiler propagating
+# `AxisType.Auto` axes, because torchax (notebook `hf_model_in_jax`) relies on the compiler propagating
 # shardings; `devices.make_mesh` does that, and checks the shape against the devices.
 #
 # The shape comes from the devices present (`devices.default_mesh_shape`): eight simulated CPU
@@ -177,7 +177,7 @@ devices.make_mesh((3, 4), ("data", "model"))
 # We are about to compare the result with NumPy at 1e-5, so the call asks for full float32
 # matmuls. A TPU's default runs a float32 matmul as bfloat16 passes, about 1e-2 off at this size;
 # a CPU ignores the request. Parity checks in this course ask for `"highest"` explicitly; paths
-# that are timed keep the default (lesson 06 measures the difference).
+# that are timed keep the default (notebook `image_processing` measures the difference).
 
 # %%
 import jax.numpy as jnp
@@ -268,7 +268,7 @@ assert result.memory.peak < v6e.hbm_bytes
 # A program that does not fit is also an answer. Materialising one full attention score matrix
 # for a 131,072-token sequence in float32 needs 64 GiB for the scores alone, twice a v6e's HBM.
 # The TPU compiler refuses, with its own figures; `compile_aot` returns them rather than
-# crashing. (Lesson 04 is about never materialising that matrix.) Note the budget it quotes:
+# crashing. (Notebook `splash_attention` is about never materialising that matrix.) Note the budget it quotes:
 # 31.25 GiB, in the binary units XLA prints, is what a v6e chip's 32 GiB of HBM leaves a program.
 
 # %%
@@ -301,4 +301,4 @@ assert too_big.oom_available_bytes <= v6e.hbm_bytes * 1.1  # the compiler's budg
 # * With `libtpu` installed, any host can compile for a `v6e:2x4` slice and read per-chip memory.
 #   "Will it fit, and how is it sharded?" becomes a question CI can answer.
 #
-# Next: lesson 01, a Hugging Face model in JAX with torchax (see the learning path).
+# Next: notebook `hf_model_in_jax`, a Hugging Face model in JAX with torchax (see the learning path).

@@ -35,7 +35,7 @@
 # | `full` (TPU v6e-8) | the same tiny Llama; section 5 compiles a 2-layer, 2,048-wide Llama for the chips | about 175 MiB per chip for the section-5 program (AOT here: 122.5 arguments + 31.3 outputs + 20.1 temporaries) | about the same: the section-5 compile runs on the host CPU (not measured on a TPU VM) |
 #
 # The sharding lessons need eight devices: on a machine with fewer (one GPU, say), run this
-# notebook with `tiny`, which simulates eight. *Reading time: about 12 minutes.*
+# notebook with `tiny`, which simulates eight. *Reading time: about 13 minutes.*
 
 # %%
 # %xmode Minimal
@@ -59,7 +59,7 @@ preset = session.start()  # preset, simulated devices, known warnings silenced (
 # A mesh arranges the 8 devices in a grid and names its axes. We use `("dp", "tp")` of shape
 # `(2, 4)`: two data-parallel groups of four tensor-parallel devices. `devices.make_mesh` builds
 # it with `AxisType.Auto` axes; jax 0.10's default, `Explicit`, makes torchax's op lowerings
-# fail (lesson 00).
+# fail (notebook `start_here`).
 
 # %%
 import jax
@@ -144,7 +144,7 @@ Markdown("\n".join(lines))
 # %% [markdown]
 # The same `llama` tables serve Qwen2 and Mistral, which share the naming (the tests check
 # them on those families). A video family keeps its transformer's tables in its own module
-# (`tpupedia.models.cogvideox.SHARDING`, lesson 07; HunyuanVideo-1.5's, lesson 09), and
+# (`tpupedia.models.cogvideox.SHARDING`, used in notebook `cogvideox_pipeline`; HunyuanVideo-1.5's, in notebook `hunyuan_video`), and
 # `sharding.rules(spec, strategy)` takes them from the family's registry entry.
 #
 # **A naming trap from upstream.** Upstream's CogVideoX scripts (yangwhale/gpu-tpu-pedia, commit
@@ -226,7 +226,7 @@ sharding.plan(padded_vocab, sharding.rules("llama", "tp"), mesh)
 # | `fsdp` | `(8,)` named `fsdp` | every matrix split on dim 0 over all 8 | split over all 8 |
 #
 # For each we shard a fresh copy of the model with `apply_rules` (in place, inside the torchax
-# environment), run it through `JitModule` (lesson 01), and compile the same forward with
+# environment), run it through `JitModule` (notebook `hf_model_in_jax`), and compile the same forward with
 # `torchax_utils.FunctionalModule`, which exposes the pure JAX function torchax jits. With it,
 # `jax.jit(f).lower(params, buffers, ids).compile().as_text()` is the partitioned program.
 # `aot.collective_ops` reads every collective in it: its kind, the shapes it moves and the size
@@ -268,7 +268,7 @@ results = {strategy: run(strategy) for strategy in setups}
 # First the claim everything else rests on: every layout computes the same function, to float32
 # rounding. `run` asked for full-precision matmuls (`jax.default_matmul_precision("highest")`):
 # a CPU ignores the request, but a TPU would otherwise run these float32 matmuls as bfloat16
-# passes and miss 1e-5 by orders of magnitude (lesson 06 shows the request in the compiled
+# passes and miss 1e-5 by orders of magnitude (notebook `image_processing` shows the request in the compiled
 # program). The collectives below do not depend on it.
 
 # %%
@@ -332,7 +332,7 @@ plt.show()
 #   all-gathers (three per layer) are inside attention: the compiler gathers q, k and the
 #   repeated k/v heads over `tp` rather than keep each device's heads, which Megatron would do.
 #   That is the compiler's choice for attention as torchax traces it here, not something the
-#   table asks for; lesson 04's splash override pins attention to each device's own heads with
+#   table asks for; the splash override of notebook `splash_attention` will pin attention to each device's own heads with
 #   `shard_map`. About a quarter of the weights per device (the `tp` axis has 4 devices; norms
 #   stay replicated).
 # * **fsdp**: one all-gather per weight matrix, fetched right before it is used; activations
@@ -373,7 +373,7 @@ assert sent["tp_transposed"] > 2 * sent["tp"] and sent["fsdp"] > sent["tp"]
 
 # %% [markdown]
 # **A variant from upstream: a replicated second layer.** The upstream HunyuanVideo-1.5 scripts
-# (lesson 09) keep Megatron's column-parallel first layer but replicate the second (`fc2`,
+# (notebook `hunyuan_video` runs that model) keep Megatron's column-parallel first layer but replicate the second (`fc2`,
 # the `tp_fc2_replicated` table), described as having "no row-parallel all-reduce". The
 # column-parallel layer leaves each device a quarter of the hidden vector, and a replicated
 # `fc2` needs all of it: either the activations are all-gathered first, or each device
@@ -456,10 +456,10 @@ assert results["tp"]["plan"].specs() == d["tp"].specs()  # apply_rules did what 
 #
 # `run` moved each copy with `m.to("jax")` and then resharded it. The first step puts every
 # tensor, whole, on the default device: harmless for this model, fatal for a 16.6 GB video
-# transformer on a 31.25 GiB chip (lesson 09's, at full size). `sharding.place` builds each
+# transformer on a 31.25 GiB chip (HunyuanVideo-1.5's, at full size). `sharding.place` builds each
 # device's shards straight from host memory (`jax.make_array_from_callback` hands every device
 # the slice of the CPU tensor its shard covers) after checking every spec, and is what the
-# pipelines of lessons 07 and 09 use. `devices.live_bytes()` sums what each device holds from
+# pipelines of notebooks `cogvideox_pipeline` and `hunyuan_video` use. `devices.live_bytes()` sums what each device holds from
 # `jax.live_arrays()`, so the difference is measured rather than claimed.
 
 # %%
@@ -513,7 +513,7 @@ assert len(slices) == 8  # 8 distinct slices, no copies
 # ## 5. The same program, compiled for a TPU v6e-8
 #
 # Is the rule table right for a model that does not fit on this machine? Ahead-of-time
-# compilation (lesson 00) answers without weights: build the model on torch's `meta` device
+# compilation (notebook `start_here`) answers without weights: build the model on torch's `meta` device
 # (shapes, no memory), turn every parameter into a `jax.ShapeDtypeStruct` carrying the spec from
 # the plan, and compile the forward for a `v6e:2x4` slice with the TPU compiler from libtpu.
 #
@@ -596,4 +596,4 @@ assert not any(shape in big_weights for op in tpu_ops for shape in op.shapes)
 # * Shard a KV cache on heads; compile ahead of time for the TPU you plan to rent to see per-chip
 #   memory before paying for it.
 #
-# Next: lesson 03, torchax internals and the pitfall catalog.
+# Next: notebook `torchax_internals`, torchax internals and the pitfall catalog.

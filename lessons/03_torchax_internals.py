@@ -94,7 +94,7 @@ print(f"torchax {torchax.__version__}, jax {jax.__version__}, torch {torch.__ver
 # %% [markdown]
 # Every section ends by comparing a torchax result with PyTorch on the CPU at float32 rounding
 # (1e-5 or tighter). On a TPU, JAX runs float32 matmuls and convolutions as bfloat16 passes
-# unless asked otherwise (lesson 06 shows the request in the compiled program), which would
+# unless asked otherwise (notebook `image_processing` shows the request in the compiled program), which would
 # break those checks by orders of magnitude; a CPU ignores the setting. This notebook is all
 # parity checks on float32 models, so it asks for full precision once, for every cell. (The one
 # timing in section 4 compares eager with compiled under the same setting.)
@@ -280,12 +280,11 @@ torch.testing.assert_close(fixed.torch(), expected, rtol=0, atol=1e-5)
 # %% [markdown]
 # ## 4. Compiling a whole forward
 #
-# Inside `with env:` a module runs **eagerly**: each PyTorch operator becomes one JAX call,
-# dispatched from Python one at a time. That is correct, and useful for debugging, but slow (the
-# last pitfall of this section measures how slow). To get one XLA program for the whole forward,
-# torchax traces it with `jax.jit`. `torchax.interop.JittableModule(model)` does that: it pulls the
-# parameters and buffers out into dicts, and jits a function of `(params, buffers, *inputs)`, so
-# the weights are inputs of the program, not constants baked into it.
+# Notebook `hf_model_in_jax` compiled a Llama forward with `JittableModule` (its sections 2 to
+# 4: eager dispatch, output classes as pytrees, static flags). This section replays those
+# failures on another model as a catalog, error text, cause and fix, in the order they come,
+# and adds what that notebook only avoided or did not meet: the error a cache object in the
+# outputs raises, and shapes that depend on the data.
 #
 # Our test subject is a tiny random GPT-2, first on the CPU as the reference, then eagerly under
 # torchax.
@@ -313,8 +312,7 @@ torch.testing.assert_close(logits_eager.torch(), logits_cpu, rtol=0, atol=1e-5)
 #
 # ### Pitfall 4: not a valid JAX type
 #
-# `jax.jit` can only return *JAX pytrees*: arrays, and tuples, lists and dicts of them, plus
-# classes registered with `jax.tree_util`. Hugging Face's `ModelOutput` (and diffusers'
+# `jax.jit` can only return *JAX pytrees*. Hugging Face's `ModelOutput` (and diffusers'
 # `BaseOutput`) are registered as **torch** pytrees, which torchax uses to convert arguments,
 # but not as JAX pytrees. The message names a file and line inside torchax; we print it without
 # that path.
@@ -329,27 +327,15 @@ except TypeError as err:
     print(f"{type(err).__name__}: {message}")
 
 # %% [markdown]
-# **Cause.** The output class is unknown to `jax.tree_util`. **Fix.** Register it, by field
-# name: `tu.register_output_pytree(cls)` (or `tu.register_common_outputs()` for every output
-# class this course meets). Flattening by *name* matters: the tempting alternative, flattening
-# with `to_tuple()` and rebuilding by position, is lossy, because `to_tuple()` skips fields that
-# are `None`:
+# **Cause.** The output class is unknown to `jax.tree_util`. **Fix.** Register it by field
+# name, `tu.register_output_pytree(cls)` (or `tu.register_common_outputs()` for every output
+# class this course meets); notebook `hf_model_in_jax` (section 3) shows why by name and not by
+# position.
 
 # %%
 from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
 
-sample = CausalLMOutputWithCrossAttentions(logits=torch.ones(1))  # loss=None
-by_position = CausalLMOutputWithCrossAttentions(*sample.to_tuple())
-print("rebuilt by position: loss =", by_position.loss, "| logits =", by_position.logits)
-
 tu.register_output_pytree(CausalLMOutputWithCrossAttentions)
-leaves, treedef = jax.tree_util.tree_flatten(sample)
-by_name = jax.tree_util.tree_unflatten(treedef, leaves)
-print("rebuilt by name:     loss =", by_name.loss, "| logits =", by_name.logits)
-
-# %%
-assert by_position.loss is not None and by_position.logits is None  # the logits moved into `loss`
-assert by_name.loss is None and torch.equal(by_name.logits, sample.logits)
 
 # %% [markdown]
 # ### Pitfall 5: a cache in the outputs
@@ -368,16 +354,14 @@ except TypeError as err:
 # %% [markdown]
 # **Cause.** `DynamicCache` is not a pytree either, and it could not be one usefully: it grows by
 # one position per generated token, so every step would have new shapes and a new compilation.
-# (For generation, a fixed-size `StaticCache` registered as a pytree is the way.) **Fix** for a
-# single forward:
-# do not build the cache. The natural way to say that is `use_cache=False`, which leads
-# straight to the next pitfall.
+# (For generation, a fixed-size cache is the way: notebook `hf_model_in_jax`, section 7.)
+# **Fix** for a single forward: do not build the cache. The natural way to say that is
+# `use_cache=False`, which leads straight to the next pitfall.
 #
 # ### Pitfall 6: ConcretizationTypeError from a Python flag
 #
-# `JittableModule` passes keyword arguments through `jax.jit`, which turns every argument,
-# `False` included, into a traced value. The model's `if use_cache:` then asks a tracer for its
-# truth value, which is not known while tracing:
+# The failure of notebook `hf_model_in_jax`'s section 4: `jax.jit` traces every argument,
+# `False` included, and the model's `if use_cache:` asks a tracer for its truth value:
 
 # %%
 try:
@@ -390,11 +374,9 @@ except jax.errors.ConcretizationTypeError as err:
     print(f"... depends on the value of the argument {which}")
 
 # %% [markdown]
-# **Cause.** Under `jax.jit`, Python control flow sees abstract values only. `return_dict`,
-# `use_cache`, `output_hidden_states` and friends are configuration, not data, and must be
-# *static*: part of the compiled program's identity. **Fix.** `tu.JitModule` wraps
-# `JittableModule` and treats every keyword argument that contains no tensor as static. It
-# compiles one program per distinct set of static values (and input shapes) and reuses it:
+# **Cause.** `return_dict`, `use_cache` and friends are configuration, not data, and must be
+# *static*. **Fix.** `tu.JitModule`, as there: one program per distinct set of static values
+# (and input shapes), reused, and still an instance of the model's class:
 
 # %%
 gpt2_jit = tu.JitModule(gpt2)
@@ -459,10 +441,9 @@ torch.testing.assert_close(jitted_sum.torch(), eager_sum.torch(), rtol=0, atol=1
 # ### Pitfall 8: the eager-dispatch slowdown
 #
 # Nothing fails here, which is what makes it a pitfall: a model moved to `"jax"` and called
-# inside `with env:` gives the right answer, just slowly, because every operator makes its own
-# round trip from Python through torchax to JAX and XLA. The fix is the compiled forward we
-# already have. We time the tiny GPT-2 both ways, after a warm-up call, waiting for the result
-# each time (JAX runs asynchronously, so a timer that does not wait measures nothing).
+# inside `with env:` gives the right answer, just slowly, one round trip per operator (notebook
+# `hf_model_in_jax` timed it on its Llama). The fix is the compiled forward we already have;
+# the tiny GPT-2 both ways, after a warm-up call, waiting for each result:
 
 # %%
 def best_of(fn, repeats):
@@ -653,7 +634,8 @@ assert all(getattr(pipe, n).compiled_variants >= 1 for n in ("text_encoder", "tr
 # %% [markdown]
 # Every step of the 4-step loop reused one transformer program: the classifier-free-guidance
 # batch, the shapes and the static keywords are the same at each step. On a TPU the same recipe
-# is what makes the pipeline fast; later notebooks add sharding across eight chips.
+# is what makes the pipeline fast; notebook `cogvideox_pipeline` shards its stages across eight
+# chips with the tables of notebook `sharding`.
 #
 # ## 8. Three routes onto a TPU, two of them run here
 #
@@ -767,8 +749,9 @@ assert route_programs["torchax, eager"][0] > 10 and route_programs["torchax, eag
 # - `jax_view`, `torch_view` and `call_jax` cross between the two worlds without copies, and an
 #   operator's definition can be replaced: that is how a TPU kernel becomes torch's attention
 #   (sections 2 and 3).
-# - A whole forward compiles once its outputs are pytrees, its flags static and its shapes fixed;
-#   run eagerly, each operator is dispatched alone, correct but slow (section 4).
+# - A whole forward compiles once its outputs are pytrees, its flags static and its shapes fixed
+#   (notebook `hf_model_in_jax` met the first two); a shape that depends on the data is rewritten
+#   with fixed shapes, `torch.where` instead of a boolean mask (section 4).
 # - Methods other than `forward` and state outside modules (a scheduler's tensors) need the same
 #   treatment; then a whole diffusers pipeline compiles component by component (sections 5 to 7).
 # - torchax builds one JAX program that shares a mesh, Pallas kernels and Flax modules, and

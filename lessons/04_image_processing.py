@@ -28,6 +28,11 @@
 # 3. **Precision.** Is bfloat16 good enough for preprocessing? We measure the error against a
 #    float32 CPU reference and find which part of the pipeline has to stay in float32.
 #
+# The third answer is why this notebook comes before the attention kernel, the VAE and the
+# pipelines: it sets the precision rules they all apply. What bfloat16 breaks and what stays in
+# float32 (section 7), and how a parity check asks a TPU for full-precision matmuls while a
+# timed path keeps the fast default (section 6).
+#
 # The functions live in `tpupedia.image`; they are plain torch, so the same code runs on torch
 # CPU (our reference), on CUDA, and through torchax on a TPU.
 #
@@ -540,7 +545,7 @@ for name, text in tpu_text.items():
 # So the rule this course follows: **parity checks ask for `"highest"`** (a `with
 # jax.default_matmul_precision("highest"):` around the call, active while JAX traces it), and
 # **speed paths keep the default**. A bf16 model loses nothing to the default, since its inputs
-# are bf16 already; and some TPU kernels refuse the request outright on bf16 inputs (lesson 04).
+# are bf16 already; and some TPU kernels refuse the request outright on bf16 inputs (notebook `splash_attention` meets one).
 
 # %%
 assert conv_precisions(lowered["default"]) == ["DEFAULT"] and conv_precisions(lowered["highest"]) == ["HIGHEST"]
@@ -602,3 +607,5 @@ assert max(stage_err["resize weights in bf16"], stage_err["blur taps + sums in b
 # * Preprocess in float32 and cast to bf16 at the model's boundary. bf16 pixels already cost
 #   about one 8-bit level; bf16 coordinates cost about a hundred times more, the upstream
 #   "two orders of magnitude".
+# * On a TPU a float32 matmul or convolution runs as one bfloat16 pass unless asked otherwise:
+#   parity checks ask for `"highest"`, timed paths keep the default (section 6).

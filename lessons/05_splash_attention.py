@@ -18,9 +18,9 @@
 #
 # A CogVideoX 720p step attends over about 40,000 tokens; HunyuanVideo-1.5 at 121 frames over
 # more than 110,000. The score matrix of one head at 40k tokens is 1.6 billion numbers, so
-# attention that materialises it does not fit on a chip (lesson 00 had the TPU compiler refuse
-# one). Flash-style kernels never build it: they stream blocks of keys past a block of queries
-# and keep a *running* softmax. On TPU the kernel JAX ships for this is **splash attention**.
+# attention that materialises it does not fit on a chip (notebook `start_here` had the TPU
+# compiler refuse one). Flash-style kernels never build it: they stream blocks of keys past a
+# block of queries and keep a *running* softmax. On TPU the kernel JAX ships for this is **splash attention**.
 #
 # This notebook builds up to it and ends with the helper the video pipelines use,
 # `tpupedia.attention`:
@@ -76,7 +76,7 @@ print(preset.name, "preset, interpret mode:", interpret)
 # %% [markdown]
 # Sections 1–6 and 8 compare float32 kernels with a reference at 1e-5. On a TPU, JAX runs
 # float32 matmuls (inside a Pallas kernel too) as bfloat16 passes unless asked otherwise
-# (lesson 06 shows the request in the compiled program), so this notebook asks for full
+# (notebook `image_processing` showed the request in the compiled program), so this notebook asks for full
 # precision for every cell; a CPU ignores the setting. Section 7, the one place that compiles
 # bfloat16 kernels for the TPU, explicitly goes back to the default, and shows why it must.
 

@@ -16,9 +16,10 @@
 # %% [markdown]
 # # 06 · The CogVideoX VAE in Flax NNX, with exact parity
 #
-# Lessons 01–03 ran PyTorch models *through* JAX with torchax. This lesson does the other thing
-# a PyTorch engineer eventually does: rewrite a model natively in JAX, here the video VAE of
-# CogVideoX (`diffusers.AutoencoderKLCogVideoX`) in Flax NNX. The port lives in
+# Notebooks `hf_model_in_jax` to `torchax_internals` ran PyTorch models *through* JAX with
+# torchax. This lesson does the other thing a PyTorch engineer eventually does: rewrite a model
+# natively in JAX, here the video VAE of CogVideoX (`diffusers.AutoencoderKLCogVideoX`) in Flax
+# NNX. The port lives in
 # `tpupedia.models.cogvideox_vae`; its weight conversion and a layer-by-layer comparison tool
 # live in `tpupedia.models.cogvideox_vae_convert`.
 #
@@ -556,12 +557,12 @@ t_jit = timed(lambda: flax_vae.decode(z_in))
 print(f"Flax decode: eager {t_eager * 1e3:.0f} ms, jit per frame batch {t_jit * 1e3:.0f} ms")
 
 # %% [markdown]
-# The other route is not to port at all: run diffusers' own VAE through torchax (lesson 01) and
+# The other route is not to port at all: run diffusers' own VAE through torchax (notebook `hf_model_in_jax`) and
 # jit its `decode`. `JittableModule.functional_call` turns the module into a function of its
 # weights; `return_dict=False` keeps the output a plain tuple.
 
 # %%
-torchax = import_torchax()  # the shim of lesson 01, before anything imports torchax
+torchax = import_torchax()  # the shim of notebook `hf_model_in_jax`, before anything imports torchax
 from torchax.interop import JittableModule, jax_jit  # noqa: E402
 
 env = torchax.default_env()

@@ -37,7 +37,7 @@
 # | preset | loads | memory | compute time |
 # |---|---|---|---|
 # | `tiny` (CPU, CI) | tiny random checkpoints, in several local processes | about 1 GB of host RAM per process | about 4 minutes, measured here on a 2-core CPU (each launch starts fresh Python processes; section 4 compiles for three slices) |
-# | `full` (multi-host TPU slice) | the real checkpoints, on every host | as lessons 07 and 09, per chip | not measured here: the same commands run unchanged on a slice, but nothing here has been run on one by this project |
+# | `full` (multi-host TPU slice) | the real checkpoints, on every host | as in notebooks `cogvideox_pipeline` and `hunyuan_video`, per chip | not measured here: the same commands run unchanged on a slice, but nothing here has been run on one by this project |
 #
 # On the full preset sections 1 to 3 print the commands every host of a slice runs instead of
 # running them: a TPU VM's chips belong to one process at a time (this notebook's), and local

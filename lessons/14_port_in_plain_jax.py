@@ -77,6 +77,10 @@ dtype = getattr(torch, preset.dtype)
 prompt, negative, guidance, seed = "a red fox in the snow", "blurry", 6.0, 42
 print(source if preset.pretrained else "tiny checkpoint", size)
 
+# %%
+assert (size["frames"] - 1) % 4 == 0  # 4k + 1 frames: the VAE keeps the first and packs the rest by 4
+assert size["height"] % 16 == 0 and size["width"] % 16 == 0  # the VAE's 8x, then the 2x2 patches
+
 # %% [markdown]
 # ## 1. The port
 #
@@ -144,7 +148,8 @@ pipe.transformer.set_attn_processor(RopeByConcatenation())
 
 # %%
 mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("dp", "tp"))
-weights, forward = torchax.extract_jax(pipe.transformer)
+with jax.default_device(jax.devices("cpu")[0]):  # staged in host RAM: no chip ever holds all of it
+    weights, forward = torchax.extract_jax(pipe.transformer)
 
 
 def spec(name, w):
@@ -231,6 +236,7 @@ print("frames", frames.shape)
 
 # %%
 assert frames.shape == (size["frames"], size["height"], size["width"], 3)
+assert type(scheduler).__name__ == "CogVideoXDDIMScheduler"  # the sampler the tables encode
 assert step._cache_size() == 1  # one program for every step
 assert P("tp", None) in {w.sharding.spec for w in weights.values()}  # the rule split something
 

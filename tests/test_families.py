@@ -15,9 +15,12 @@ from tpupedia import cli, families, sharding
 SRC = Path(tpupedia.__file__).parent
 ROOT = SRC.parent.parent
 
-# Code that names families on purpose, and why (none today: the numbers the docs quote about a
-# family are in its spec, `FamilySpec.figures`). Everything else reads the registry.
-CONTENT: dict[str, str] = {}
+# Code that names families on purpose, and why (the numbers the docs quote about a family are in
+# its spec, `FamilySpec.figures`). Everything else reads the registry.
+CONTENT: dict[str, str] = {
+    "notebooks.py": "the course's core path names notebooks by slug (`CORE`), and one notebook's slug "
+                    "starts with a family's name (`cogvideox_pipeline`)",
+}
 
 
 def test_the_registry_finds_every_family_module_with_a_spec():

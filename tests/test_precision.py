@@ -41,8 +41,8 @@ def test_highest_precision_reaches_every_dot_of_a_torchax_forward():
 
 
 def test_highest_precision_reaches_the_convolutions_of_a_torchax_function():
-    """Lesson 06's blur (two depthwise `F.conv2d`) and lesson 05's VAE are convolutions: the same
-    request marks them, as lesson 06 shows in a cell."""
+    """Notebook `image_processing`'s blur (two depthwise `F.conv2d`) and notebook `cogvideox_vae_flax`'s VAE are convolutions: the same
+    request marks them, as notebook `image_processing` shows in a cell."""
     from torchax.interop import jax_view
 
     from tpupedia import image

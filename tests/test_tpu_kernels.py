@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(
     reason="libtpu not installed (pip install 'jax[tpu]'): TPU kernels cannot be compiled ahead of time",
 )
 
-LESSON_04 = Path(__file__).resolve().parents[1] / "lessons" / "05_splash_attention.py"
+SPLASH_LESSON = Path(__file__).resolve().parents[1] / "lessons" / "05_splash_attention.py"
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def _abstract(shape, dtype, mesh, spec=P()):
 def _compile_for_tpu(fn, *args, precision="highest"):
     """Compile for the TPU; the program must fit and contain the Mosaic kernel (not a fallback).
 
-    Float32 kernels compile at ``"highest"`` matmul precision, the way lesson 04 runs them (its
+    Float32 kernels compile at ``"highest"`` matmul precision, the way notebook `splash_attention` runs them (its
     parity checks request it for the whole notebook); bf16 ones at the default, as section 7 does.
     """
     with jax.default_matmul_precision(precision):
@@ -57,26 +57,26 @@ def _compile_for_tpu(fn, *args, precision="highest"):
     return result
 
 
-def _lesson_04_functions(*names):
-    """Functions exactly as lesson 04 defines them (their source read from the lesson file)."""
-    tree = ast.parse(LESSON_04.read_text())
+def _splash_lesson_functions(*names):
+    """Functions exactly as notebook `splash_attention` defines them (their source read from the lesson file)."""
+    tree = ast.parse(SPLASH_LESSON.read_text())
     defs = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in names]
-    assert sorted(d.name for d in defs) == sorted(names), f"lesson 04 no longer defines {names}"
+    assert sorted(d.name for d in defs) == sorted(names), f"notebook `splash_attention` no longer defines {names}"
     from jax.experimental import pallas as pl
 
     namespace = {"functools": functools, "jax": jax, "jnp": jnp, "pl": pl, "interpret": False}
-    exec(compile(ast.Module(body=defs, type_ignores=[]), str(LESSON_04), "exec"), namespace)
+    exec(compile(ast.Module(body=defs, type_ignores=[]), str(SPLASH_LESSON), "exec"), namespace)
     return namespace
 
 
-def _lesson_04_toy_flash():
-    return _lesson_04_functions("flash_kernel", "toy_flash")["toy_flash"]
+def _splash_lesson_toy_flash():
+    return _splash_lesson_functions("flash_kernel", "toy_flash")["toy_flash"]
 
 
-def test_lesson_04_primer_kernel_compiles_for_tpu(one_chip):
+def test_splash_lesson_primer_kernel_compiles_for_tpu(one_chip):
     from jax.experimental import pallas as pl
 
-    which_program = _lesson_04_functions("which_program")["which_program"]
+    which_program = _splash_lesson_functions("which_program")["which_program"]
     spec = pl.BlockSpec((128, 64), lambda i: (i, 0))
     call = pl.pallas_call(which_program, grid=(4,), in_specs=[spec], out_specs=spec,
                           out_shape=jax.ShapeDtypeStruct((512, 64), jnp.float32), interpret=False)
@@ -84,15 +84,15 @@ def test_lesson_04_primer_kernel_compiles_for_tpu(one_chip):
 
 
 @pytest.mark.parametrize("exp", [jnp.exp, jnp.exp2], ids=["exp", "exp2"])
-def test_lesson_04_toy_flash_kernel_compiles_for_tpu(one_chip, exp):
-    toy_flash = _lesson_04_toy_flash()
-    x = _abstract((256, 64), jnp.float32, one_chip)  # lesson 04: S=256, D=64, float32, 128-blocks
+def test_splash_lesson_toy_flash_kernel_compiles_for_tpu(one_chip, exp):
+    toy_flash = _splash_lesson_toy_flash()
+    x = _abstract((256, 64), jnp.float32, one_chip)  # notebook `splash_attention`: S=256, D=64, float32, 128-blocks
     _compile_for_tpu(lambda q, k, v: toy_flash(q, k, v, exp=exp), x, x, x)
 
 
 def test_a_block_mosaic_cannot_tile_is_caught_here(one_chip):
     """The point of this file: a shape interpret mode accepts and Mosaic refuses fails on CPU."""
-    toy_flash = _lesson_04_toy_flash()
+    toy_flash = _splash_lesson_toy_flash()
     x = _abstract((200, 64), jnp.float32, one_chip)
     with pytest.raises(ValueError, match="divisible by 8 and 128"):
         aot.compile_aot(lambda q, k, v: toy_flash(q, k, v, block_q=100, block_kv=100), x, x, x)
@@ -101,7 +101,7 @@ def test_a_block_mosaic_cannot_tile_is_caught_here(one_chip):
 @pytest.mark.parametrize(
     "mask, seq, block", [("causal", 256, 128), ("full", 512, 256)], ids=["sec3-causal", "sec4-zero-padded"]
 )
-def test_lesson_04_raw_splash_kernels_compile_for_tpu(one_chip, mask, seq, block):
+def test_splash_lesson_raw_splash_kernels_compile_for_tpu(one_chip, mask, seq, block):
     base = sa.CausalMask if mask == "causal" else sa.FullMask
     kernel = sa.make_splash_mha(sa.MultiHeadMask([base((seq, seq))] * 2), head_shards=1, q_seq_shards=1,
                                 block_sizes=sa.BlockSizes(block, block, block), interpret=False)
@@ -111,14 +111,14 @@ def test_lesson_04_raw_splash_kernels_compile_for_tpu(one_chip, mask, seq, block
 
 # (name, batch, q heads, kv heads, q len, kv len, head_dim, dtype, causal, mask, sharded, layout, blocks)
 SPLASH_CONFIGS = [
-    # lesson 04 section 4: exact padding through segment ids, 512 padded tokens in 256-blocks
+    # notebook `splash_attention`, section 4: exact padding through segment ids, 512 padded tokens in 256-blocks
     ("04-segment-ids", 1, 2, 2, 512, 512, 64, jnp.float32, False, "valid", False, "heads", (256, 256)),
-    # lesson 04 section 8: head-parallel causal self-attention and sequence-parallel cross-attention
+    # notebook `splash_attention`, section 8: head-parallel causal self-attention and sequence-parallel cross-attention
     ("04-heads-causal-d32", 2, 4, 4, 200, 200, 32, jnp.float32, True, None, True, "heads", None),
     ("04-sequence-cross-d32", 2, 4, 4, 200, 40, 32, jnp.float32, False, None, True, "sequence", None),
-    # lesson 04 section 8 / lesson 03: tiny Llama through the SDPA override (GQA, padding mask)
+    # notebook `splash_attention`, section 8 / notebook `torchax_internals`: tiny Llama through the SDPA override (GQA, padding mask)
     ("tiny-llama-d16", 2, 4, 2, 16, 16, 16, jnp.float32, False, "bool", True, "heads", None),
-    # tiny CogVideoX transformers (lesson 04: head_dim 8; the tiny preset: 16), joint attention
+    # tiny CogVideoX transformers (notebook `splash_attention`: head_dim 8; the tiny preset: 16), joint attention
     ("tiny-cogvideox-d8", 2, 4, 4, 28, 28, 8, jnp.float32, False, None, True, "heads", None),
     ("tiny-cogvideox-d16", 2, 4, 4, 40, 40, 16, jnp.float32, False, None, True, "heads", None),
     # tiny HunyuanVideo-1.5 (2 heads of 8, fewer than the tp axis: falls back to the sequence layout)
@@ -140,9 +140,9 @@ def test_splash_configurations_the_notebooks_run_compile_for_tpu(mesh, one_chip,
 
 
 def test_bf16_splash_refuses_highest_precision(mesh):
-    """Why lesson 04 compiles its bf16 kernels at the default precision: asked for "highest",
+    """Why notebook `splash_attention` compiles its bf16 kernels at the default precision: asked for "highest",
     Mosaic lowers the bf16 q.k contraction with fp32 contract precision and cannot compile it
-    (libtpu 0.0.42.1). If a libtpu update lifts this, lesson 04's section 7 note must change."""
+    (libtpu 0.0.42.1). If a libtpu update lifts this, notebook `splash_attention`'s section 7 note must change."""
     x = _abstract((2, 8, 1024, 64), jnp.bfloat16, mesh, P("dp", "tp"))
     fn = functools.partial(attention.splash_attention, block_sizes=(512, 512, 512), interpret=False, mesh=mesh)
     with jax.default_matmul_precision("highest"), pytest.raises(Exception, match="Bad lhs type"):

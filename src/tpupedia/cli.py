@@ -114,8 +114,8 @@ def _plan(args: argparse.Namespace) -> int:
 
     pipeline = _pipeline_module(args.model_family)
     family = pipeline.PIPELINE.family
-    fields = family.default_request(presets.get("full")) | {k: v for k, v in (
-        ("frames", args.frames), ("steps", args.steps)) if v is not None}
+    fields = family.default_request(presets.get("full")) | pipeline.PIPELINE.release_request(args.model) | {
+        k: v for k, v in (("frames", args.frames), ("steps", args.steps)) if v is not None}
     if args.resolution:
         from tpupedia import dryrun
 
@@ -441,7 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("dryrun", help="AOT-compile one full-size step for a TPU slice; per-chip memory, collectives, roofline")
     d.add_argument("model", choices=list(families.names()),
                    help="; ".join(f"{s.name}: {s.title}" for s in families.all_specs()))
-    d.add_argument("--topology", default="v6e:2x4", help="TPU slice as libtpu names it (v6e:2x4, v6e:4x4, v5e:2x4, v5p:2x2x2)")
+    d.add_argument("--topology", default="v6e:2x4", help="TPU slice as libtpu names it (v6e:2x4, v6e:4x4, v5e:2x4, v5p:2x2x2; one chip: v5e:1x1)")
     d.add_argument("--resolution", default=None,
                    help="720p, 480p or WIDTHxHEIGHT (video models; default: the family's, as generate --preset full)")
     d.add_argument("--frames", type=int, default=None, help="4n+1 frames (video models; default: the family's)")
@@ -472,7 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the checkpoint whose configs to plan: a hub id or diffusers folder (default: the release "
                             "generate --preset full loads; built in, no download: "
                             + ", ".join(spec.releases) + ")")
-        q.add_argument("--topology", default="v6e:2x4", help="TPU slice as libtpu names it (v6e:2x4, v6e:2x2, v6e:4x4)")
+        q.add_argument("--topology", default="v6e:2x4", help="TPU slice as libtpu names it (v6e:2x4, v6e:2x2, v6e:4x4, v5e:2x4; one chip: v5e:1x1)")
         q.add_argument("--mesh", default=None, help="dp=N,tp=M (default: dp=2 for the guidance pair, tp the rest)")
         q.add_argument("--resolution", default=None, help="720p, 480p or WIDTHxHEIGHT (default: the family's)")
         q.add_argument("--frames", type=int, default=None)

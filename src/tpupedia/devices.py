@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from tpupedia.errors import TpupediaError
-from tpupedia.hardware import Topology, parse_topology
+from tpupedia.hardware import MULTIHOST_CHIPS_PER_HOST, HardwareError, Topology, parse_topology
 
 if TYPE_CHECKING:  # pragma: no cover
     import jax
@@ -42,6 +42,7 @@ __all__ = [
     "default_mesh_shape",
     "interpret_kernels",
     "tpu_topology",
+    "host_bounds",
     "topology_mesh",
     "live_bytes",
 ]
@@ -226,7 +227,28 @@ def tpu_topology(name: str | Topology = "v6e:2x4") -> list[jax.Device]:
     quiet_libtpu()
     from jax.experimental import topologies
 
-    return list(topologies.get_topology_desc(platform="tpu", topology_name=topo.name).devices)
+    bounds = host_bounds(topo)
+    extra = {} if bounds is None else {"chips_per_host_bounds": bounds}
+    try:
+        return list(topologies.get_topology_desc(platform="tpu", topology_name=topo.name, **extra).devices)
+    except Exception as err:  # noqa: BLE001 - libtpu refuses a shape with a JaxRuntimeError (INVALID_ARGUMENT)
+        raise HardwareError(
+            f"topology {topo.name!r}: libtpu refuses it ({str(err).splitlines()[0]}); a slice is one chip "
+            f"({topo.chip.name}:1x1), a 1x2 pair, or whole 2x2 hosts ({topo.chip.name}:2x2, "
+            f"{topo.chip.name}:2x4, {topo.chip.name}:4x4, ...)"
+        ) from None
+
+
+def host_bounds(topo: Topology) -> tuple[int, int, int] | None:
+    """The `chips_per_host_bounds` libtpu needs for `topo`, or `None` for its default.
+
+    libtpu lays a v5e or v6e slice out in hosts of 2x2 chips by default, so it refuses a slice
+    smaller than one such host ("v5e:1x1 is not divisible by ... 2x2x1"). A single chip or a
+    1x2 pair is a host of its own (a v5litepod-1 VM, a Colab or Kaggle TPU of one chip): its
+    bounds are its own shape. Larger slices keep libtpu's default."""
+    if len(topo.shape) != 2 or topo.num_chips >= MULTIHOST_CHIPS_PER_HOST:
+        return None
+    return (*topo.shape, 1)
 
 
 def topology_mesh(

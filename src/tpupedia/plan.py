@@ -68,6 +68,11 @@ class ProgramCost:
     compile_seconds: float = 0.0
     component: str = ""
     """The checkpoint component whose weights these are: programs of one component share them."""
+    vmem_required: float | None = None
+    """A Pallas kernel's scoped VMEM the compiler asked for where it refused the program: the
+    kernel's tiles, not the chip's HBM, were too large (`aot.AOTResult.vmem_required_bytes`)."""
+    vmem_limit: float | None = None
+    """The scoped VMEM the chip's compiler allows a kernel, from the same refusal."""
 
     @property
     def peak(self) -> float | None:
@@ -149,6 +154,11 @@ class Plan:
         for s in self.stages:
             if s.fits(self.hbm):
                 continue
+            vmem = next((p for p in s.programs if p.vmem_required), None)
+            if vmem is not None:  # the kernel's tiles, not the chip's memory: smaller splash blocks
+                return (f"stage {s.stage}: a splash kernel's blocks need {vmem.vmem_required / 2**20:.2f} MiB of "
+                        f"scoped VMEM, this chip's compiler allows {vmem.vmem_limit / 2**20:.2f} MiB: try smaller "
+                        f"blocks, --block-sizes 1024,1024,512 (the attention is {self.attention})")
             need = "did not compile" if s.peak is None else f"needs {s.peak / _GIB:.2f} GiB"
             smaller = "a smaller frame (generate: --width/--height; plan: --resolution)"
             vae = smaller if self.vae_tiling else f"--vae-tiling on, or {smaller}"
@@ -207,6 +217,9 @@ class Plan:
             for p in s.programs:
                 if p.peak is None:
                     need = f" (the compiler asks {p.oom_required / g:.2f} GiB of temporaries)" if p.oom_required else ""
+                    if p.vmem_required:
+                        need = (f" (a kernel asks {p.vmem_required / 2**20:.2f} MiB of scoped VMEM, the limit is "
+                                f"{p.vmem_limit / 2**20:.2f} MiB)")
                     lines.append(f"    {p.name} x{p.calls}: does not fit{need}")
                 else:
                     lines.append(f"    {p.name} x{p.calls}: arguments {p.arguments / g:.2f} + temporaries "
@@ -257,7 +270,10 @@ def make(family: str, request: Any, options: Any, *, model: str | None = None, c
         try:
             topo = hardware.parse_topology(topology)
             devices.tpu_topology(topo)  # libtpu's own check of the slice's shape
-        except Exception as err:  # noqa: BLE001 - ValueError from parsing, JaxRuntimeError (INVALID_ARGUMENT) from libtpu
+        except hardware.HardwareError as err:  # a malformed name, or a shape libtpu refuses (`devices.tpu_topology`)
+            first = str(err).splitlines()[0]
+            raise PlanError(first if first.startswith("topology ") else f"topology {topology!r}: {first}") from None
+        except Exception as err:  # noqa: BLE001 - anything else libtpu raises
             raise PlanError(f"topology {topology!r}: {str(err).splitlines()[0]}") from None
         name, chips = topo.name, topo.num_chips
     else:
@@ -436,7 +452,8 @@ def _cost(program: aot.Program, extra: dict[str, float]) -> ProgramCost:
         weights=program.weights_bytes + add, arguments=mem.arguments + add if mem else None,
         temporaries=mem.temporaries if mem else None, outputs=mem.outputs if mem else None,
         aliased=mem.aliased if mem else None, oom_required=result.oom_required_bytes,
-        compile_seconds=round(seconds, 2), component=program.component or "")
+        compile_seconds=round(seconds, 2), component=program.component or "",
+        vmem_required=result.vmem_required_bytes, vmem_limit=result.vmem_limit_bytes)
 
 
 def _preflight_key(family: str, request: Any, options: Any, configs: dict, run_devices: Sequence[Any],

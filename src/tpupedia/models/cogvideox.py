@@ -28,13 +28,16 @@ __all__ = [
     "tiny_vae_config", "tiny_text_encoder_config",
     "full_text_encoder_config", "default_request", "check_frames", "check_size", "latent_frames",
     "padded_latent_frames", "video_tokens", "step_flops", "bench_step", "build", "step_inputs", "FunctionalRoPEAttnProcessor",
-    "make_jit_friendly",
+    "make_jit_friendly", "SMALL_ID", "SMALL_TRANSFORMER", "SMALL_SCHEDULER", "RELEASE_REQUESTS",
     "tiny_checkpoint", "model_source", "named_source", "component_configs", "load_scheduler", "rotary_embeddings",
 ]
 
 FAMILY = "cogvideox"
 FULL_ID = "zai-org/CogVideoX1.5-5B"
 FULL_ID_I2V = "zai-org/CogVideoX1.5-5B-I2V"
+SMALL_ID = "zai-org/CogVideoX-2b"
+"""CogVideoX 1.0's 2B text-to-video release (`--model`): 30 layers of 30 heads, sinusoidal
+positions instead of RoPE, no temporal patches, the DDIM scheduler; one that fits small hardware."""
 FULL_LAYERS = 42
 TEMPORAL_COMPRESSION = 4  # the VAE keeps the first frame and compresses the rest 4x in time
 SPATIAL_COMPRESSION = 8  # and 8x in height and width
@@ -80,7 +83,7 @@ SHARDING: dict[str, list] = {
 SPEC = FamilySpec(
     name=FAMILY, module=__name__, full_id=FULL_ID, sharding=SHARDING, mask="padding",
     title="CogVideoX (1.5-5B on the full preset): T5 -> transformer -> VAE",
-    releases={FULL_ID: {}, FULL_ID_I2V: {"image_to_video": True}},
+    releases={FULL_ID: {}, FULL_ID_I2V: {"image_to_video": True}, SMALL_ID: {"size": "2b"}},
     figures=(QuotedFigure("plan.cogvideox.decode_gib", "plan_peak", stage="decode", decimals=2,
                           match={"family": FAMILY, "topology": "v6e:2x4", "layers": None, "vae_tiling": False,
                                  "stages": ("decode",)},
@@ -98,9 +101,41 @@ SCHEDULER_CONFIG: dict[str, Any] = dict(
 )
 
 
-def full_transformer_config(layers: int | None = None) -> dict[str, Any]:
+# CogVideoX-2b's transformer: huggingface/diffusers scripts/convert_cogvideox_to_diffusers.py
+# (commit 01337da7633c4c663e76e75550e6f9d94fa7dc97): "For CogVideoX-2B, num_layers is 30 ... num_attention_heads
+# is 30 ... use_rotary_positional_embeddings is False", the rest `CogVideoXTransformer3DModel`'s defaults
+# (64-wide heads, 2x2 patches and no temporal patch, sample 90x60 latents of 49 frames, time embedding 512,
+# T5 width 4096 over 226 tokens, sinusoidal positions).
+SMALL_TRANSFORMER: dict[str, Any] = dict(
+    activation_fn="gelu-approximate", attention_bias=True, attention_head_dim=64, in_channels=16, out_channels=16,
+    max_text_seq_length=TEXT_TOKENS, norm_elementwise_affine=True, norm_eps=1e-5, num_attention_heads=30,
+    num_layers=30, patch_size=2, patch_size_t=None, patch_bias=True, sample_frames=49, sample_height=60,
+    sample_width=90, spatial_interpolation_scale=1.875, temporal_compression_ratio=TEMPORAL_COMPRESSION,
+    temporal_interpolation_scale=1.0, text_embed_dim=4096, time_embed_dim=512, timestep_activation_fn="silu",
+    use_learned_positional_embeddings=False, use_rotary_positional_embeddings=False, flip_sin_to_cos=True,
+    freq_shift=0,
+)
+# CogVideoX-2b's scheduler and VAE scale: the same conversion script ("For CogVideoX-2B, scaling_factor is
+# 1.15258426", "snr_shift_scale is 3.0", CogVideoXDDIMScheduler).
+SMALL_SCHEDULER: dict[str, Any] = dict(SCHEDULER_CONFIG, snr_shift_scale=3.0)
+SMALL_VAE_SCALING = 1.15258426
+RELEASE_REQUESTS: dict[str, dict[str, Any]] = {
+    # CogVideoX-2b's model card and diffusers' CogVideoXPipeline defaults: 720x480, 49 frames at 8 fps, 50 steps,
+    # guidance 6.
+    SMALL_ID: dict(frames=49, height=480, width=720, fps=8, steps=50, guidance=6.0),
+}
+"""Each built-in release whose default video differs from the full preset's (`default_request`):
+the fields `tpupedia plan --model ID` starts from (`StagedPipeline.release_request`)."""
+
+
+def full_transformer_config(layers: int | None = None, size: str = "1.5-5b") -> dict[str, Any]:
     """CogVideoX1.5-5B transformer (diffusers `CogVideoXTransformer3DModel`), per its public
-    config: 42 layers, 48 heads of 64, patch 2x2 and 2 frames, T5 text width 4096."""
+    config: 42 layers, 48 heads of 64, patch 2x2 and 2 frames, T5 text width 4096; `size="2b"`:
+    CogVideoX-2b's (`SMALL_TRANSFORMER`). `layers` overrides the depth (a shallow plan)."""
+    if size == "2b":
+        return SMALL_TRANSFORMER | ({} if layers is None else {"num_layers": layers})
+    if size != "1.5-5b":
+        raise ModelInputError(f"size={size!r} is not one of 1.5-5b, 2b")
     return dict(
         activation_fn="gelu-approximate", attention_bias=True, attention_head_dim=64,
         in_channels=16, out_channels=16, max_text_seq_length=TEXT_TOKENS, norm_elementwise_affine=True,
@@ -119,16 +154,19 @@ def full_text_encoder_config() -> dict[str, Any]:
                 feed_forward_proj="gated-gelu", relative_attention_num_buckets=32)
 
 
-def full_configs(image_to_video: bool = False) -> dict[str, dict]:
+def full_configs(image_to_video: bool = False, size: str = "1.5-5b") -> dict[str, dict]:
     """The released checkpoint's component configs, as `component_configs` reads them from a
     download, for planning without one (`tpupedia plan`): the transformer and T5 above, the VAE at
     diffusers' defaults (CogVideoX1.5's shapes; its scaling factor, 0.7, changes no shape), and the
     DPM scheduler by class (its values change the schedule, not a shape). `image_to_video`: the
-    I2V release's (`i2v_transformer_config`)."""
+    I2V release's (`i2v_transformer_config`). `size="2b"`: CogVideoX-2b (`SMALL_ID`: its
+    transformer, VAE scale and DDIM scheduler; the same T5 and VAE shapes)."""
     import torch
     from diffusers import AutoencoderKLCogVideoX
     from transformers import T5Config
 
+    if size == "2b":
+        return _small_configs()
     with torch.device("meta"):
         vae = dict(AutoencoderKLCogVideoX().config)
     transformer = full_transformer_config()
@@ -139,6 +177,21 @@ def full_configs(image_to_video: bool = False) -> dict[str, dict]:
             "vae": vae | {"scaling_factor": 0.7},
             "scheduler": {"_class_name": "CogVideoXDPMScheduler", "prediction_type": "v_prediction",
                           "rescale_betas_zero_snr": True, "timestep_spacing": "trailing", "snr_shift_scale": 1.0}}
+
+
+def _small_configs() -> dict[str, dict]:
+    """CogVideoX-2b's component configs (`full_configs(size="2b")`): what `component_configs`
+    would read from its download."""
+    import torch
+    from diffusers import AutoencoderKLCogVideoX
+    from transformers import T5Config
+
+    with torch.device("meta"):
+        vae = dict(AutoencoderKLCogVideoX().config)
+    return {"transformer": {"_class_name": "CogVideoXTransformer3DModel"} | full_transformer_config(size="2b"),
+            "text_encoder": T5Config(**full_text_encoder_config()).to_dict(),
+            "vae": vae | {"scaling_factor": SMALL_VAE_SCALING},
+            "scheduler": {"_class_name": "CogVideoXDDIMScheduler"} | SMALL_SCHEDULER}
 
 
 def tiny_transformer_config() -> dict[str, Any]:

@@ -43,7 +43,7 @@ __all__ = ["FAMILY", "FULL_ID", "FULL_ID_22", "FULL_LAYERS", "DEFAULT_SHAPES", "
            "model_source", "named_source", "component_configs", "experts", "boundary_timestep", "make_vae_jit_friendly",
            "FULL_ID_I2V", "FULL_ID_22_I2V", "i2v_transformer_config", "image_to_video", "full_image_encoder_config",
            "tiny_image_encoder_config", "tiny_image_processor", "condition_mask", "FLOAT32_COMPONENTS", "VAE_DTYPES",
-           "component_dtype", "flow_shift"]
+           "component_dtype", "flow_shift", "SMALL_ID", "TI2V_ID", "SIZES", "TI2V_VAE_CONFIG", "RELEASE_REQUESTS"]
 
 FAMILY = "wan"
 FULL_ID = "Wan-AI/Wan2.1-T2V-14B-Diffusers"
@@ -53,6 +53,24 @@ FULL_ID_I2V = "Wan-AI/Wan2.1-I2V-14B-720P-Diffusers"
 """The image-to-video release the full preset loads for a request with a picture."""
 FULL_ID_22_I2V = "Wan-AI/Wan2.2-I2V-A14B-Diffusers"
 """Wan 2.2's two-expert image-to-video release (`--model`); no image encoder."""
+SMALL_ID = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
+"""Wan 2.1's 1.3B text-to-video release (`--model`): one that fits a single small TPU chip."""
+TI2V_ID = "Wan-AI/Wan2.2-TI2V-5B-Diffusers"
+"""Wan 2.2's 5B text(-image)-to-video release (`--model`): one transformer, its own 16x VAE of 48
+latent channels, a timestep per video token (`expand_timesteps`)."""
+SIZES: dict[str, dict[str, int]] = {
+    # diffusers' `WanTransformer3DModel` defaults; the Wan team's wan/configs/wan_t2v_14B.py.
+    "14B": dict(num_attention_heads=40, ffn_dim=13824, num_layers=40, in_channels=16, out_channels=16),
+    # huggingface/diffusers scripts/convert_wan_to_diffusers.py (commit 0122271c4138fc3cf624e4d023e3a6bb76a30a71),
+    # get_transformer_config("Wan-T2V-1.3B"); the Wan team's wan/configs/wan_t2v_1_3B.py (dim 1536 = 12 x 128).
+    "1.3B": dict(num_attention_heads=12, ffn_dim=8960, num_layers=30, in_channels=16, out_channels=16),
+    # huggingface/diffusers scripts/convert_wan_to_diffusers.py (commit 7d5682739a1ee5b25bb9f5a81c573ea7e38d8e22),
+    # get_transformer_config("Wan2.2-TI2V-5B"); Wan-Video/Wan2.2 wan/configs/wan_ti2v_5B.py (dim 3072 = 24 x 128,
+    # ffn_dim 14336, 30 layers; in_dim 48, the VAE's z_dim).
+    "5B": dict(num_attention_heads=24, ffn_dim=14336, num_layers=30, in_channels=48, out_channels=48),
+}
+"""The transformer sizes of the releases, in diffusers' names (all heads of 128, text width 4096,
+patches 1x2x2): what `full_transformer_config(size=...)` builds."""
 FULL_LAYERS = 40
 TEXT_TOKENS = 512  # the pipeline's max_sequence_length: umT5 tokens, zero-padded after the prompt
 TEXT_DIM = 4096  # umT5-XXL's width
@@ -132,19 +150,25 @@ SPEC = FamilySpec(
     name=FAMILY, module=__name__, full_id=FULL_ID, sharding=SHARDING, mask="padding", layer_prefix="blocks.0.",
     title="Wan 2.1 / 2.2 (14B t2v on the full preset): umT5 -> transformer (or two experts) -> VAE",
     releases={FULL_ID: {}, FULL_ID_22: {"experts": 2}, FULL_ID_I2V: {"image_to_video": True},
-              FULL_ID_22_I2V: {"experts": 2, "image_to_video": True}},
+              FULL_ID_22_I2V: {"experts": 2, "image_to_video": True}, SMALL_ID: {"size": "1.3B"},
+              TI2V_ID: {"size": "5B"}},
 )
 """This family in the registry (`tpupedia.families`)."""
 
 
 # --- configs -----------------------------------------------------------------------------------
 
-def full_transformer_config(layers: int | None = None) -> dict[str, Any]:
-    """Wan 2.1 T2V 14B's transformer (each Wan 2.2 A14B expert has the same shapes): diffusers'
-    `WanTransformer3DModel` defaults, 40 blocks of 40 heads of 128, FFN 13,824."""
-    return dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16, out_channels=16,
-                text_dim=TEXT_DIM, freq_dim=256, ffn_dim=13824, num_layers=FULL_LAYERS if layers is None else layers,
-                cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
+def full_transformer_config(layers: int | None = None, size: str = "14B") -> dict[str, Any]:
+    """A release's transformer (`SIZES`): Wan 2.1 T2V 14B's by default (each Wan 2.2 A14B expert
+    has the same shapes), 40 blocks of 40 heads of 128, FFN 13,824; `"1.3B"` (30 blocks of 12
+    heads) or `"5B"` (Wan 2.2 TI2V: 30 blocks of 24 heads over 48 latent channels). `layers`
+    overrides the block count (a shallow plan)."""
+    if size not in SIZES:
+        raise ModelInputError(f"size={size!r} is not one of {', '.join(SIZES)}")
+    facts = SIZES[size]
+    return dict(patch_size=(1, 2, 2), attention_head_dim=128, text_dim=TEXT_DIM, freq_dim=256,
+                cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024,
+                **(facts | {"num_layers": facts["num_layers"] if layers is None else layers}))
 
 
 def full_text_encoder_config() -> dict[str, Any]:
@@ -154,25 +178,30 @@ def full_text_encoder_config() -> dict[str, Any]:
                 is_gated_act=True, tie_word_embeddings=False)
 
 
-def full_configs(experts: int = 1, image_to_video: bool = False) -> dict[str, dict]:
+def full_configs(experts: int = 1, image_to_video: bool = False, size: str = "14B") -> dict[str, dict]:
     """The release's component configs, as `component_configs` reads them, for planning without a
     download (`tpupedia plan`): Wan 2.1 14B, or with `experts=2` Wan 2.2 A14B (a second
     transformer of the same shapes and the boundary). `image_to_video`: the I2V releases' (36
-    input channels; Wan 2.1's CLIP image encoder and the transformer's image projections)."""
+    input channels; Wan 2.1's CLIP image encoder and the transformer's image projections).
+    `size="1.3B"`: Wan2.1-T2V-1.3B (`SMALL_ID`: the 14B's VAE, text encoder and scheduler);
+    `size="5B"`: Wan2.2-TI2V-5B (`TI2V_ID`: its own VAE, `TI2V_VAE_CONFIG`, flow shift 5 and
+    `expand_timesteps`)."""
     import torch
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
     from transformers import UMT5Config
 
+    ti2v = size == "5B"
     with torch.device("meta"):
-        transformer = dict(WanTransformer3DModel(**full_transformer_config(layers=1)).config)
-        vae = dict(AutoencoderKLWan().config)
-    transformer |= {"num_layers": FULL_LAYERS}
+        transformer = dict(WanTransformer3DModel(**full_transformer_config(layers=1, size=size)).config)
+        vae = dict(AutoencoderKLWan(**(TI2V_VAE_CONFIG if ti2v else {})).config)
+    transformer |= {"num_layers": SIZES[size]["num_layers"]}
     if image_to_video:
         image_dim = None if experts == 2 else full_image_encoder_config()["hidden_size"]
         transformer = i2v_transformer_config(transformer, vae["z_dim"], DEFAULT_SHAPES.temporal, image_dim)
-    configs = {"transformer": transformer, "vae": vae, "scheduler": dict(UniPCMultistepScheduler(**SCHEDULER_CONFIG).config),
+    scheduler = SCHEDULER_CONFIG | ({"flow_shift": TI2V_FLOW_SHIFT} if ti2v else {})
+    configs = {"transformer": transformer, "vae": vae, "scheduler": dict(UniPCMultistepScheduler(**scheduler).config),
                "text_encoder": UMT5Config(**full_text_encoder_config()).to_dict(),
-               "pipeline": {"boundary_ratio": None, "expand_timesteps": False}}
+               "pipeline": {"boundary_ratio": None, "expand_timesteps": ti2v}}
     if experts == 2:
         ratio = BOUNDARY_RATIO_I2V if image_to_video else BOUNDARY_RATIO
         configs |= {"transformer_2": dict(transformer), "pipeline": {"boundary_ratio": ratio, "expand_timesteps": False}}
@@ -249,6 +278,39 @@ TI2V_VAE = dict(is_residual=True, in_channels=12, out_channels=12, patch_size=2,
 """What Wan 2.2 TI2V-5B's VAE changes (its config in Wan-AI/Wan2.2-TI2V-5B-Diffusers): residual
 blocks, pixels patchified 2x2 into 12 channels, a wider decoder, 16x in space in all; the tiny
 checkpoint's `vae` override for that layout."""
+
+
+# Wan2.2-TI2V-5B's VAE (its vae/config.json), from huggingface/diffusers
+# scripts/convert_wan_to_diffusers.py (commit 7d5682739a1ee5b25bb9f5a81c573ea7e38d8e22),
+# `vae22_diffusers_config`; the rest (dim_mult [1, 2, 4, 4], num_res_blocks 2, temperal_downsample)
+# are `AutoencoderKLWan`'s defaults (its `clip_output=False` is no argument of this diffusers). 48 latent
+# channels, 16x in space (2x2 patchify, then 8x).
+TI2V_VAE_CONFIG: dict[str, Any] = TI2V_VAE | dict(
+    base_dim=160, z_dim=48, scale_factor_temporal=4,
+    latents_mean=[-0.2289, -0.0052, -0.1323, -0.2339, -0.2799, 0.0174, 0.1838, 0.1557, -0.1382, 0.0542, 0.2813,
+                  0.0891, 0.1570, -0.0098, 0.0375, -0.1825, -0.2246, -0.1207, -0.0698, 0.5109, 0.2665, -0.2108,
+                  -0.2158, 0.2502, -0.2055, -0.0322, 0.1109, 0.1567, -0.0729, 0.0899, -0.2799, -0.1230, -0.0313,
+                  -0.1649, 0.0117, 0.0723, -0.2839, -0.2083, -0.0520, 0.3748, 0.0152, 0.1957, 0.1433, -0.2944,
+                  0.3573, -0.0548, -0.1681, -0.0667],
+    latents_std=[0.4765, 1.0364, 0.4514, 1.1677, 0.5313, 0.4990, 0.4818, 0.5013, 0.8158, 1.0344, 0.5894, 1.0901,
+                 0.6885, 0.6165, 0.8454, 0.4978, 0.5759, 0.3523, 0.7135, 0.6804, 0.5833, 1.4146, 0.8986, 0.5659,
+                 0.7069, 0.5338, 0.4889, 0.4917, 0.4069, 0.4999, 0.6866, 0.4093, 0.5709, 0.6065, 0.6415, 0.4944,
+                 0.5726, 1.2042, 0.5458, 1.6887, 0.3971, 1.0600, 0.3943, 0.5537, 0.5444, 0.4089, 0.7468, 0.7744],
+)
+TI2V_FLOW_SHIFT = 5.0
+"""Wan2.2-TI2V-5B's scheduler `flow_shift` (diffusers' conversion script, as above: 5.0 for TI2V;
+Wan-Video/Wan2.2 wan/configs/wan_ti2v_5B.py `sample_shift = 5.0`)."""
+
+RELEASE_REQUESTS: dict[str, dict[str, Any]] = {
+    # Wan-Video/Wan2.1 README: the 1.3B model runs 480p (832x480), 81 frames, at 16 fps
+    # (wan/configs/shared_config.py sample_fps = 16); steps and guidance stay the family's defaults.
+    SMALL_ID: dict(frames=81, height=480, width=832, fps=16),
+    # Wan-Video/Wan2.2 wan/configs/wan_ti2v_5B.py: frame_num 121, sample_fps 24, 50 steps, guide scale 5.0;
+    # its README's 720p is 1280x704 (SUPPORTED_SIZES "ti2v-5B": 704*1280, 1280*704).
+    TI2V_ID: dict(frames=121, height=704, width=1280, fps=24, steps=50, guidance=5.0),
+}
+"""Each built-in release whose default video differs from the full preset's (`default_request`):
+the fields `tpupedia plan --model ID` starts from (`StagedPipeline.release_request`)."""
 
 
 def tiny_text_encoder_config() -> dict[str, Any]:

@@ -329,6 +329,9 @@ class CogVideoX(common.StagedPipeline):
 
         i2v = request.image is not None
         ofs = self.configs["transformer"].get("ofs_embed_dim") is not None  # the 1.5 release's image-to-video input
+        # CogVideoX 1.0 (2b) adds sinusoidal positions in its patch embedding and takes no RoPE: diffusers'
+        # pipeline passes image_rotary_emb=None for it (the config's default is False, as diffusers reads it)
+        rope = bool(self.configs["transformer"].get("use_rotary_positional_embeddings", False))
 
         def step(weights, buffers, latents, old_pred, text, cos, sin, i, guidance, noise, image=None):
             self.traces["denoise"] += 1
@@ -338,7 +341,7 @@ class CogVideoX(common.StagedPipeline):
             t = jnp.broadcast_to(tables["timesteps"][i], (x.shape[0],))
             extra = {"ofs": jnp.full((1,), 2.0, x.dtype)} if i2v and ofs else {}  # as the stock pipeline passes it
             out = fm(weights, buffers, hidden_states=x, encoder_hidden_states=text, timestep=t,
-                     image_rotary_emb=(cos, sin), **extra)[0]
+                     image_rotary_emb=(cos, sin) if rope else None, **extra)[0]
             pred = out.astype(jnp.float32)
             if guided:
                 uncond, cond = pred[:1], pred[1:]

@@ -523,6 +523,14 @@ class StagedPipeline:
         return cls.family.FULL_ID_I2V if cls.image_to_video and request.image is not None else cls.family.FULL_ID
 
     @classmethod
+    def release_request(cls, model: str | None) -> dict:
+        """The request fields a built-in release runs by default where they differ from the full
+        preset's (`family.RELEASE_REQUESTS`: CogVideoX-2b's 720x480 and 49 frames, Wan 1.3B's
+        832x480), so `tpupedia plan --model ID` plans the video that release makes; `{}` for
+        any other model."""
+        return dict(getattr(cls.family, "RELEASE_REQUESTS", {}).get(model, {}))
+
+    @classmethod
     def plan_configs(cls, request: Request, model: str) -> dict[str, dict]:
         """The component configs `tpupedia.plan` plans for `request` from `model` (a hub id or
         folder; `plan.make` defaults it to `release_id`). A release the family builds in
