@@ -426,8 +426,9 @@ assert one.attention == "splash " + "/".join(map(str, cogvideox.SPLASH_BLOCK_SIZ
 # %%
 from IPython.display import Markdown
 
-full_plans = [r for r in results.load(Path("..") / plan.DEFAULT_RECORDS)
-              if r["layers"] == 1 and [s["stage"] for s in r["stages"]] == ["text", "denoise"]]
+full_plans = [r for r in results.load(Path("..") / plan.DEFAULT_RECORDS)  # the two families' releases on v6e
+              if r["layers"] == 1 and [s["stage"] for s in r["stages"]] == ["text", "denoise"]
+              and r["topology"].startswith("v6e:") and r["family"] in ("cogvideox", "hunyuan")]
 peaks = {(r["family"], r["chips"]): {s["stage"]: s["peak"] for s in r["stages"]} for r in full_plans}
 rows = ["| model | request | slice | text | denoise | binding |", "|---|---|---|---|---|---|"]
 for r in sorted(full_plans, key=lambda r: (r["family"], -r["chips"])):
