@@ -394,7 +394,7 @@ def test_the_hosted_setup_is_not_full_size_work_but_the_same_call_elsewhere_is()
     after the setup's end marker is reported."""
     from tpupedia import notebooks
 
-    setup = notebooks.hosted_setup("https://github.com/example/gpu-tpu-pedia") + "\n" + notebooks._SETUP_LAST + "\n"
+    setup = notebooks.hosted_setup("https://github.com/example/gpu-tpu-pedia") + "\n"
     assert not find_problems(setup).problems
     assert len(find_problems(setup + 'subprocess.run(["tpupedia", "generate"], check=True)\n').problems) == 1
 

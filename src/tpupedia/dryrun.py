@@ -340,8 +340,8 @@ def compiled_or_recorded(compile_now: bool, model: str, topology: str, resolutio
     want = {"model": model, "topology": topology, "width": width, "height": height, "frames": frames,
             "sharding": sharding, "attention": attention, "mask": mask, "mesh": dict(zip(("dp", "tp"), mesh_shape))}
     for r in results.load(Path(records)):
-        if all(r.get(k) == v for k, v in want.items()) and (layers is None or r.get("layers_compiled") == layers) \
-                and (layers is not None or r.get("layers_compiled") == r.get("layers_full")):
+        if all(r.get(k) == v for k, v in want.items()) \
+                and r.get("layers_compiled") == (r.get("layers_full") if layers is None else layers):
             return r
     raise LookupError(f"no recorded dry-run of {want} with {layers or 'all'} layers compiled in {records}")
 
