@@ -2,11 +2,18 @@
 
 `{{ hardware_table }}` in a page becomes the chip table from `tpupedia.hardware`;
 `{{ figure:NAME }}` becomes one named number from its source (`tpupedia.figures`);
-`{{ zh_terms }}` becomes the Chinese edition's glossary from `docs/zh/terms.yml`.
+`{{ zh_terms }}` becomes the Chinese edition's glossary from `docs/zh/terms.yml`;
+`{{ plans_table }}` every recorded plan, `{{ v5e_plans_table }}` those for v5e slices and one chip.
+
+On notebook pages it also folds the cells a lesson tags (`FOLDED`): an exercise's solution and the
+asserts that check a claim stay on the page, executed in CI, behind a summary line a reader opens.
+mkdocs-jupyter cannot fold a cell itself; nbconvert marks a tagged cell's `<div>` with a
+`celltag_<tag>` class, and `on_page_content` wraps that `<div>` in a `<details>`.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from tpupedia import figures, hardware, results
@@ -112,8 +119,9 @@ def _mesh_table() -> str:
     return "\n".join(lines) + "\n\nMeasured on " + "; ".join(sorted(where)) + "."
 
 
-def _plans_table() -> str:
-    records = results.load(_PLANS) if _PLANS.exists() else []
+def _plans_table(chip: str = "") -> str:
+    """Every recorded plan, or only those for one chip generation (`chip="v5e"`)."""
+    records = [r for r in (results.load(_PLANS) if _PLANS.exists() else []) if r["topology"].startswith(chip)]
     if not records:
         return "*No plan has been recorded yet.*"
     gib = 2**30
@@ -269,8 +277,41 @@ def on_page_markdown(markdown, page, config, files):  # noqa: ARG001 - mkdocs ho
     tables = {"families_table": _families_table, "hardware_table": _hardware_table, "bench_table": _bench_table,
               "results_table": _results_table, "deepcache_table": _deepcache_table,
               "pipeline_table": _pipeline_table, "mesh_table": _mesh_table, "plans_table": _plans_table,
+              "v5e_plans_table": lambda: _plans_table("v5e:"),
               "results_chart": _results_chart, "zh_terms": _zh_terms}
     for name, render in tables.items():
         if "{{ " + name + " }}" in markdown:
             markdown = markdown.replace("{{ " + name + " }}", render())
     return figures.render(markdown, Path(__file__).resolve().parents[1])
+
+
+FOLDED = {"solution": "Solution (run it, then compare with your answer)", "check": "Check: the asserts behind this claim"}
+"""Cell tags folded on notebook pages, with the summary line shown in their place."""
+_CELL = re.compile(r'<div class="jp-Cell [^"]*\bcelltag_(' + "|".join(FOLDED) + r')\b[^"]*"[^>]*>')
+_DIV = re.compile(r"<div\b|</div>")
+
+
+def fold_tagged_cells(html: str) -> str:
+    """Wrap every cell `<div>` whose class names a `FOLDED` tag in a closed `<details>` whose
+    class is the tag. A cell's `<div>` nests others, so its end is found by counting them."""
+    out, at = [], 0
+    for start in _CELL.finditer(html):
+        if start.start() < at:  # inside a cell already folded (cells do not nest; defensive)
+            continue
+        depth, end = 0, None
+        for tag in _DIV.finditer(html, start.start()):
+            depth += 1 if tag.group(0) == "<div" else -1
+            if depth == 0:
+                end = tag.end()
+                break
+        if end is None:
+            raise ValueError(f"docs/hooks.py: a {start.group(1)} cell's <div> is never closed")
+        kind = start.group(1)
+        out += [html[at:start.start()], f'<details class="{kind}"><summary>{FOLDED[kind]}</summary>',
+                html[start.start():end], "</details>"]
+        at = end
+    return "".join(out) + html[at:]
+
+
+def on_page_content(html, page, config, files):  # noqa: ARG001 - mkdocs hook signature
+    return fold_tagged_cells(html) if page.file.src_uri.endswith(".ipynb") else html

@@ -48,7 +48,7 @@
 # | `full` (TPU v6e-8) | nothing: the same arrays on the chips | a few MB per chip | seconds (not measured here: no TPU) |
 #
 # The AOT compile in section 5 runs on the host CPU in both cases.
-# *Reading time: about 7 minutes.*
+# *Reading time: about 10 minutes.*
 
 # %% [markdown]
 # ## 1. One switch: the preset
@@ -92,6 +92,12 @@ presets.get("huge")
 # builds for them (the partitioning, the collectives) is the same kind of program it builds for
 # eight chips. This has to happen before JAX initialises a backend, which is why
 # `simulate_cpu_devices` refuses, loudly, if it is called too late.
+#
+# On a host with one real TPU chip (a Colab or Kaggle TPU runtime, a v5e-1 VM), `chip=True`
+# keeps the chip too, as a second backend. The CPU devices stay JAX's default, so every mesh and
+# model in the course lands on them exactly as here, while the Pallas kernels of notebook
+# `splash_attention` compile on the chip (`devices.kernel_chip()`). Without a chip, as in CI,
+# it is `None`.
 
 # %%
 import jax
@@ -99,12 +105,13 @@ import jax
 from tpupedia import devices
 
 if preset.simulated_devices:
-    devs = devices.simulate_cpu_devices(preset.simulated_devices)
+    devs = devices.simulate_cpu_devices(preset.simulated_devices, chip=True)
 else:
     devs = jax.devices()
 print(f"{len(devs)} devices, platform {devs[0].platform!r}, kind {devs[0].device_kind!r}")
+print("chip for Pallas kernels:", devices.kernel_chip())
 
-# %%
+# %% tags=["check"]
 if preset.simulated_devices:
     assert len(devs) == preset.simulated_devices and devices.platform() == "cpu"
 
@@ -146,9 +153,27 @@ print(f"{slice_.name} is a {slice_.accelerator_type}: {slice_.num_chips} chips, 
       f"{slice_.num_chips * v6e.hbm_bytes / 1e9:.0f} GB of HBM in total, "
       f"{slice_.num_chips * v6e.bf16_flops / 1e15:.2f} PFLOP/s bf16 peak")
 
-# %%
+# %% tags=["check"]
 assert round(v6e.ridge_flops_per_byte) == 560  # 918e12 / 1638e9 = 560.4
 assert slice_.accelerator_type == "v6e-8" and slice_.num_chips == 8
+
+# %% [markdown]
+# ### Exercise 1: the ridge point of the chip Colab lends
+#
+# Colab and Kaggle lend smaller TPUs than a v6e (guide: a free or small TPU); one of them is the
+# v5e, whose facts `hardware.chip("v5e")` keeps. **Predict** first: is the v5e's ridge point above
+# or below the v6e's 560 FLOP/byte, and so does a layer on a v5e need more or fewer tokens per chip
+# in flight before it is compute-bound? Then open the solution and run it.
+
+# %% tags=["solution"]
+v5e = hardware.chip("v5e")
+print(f"v5e: {v5e.bf16_flops / 1e12:.0f} TFLOP/s over {v5e.hbm_bytes_per_s / 1e9:.0f} GB/s = "
+      f"{v5e.ridge_flops_per_byte:.0f} FLOP/byte, against the v6e's {v6e.ridge_flops_per_byte:.0f}")
+
+# %% tags=["check"]
+# lower: the v5e's math units are slower relative to its memory, so fewer tokens per chip keep it busy
+assert v5e.ridge_flops_per_byte < v6e.ridge_flops_per_byte
+assert round(v5e.ridge_flops_per_byte) == round(197e12 / 819e9)  # Google's v5e page: 197 TFLOP/s, 819 GB/s
 
 # %% [markdown]
 # ## 4. A mesh, and a sharded matmul
@@ -225,6 +250,31 @@ if mesh.shape["model"] > 1:  # partial sums exist only when the contracting dim 
     assert aot.collective_counts(row_split.as_text()).get("all-reduce", 0) >= 1
 
 # %% [markdown]
+# ### Exercise 2: split the weight over both axes
+#
+# Keep `x` whole on every device (`P()`) and split `w`'s output features over *both* mesh axes,
+# `P(None, ("data", "model"))`, so each of the eight devices holds two of its sixteen columns.
+# **Predict** first: does the compiled program need a collective, and what is the output's
+# `PartitionSpec`? Then run the solution, which compiles it and checks the values.
+
+# %% tags=["solution"]
+both_axes = jax.jit(up_proj).lower(
+    jax.device_put(x, NamedSharding(mesh, P())),
+    jax.device_put(w, NamedSharding(mesh, P(None, ("data", "model")))),
+).compile()
+with jax.default_matmul_precision("highest"):
+    y_both = both_axes(jax.device_put(x, NamedSharding(mesh, P())),
+                       jax.device_put(w, NamedSharding(mesh, P(None, ("data", "model")))))
+print("output sharding:", y_both.sharding.spec)
+print("collectives:", aot.collective_counts(both_axes.as_text()) or "none")
+
+# %% tags=["check"]
+# No collective: each device still owns whole output columns; only the contracting dim needs a sum.
+assert aot.collective_counts(both_axes.as_text()) == {}
+assert y_both.sharding.spec == P(None, ("data", "model"))
+np.testing.assert_allclose(np.asarray(y_both), reference, atol=1e-5)
+
+# %% [markdown]
 # ## 5. Compile for a TPU you do not have
 #
 # `jax.jit(f).lower(...)` needs only the *shapes, dtypes and shardings* of the arguments, not
@@ -265,6 +315,27 @@ assert result.memory.outputs == expected_out
 assert result.memory.peak < v6e.hbm_bytes
 
 # %% [markdown]
+# ### Exercise 3: the same program for an 8-chip v5e host
+#
+# A v5e chip has half a v6e's HBM. **Predict** first: compiled for `v5e:2x4` with the same mesh and
+# shardings, how many bytes of arguments does each chip hold, and does the program still fit? Then
+# run the solution: it builds the v5e mesh and compiles the up-projection for it.
+
+# %% tags=["solution"]
+v5e_mesh = devices.topology_mesh("v5e:2x4", (2, 4), ("data", "model"))
+on_v5e = aot.compile_aot(
+    up_proj,
+    aot.abstract((tokens, hidden), jnp.bfloat16, NamedSharding(v5e_mesh, P("data", None))),
+    aot.abstract((hidden, mlp), jnp.bfloat16, NamedSharding(v5e_mesh, P(None, "model"))),
+)
+print(v5e_mesh.devices[0, 0].device_kind, "x", v5e_mesh.devices.size, "|", on_v5e.summary())
+
+# %% tags=["check"]
+# The shardings, not the chip, decide the bytes per chip; the chip decides whether they fit.
+assert on_v5e.memory.arguments == expected_args and on_v5e.memory.outputs == expected_out
+assert on_v5e.fits and on_v5e.memory.peak < hardware.chip("v5e").hbm_bytes
+
+# %% [markdown]
 # A program that does not fit is also an answer. Materialising one full attention score matrix
 # for a 131,072-token sequence in float32 needs 64 GiB for the scores alone, twice a v6e's HBM.
 # The TPU compiler refuses, with its own figures; `compile_aot` returns them rather than
@@ -285,7 +356,7 @@ too_big = aot.compile_aot(attention_scores, q_abstract, q_abstract)
 print(too_big.oom_message)
 print(too_big.summary())
 
-# %%
+# %% tags=["check"]
 assert not too_big.fits
 assert too_big.oom_required_bytes > too_big.oom_available_bytes
 assert too_big.oom_available_bytes <= v6e.hbm_bytes * 1.1  # the compiler's budget is one chip's HBM
@@ -302,3 +373,58 @@ assert too_big.oom_available_bytes <= v6e.hbm_bytes * 1.1  # the compiler's budg
 #   "Will it fit, and how is it sharded?" becomes a question CI can answer.
 #
 # Next: notebook `hf_model_in_jax`, a Hugging Face model in JAX with torchax (see the learning path).
+
+# %% [markdown]
+# ## Self-check
+#
+# 1. Why must `simulate_cpu_devices` run before anything touches a JAX device, and what does it do
+#    if it is called too late?
+#
+#    <details><summary>Answer</summary>
+#
+#    JAX fixes its device set when the first backend initialises; the number of CPU devices cannot
+#    change afterwards. Called too late, it raises `DeviceSetupError` instead of silently leaving one
+#    device, and the fix is to restart the kernel.
+#
+#    </details>
+#
+# 2. A layer on a v6e multiplies 64 tokens per chip by a large weight. Is it limited by the chip's
+#    math units or by its memory, and why?
+#
+#    <details><summary>Answer</summary>
+#
+#    By memory. Its arithmetic intensity is about 64 FLOPs per byte, far below the v6e's ridge point
+#    of about 560 FLOP/byte, so the chip waits on HBM to deliver the weight.
+#
+#    </details>
+#
+# 3. Which split of `x @ w` needs an all-reduce, and which needs none?
+#
+#    <details><summary>Answer</summary>
+#
+#    Splitting the contracting dimension (the columns of `x` and the rows of `w`) leaves each device
+#    a partial sum, which an all-reduce adds up. Splitting the rows of `x` or the output columns of
+#    `w` gives each device whole output values, with nothing to communicate.
+#
+#    </details>
+#
+# 4. What does an ahead-of-time compile for a TPU need to know about its arguments, and what does
+#    it not need?
+#
+#    <details><summary>Answer</summary>
+#
+#    Their shapes, dtypes and shardings over the slice's devices (`jax.ShapeDtypeStruct`). It needs
+#    no values and no chip, only `libtpu` on the host.
+#
+#    </details>
+#
+# 5. On a Colab runtime with one TPU chip, where do the tiny preset's meshes live, and what is the
+#    chip used for?
+#
+#    <details><summary>Answer</summary>
+#
+#    On eight simulated CPU devices, which stay JAX's default backend, so every mesh in the course
+#    has its eight devices. The chip is a second backend for the Pallas kernels, which compile on it
+#    (`devices.kernel_chip()`).
+#
+#    </details>

@@ -31,7 +31,7 @@
 # | `tiny` (2-core CPU, CI) | a random two-layer Llama (115,008 parameters, float32) that the notebook writes with `save_pretrained` and reads back | 0.46 MB of weights; about 1.1 GB of host RAM at peak for PyTorch, JAX with its 8 simulated devices and the compiled programs (measured here) | about 25 s for all cells (30 s with the kernel start), measured here on a 2-core CPU |
 # | `full` (TPU v6e-8) | `meta-llama/Llama-2-7b-hf` (gated: accept the licence on the Hub and set `HF_TOKEN`): 6.74 B parameters, 13.5 GB in bfloat16 | the 13.5 GB of weights on **one** chip (32 GB HBM; the other seven stay idle), plus 1.33 GB for section 5's two-layer slice and 1.33 GB more while its captured-constant program exists, plus 0.5 MB per cached token in section 7 (2 × 32 layers × 32 heads × 128 × 2 bytes), a few MB for this short prompt; host RAM holds the 13.5 GB checkpoint for the PyTorch reference. Computed from the shapes, not measured here (no TPU) | not measured here (no TPU) |
 #
-# *Reading time: about 13 minutes.*
+# *Reading time: about 16 minutes.*
 
 # %% [markdown]
 # The first cell does what notebook `start_here` did step by step: read the preset, create the simulated
@@ -123,7 +123,7 @@ rounded = llm.compare_logits(reference_logits.to(torch.bfloat16), reference_logi
 print("reference rounded to bfloat16:", rounded)
 print("bfloat16 step at 10 and at 20:", llm.bf16_step([10.0, 20.0]))
 
-# %%
+# %% tags=["check"]
 assert rounded.relative <= 2**-8 and rounded.ok  # one rounding: at most half a step, 2^-8 of the value
 
 # %% [markdown]
@@ -227,7 +227,7 @@ leaves, treedef = jax.tree_util.tree_flatten(CausalLMOutputWithPast(logits=torch
 by_name = jax.tree_util.tree_unflatten(treedef, leaves)
 print("loss:", by_name.loss, "| logits:", by_name.logits)
 
-# %%
+# %% tags=["check"]
 assert rebuilt.loss is not None and rebuilt.logits is None  # the lossy recipe moved the field
 assert by_name.loss is None and torch.equal(by_name.logits, torch.ones(2))
 
@@ -263,7 +263,7 @@ ax.legend(fontsize=8)
 plt.tight_layout()
 plt.show()
 
-# %%
+# %% tags=["check"]
 assert max(eager_agreement.per_position + jit_agreement.per_position) <= jit_agreement.bound
 
 # %% [markdown]
@@ -332,10 +332,56 @@ print("compiled variants:", jm.compiled_variants)
 for name, out in (("static_argnums", static_logits), ("JitModule", no_cache), ("JitModule, tuple", as_tuple)):
     print(f"{name:17s}", llm.compare_logits(out, reference_logits, preset.dtype))
 
-# %%
+# %% tags=["check"]
 assert jm.compiled_variants == 2  # one per distinct set of static keyword values
 for out in (static_logits, no_cache, as_tuple):
     assert llm.compare_logits(out, reference_logits, preset.dtype).ok
+
+# %% [markdown]
+# ### Exercise 1: count the traces, static against traced
+#
+# A static argument lets Python branch on it and costs one program per distinct value. Jit a
+# small function `scaled(x, n)` that returns `x * n` twice: once with `n` static, once with `n`
+# traced, each counting its own traces (a counter the function bumps, which runs only while it
+# is traced). Call the static one with the Python ints 1, 2, 2, 3 and the traced one with
+# `jnp.int32` scalars of the same values. **Predict** both counts, and a third: how many traces
+# the traced version adds when it is next called with the plain Python ints 5, then 6. Then
+# open the solution, run it, and compare.
+
+# %% tags=["solution"]
+import jax.numpy as jnp
+
+scale_traces = {"static": 0, "traced": 0}
+
+
+def scaled_static(x, n):
+    scale_traces["static"] += 1  # runs only while tracing
+    return x * n
+
+
+def scaled_traced(x, n):
+    scale_traces["traced"] += 1
+    return x * n
+
+
+scaled_s = jax.jit(scaled_static, static_argnums=(1,))
+scaled_t = jax.jit(scaled_traced)
+x_small = jnp.arange(3.0)
+for n in (1, 2, 2, 3):
+    scaled_s(x_small, n)
+    scaled_t(x_small, jnp.int32(n))
+print("traces after 1, 2, 2, 3:", "static", scale_traces["static"], "| traced", scale_traces["traced"])
+for n in (5, 6):
+    scaled_t(x_small, n)
+print("traced version after the Python ints 5 and 6:", scale_traces["traced"])
+# Static: one trace per distinct value (1, 2, 3); the second 2 reuses its program. Traced: one
+# trace for all four, since a tracer carries only shape and dtype. The Python int adds one more:
+# JAX gives a Python scalar a *weak* type (it adopts the dtype of what it meets), a different
+# abstract value from a strong jnp.int32, so the cache misses once; 6 reuses the program of 5.
+
+# %% tags=["check"]
+assert scale_traces["static"] == 3 and scale_traces["traced"] == 2
+assert float(scaled_t(x_small, 7)[2]) == 14.0 and scale_traces["traced"] == 2
 
 # %% [markdown]
 # ## 5. Weights as arguments, not captured constants
@@ -412,10 +458,39 @@ print(f"captured from the whole model, it would be {model_bytes:,} bytes of cons
 slice_agreement = llm.compare_logits(as_argument(slice_weights, ids_array), slice_reference, preset.dtype)
 print("slice, weights as arguments, vs PyTorch:", slice_agreement)
 
-# %%
+# %% tags=["check"]
 assert constant_bytes["passed"] == 0 and constant_bytes["captured"] > 0.99 * slice_bytes
 assert argument_bytes["passed"] > 0.99 * slice_bytes and argument_bytes["captured"] < 0.01 * slice_bytes
 assert slice_agreement.ok, slice_agreement
+
+# %% [markdown]
+# ### Exercise 2: capture only the vocabulary tables
+#
+# Capturing is not all or nothing: whatever array a traced function reads from outside its
+# arguments becomes a constant. Write a version of `slice_logits` that takes every slice weight
+# as an argument *except* the two vocabulary tables, `model.embed_tokens.weight` and
+# `lm_head.weight` (this Llama does not tie them), which it reads from `slice_weights`.
+# **Predict** from the config alone how many bytes of constants `jax.make_jaxpr` will list, and
+# what fraction of the slice's bytes that is. Then open the solution, run it, and compare.
+
+# %% tags=["solution"]
+vocab_tables = ("model.embed_tokens.weight", "lm_head.weight")
+other_weights = {k: v for k, v in slice_weights.items() if k not in vocab_tables}
+
+
+def tables_captured(weights, x):
+    return slice_logits({**weights, **{k: slice_weights[k] for k in vocab_tables}}, x)
+
+
+table_consts = jax.make_jaxpr(tables_captured)(other_weights, ids_array).consts
+table_bytes = sum(c.nbytes for c in table_consts)
+predicted_table_bytes = 2 * slice_config.vocab_size * slice_config.hidden_size * model.dtype.itemsize
+print(f"captured: {len(table_consts)} arrays, {table_bytes:,} bytes (predicted {predicted_table_bytes:,}), "
+      f"{table_bytes / slice_bytes:.0%} of the slice")
+
+# %% tags=["check"]
+assert len(table_consts) == 2 and table_bytes == predicted_table_bytes
+assert sorted(c.shape for c in table_consts) == [(slice_config.vocab_size, slice_config.hidden_size)] * 2
 
 # %% [markdown]
 # ## 6. Greedy decoding, three ways
@@ -510,7 +585,7 @@ for name, got in decoded.items():
     print(f"{name:9s} {tokenizer.decode(got[0, prompt_len:])!r}: same as growing {same}/{new_tokens}, "
           f"as PyTorch generate {cpu}/{new_tokens}")
 
-# %%
+# %% tags=["check"]
 assert all(torch.equal(got, growing_tokens) for got in decoded.values())
 assert traces["growing"] == new_tokens and traces["buffer"] == 1
 if preset.dtype == "float32":
@@ -593,6 +668,29 @@ short_cache_error = expect(lambda: model.generate(ids, max_new_tokens=new_tokens
 assert "out of bounds" in str(short_cache_error)
 
 # %% [markdown]
+# ### Exercise 3: how many positions the cache really needs
+#
+# Experiment 1 sized the cache to prompt + new tokens. Count the writes instead: the prefill
+# writes the prompt, and each later step writes the one token it is fed. **Predict** the
+# smallest `cache_len` into which every write lands, and how many tokens each layer's cache holds
+# at the end of the decode. Check it with `llm.greedy_decode` through the same `step`: it returns
+# the tokens and each layer's final count, and the tokens must still be `right_size`.
+
+# %% tags=["solution"]
+smallest_len = prompt_len + new_tokens - 1  # the last new token is produced but never fed back
+with env, jax.default_matmul_precision("highest"):
+    smallest_tokens, smallest_counts = llm.greedy_decode(step, jitted.params, jitted.buffers, ids, config,
+                                                         smallest_len, new_tokens, dtype=model.dtype)
+print(f"cache of {smallest_len} = {prompt_len} + {new_tokens} - 1: same tokens as right_size "
+      f"{torch.equal(smallest_tokens, right_size)}, tokens held per layer {sorted(set(smallest_counts))}")
+# One position fewer drops the write of the last token fed: the final step then attends without
+# its own key and value. Its logits change; on a given model the argmax may or may not.
+
+# %% tags=["check"]
+assert torch.equal(smallest_tokens, right_size) and set(smallest_counts) == {smallest_len}
+assert len(smallest_counts) == config.num_hidden_layers
+
+# %% [markdown]
 # ## Takeaways
 #
 # * One loading path: the tiny preset writes a checkpoint with `save_pretrained` and loads it with
@@ -612,3 +710,61 @@ assert "out of bounds" in str(short_cache_error)
 # * Fixed shapes are the price of compilation: a fixed buffer or a `fori_loop` decodes with one
 #   compile, and a static KV cache needs room for **prompt + new tokens**. Under JAX an
 #   out-of-range write is dropped silently, so size it right.
+
+# %% [markdown]
+# ## Self-check
+#
+# 1. Why does the float32 parity check run inside `jax.default_matmul_precision("highest")`, and
+#    why would the same check pass on this CPU without it?
+#
+#    <details><summary>Answer</summary>
+#
+#    On a TPU, JAX computes float32 matmuls in bfloat16 passes by default, about 1e-3 relative off,
+#    which would fail a 1e-5 bound for reasons unrelated to torchax. A CPU ignores the setting and
+#    always multiplies float32 in float32, so only the TPU run would expose the missing context.
+#
+#    </details>
+#
+# 2. What goes wrong if an output class is registered as a pytree with `to_tuple()` and rebuilt
+#    by position?
+#
+#    <details><summary>Answer</summary>
+#
+#    `to_tuple()` skips the fields that are `None`, so rebuilding by position shifts the remaining
+#    fields into the wrong slots: the logits came back as the `loss`. Flattening by field name,
+#    with the names as static data, rebuilds every field where it was.
+#
+#    </details>
+#
+# 3. Why does `use_cache=False` fail as a traced argument, and what does making it static cost?
+#
+#    <details><summary>Answer</summary>
+#
+#    The model's `if use_cache:` asks for a Python truth value, and a tracer has none until run
+#    time, hence the `ConcretizationTypeError`. A static argument is part of the cache key, so each
+#    distinct value traces and compiles its own program (`JitModule` counted two).
+#
+#    </details>
+#
+# 4. A jitted closure reads the 13.5 GB of Llama-2-7B weights from outside its arguments. What
+#    happens on a 32 GB v6e chip, and what is the fix?
+#
+#    <details><summary>Answer</summary>
+#
+#    The trace turns the weights into constants baked into the program, a second 13.5 GB copy next
+#    to the weights already on the chip, 27 GB before any activation. Passing the weights as
+#    arguments captures nothing (`make_jaxpr(...).consts` is empty).
+#
+#    </details>
+#
+# 5. A static KV cache sized to the new tokens only raises an `IndexError` in PyTorch. Why does
+#    the same cache under JAX produce text instead, and why is that worse?
+#
+#    <details><summary>Answer</summary>
+#
+#    JAX drops writes past the end of an array rather than raising, on every backend, so the steps
+#    after the cache fills attend to a cache missing their latest keys and values. The model
+#    quietly generates different tokens and no error says so; only a comparison with a correctly
+#    sized decode reveals it.
+#
+#    </details>

@@ -35,7 +35,7 @@
 # | `full` (TPU v6e-8) | the same tiny Llama; section 5 compiles a 2-layer, 2,048-wide Llama for the chips | about 175 MiB per chip for the section-5 program (AOT here: 122.5 arguments + 31.3 outputs + 20.1 temporaries) | about the same: the section-5 compile runs on the host CPU (not measured on a TPU VM) |
 #
 # The sharding lessons need eight devices: on a machine with fewer (one GPU, say), run this
-# notebook with `tiny`, which simulates eight. *Reading time: about 13 minutes.*
+# notebook with `tiny`, which simulates eight. *Reading time: about 15 minutes.*
 
 # %%
 # %xmode Minimal
@@ -89,7 +89,7 @@ jax.debug.visualize_array_sharding(x_sharded)
 x_cols = jax.device_put(x, NamedSharding(mesh, P(None, "tp")))
 jax.debug.visualize_array_sharding(x_cols)
 
-# %%
+# %% tags=["check"]
 assert x_sharded.sharding.shard_shape(x.shape) == (4, 2)
 assert x_cols.sharding.shard_shape(x.shape) == (8, 2)
 assert {s.data.shape for s in x_sharded.addressable_shards} == {(4, 2)}
@@ -279,7 +279,7 @@ for strategy, r in results.items():
     print(f"{strategy:>14}: max |logits - PyTorch CPU| {results_.error_text(diff)}; "
           f"logits sharding {r['logits'].sharding.spec}")
 
-# %%
+# %% tags=["check"]
 for r in results.values():
     np.testing.assert_allclose(np.asarray(r["logits"]), reference_logits, atol=1e-5, rtol=0)
 
@@ -372,6 +372,32 @@ assert fsdp_gathered >= 7 * nlayers  # every decoder weight matrix, gathered whe
 assert sent["tp_transposed"] > 2 * sent["tp"] and sent["fsdp"] > sent["tp"]
 
 # %% [markdown]
+# ### Exercise 1: a table that splits only the MLP
+#
+# Write a rule table of two rules that shards only the MLP the Megatron way (`gate_proj` and
+# `up_proj` column-parallel, `down_proj` row-parallel over `tp`) and leaves attention and the
+# embeddings replicated. **Predict** first: how many all-reduces does the compiled forward hold
+# for this 2-layer model, and how many all-gathers? Then run the solution, which shards a fresh copy
+# with your table exactly as `run` does, and compare.
+
+# %% tags=["solution"]
+mlp_only = [(r".*\.mlp\.(gate_proj|up_proj)\.weight", P("tp", None)),  # column-parallel
+            (r".*\.mlp\.down_proj\.weight", P(None, "tp"))]  # row-parallel: one all-reduce after it
+m = copy.deepcopy(model)
+with env, jax.default_matmul_precision("highest"):
+    m.to("jax")
+    sharding.apply_rules(m, mlp_only, mesh)
+    ids_jax = jax.device_put(jnp.asarray(ids.numpy()), NamedSharding(mesh, P("dp")))
+    mlp_logits = torchax_utils.JitModule(m)(env.j2t_iso(ids_jax)).logits.jax()
+    mlp_only_ops = aot.collective_counts(torchax_utils.FunctionalModule(m, return_dict=False).hlo(ids_jax))
+print("MLP-only table:", mlp_only_ops, "| Megatron tp table:", results["tp"]["collectives"])
+
+# %% tags=["check"]
+# One all-reduce per layer, after down_proj; replicated attention needs nothing gathered.
+assert mlp_only_ops == {"all-reduce": nlayers}, mlp_only_ops
+np.testing.assert_allclose(np.asarray(mlp_logits), reference_logits, atol=1e-5, rtol=0)
+
+# %% [markdown]
 # **A variant from upstream: a replicated second layer.** The upstream HunyuanVideo-1.5 scripts
 # (notebook `hunyuan_video` runs that model) keep Megatron's column-parallel first layer but replicate the second (`fc2`,
 # the `tp_fc2_replicated` table), described as having "no row-parallel all-reduce". The
@@ -430,6 +456,44 @@ hy_tp, hy_fc2 = hy_records["tp"], hy_records["tp_fc2_replicated"]
 assert hy_fc2["collectives"].get("all-gather", 0) > hy_tp["collectives"].get("all-gather", 0)
 assert hy_fc2["collectives"]["all-reduce"] < hy_tp["collectives"]["all-reduce"]
 assert hy_fc2["arguments_bytes"] > hy_tp["arguments_bytes"]
+
+# %% [markdown]
+# ### Exercise 2: the row-parallel layer by hand, with `shard_map`
+#
+# So far the compiler placed every collective. `jax.shard_map(f, mesh=..., in_specs=...,
+# out_specs=...)` turns that around: `f` runs once per device on that device's block, as named by
+# `in_specs`, and communicates only where you write it, for example `jax.lax.psum(v, "tp")`, the sum
+# of `v` over the `tp` axis (an all-reduce). Write `fc2` of the MLP above as a row-parallel layer
+# this way: the hidden activations `(B, S, F)` split on `F` over `tp`, the weight `(D, F)` split on
+# `F` too, each device multiplying its blocks and one `psum` adding the partial outputs. **Predict**
+# first: which collectives does the compiled program hold, and what would the result be without
+# the `psum`? Then run the solution.
+
+# %% tags=["solution"]
+hidden = jax.random.normal(jax.random.key(2), (B, S, F))
+w2 = jax.random.normal(jax.random.key(3), (D, F)) / np.sqrt(F)
+
+
+def row_parallel(h_block, w_block):  # this device's F / 4 columns of h and of w2
+    partial = h_block @ w_block.T  # (B / 2, S, D): this device's share of the sum over F
+    return jax.lax.psum(partial, "tp")
+
+
+fc2_by_hand = jax.jit(jax.shard_map(row_parallel, mesh=mesh, in_specs=(P("dp", None, "tp"), P(None, "tp")),
+                                    out_specs=P("dp")))
+h_in = jax.device_put(hidden, NamedSharding(mesh, P("dp", None, "tp")))
+w_in = jax.device_put(w2, NamedSharding(mesh, P(None, "tp")))
+with jax.default_matmul_precision("highest"):
+    by_hand = fc2_by_hand(h_in, w_in)
+    by_compiler = jnp.einsum("bsf,df->bsd", hidden, w2)
+by_hand_ops = aot.collective_counts(fc2_by_hand.lower(h_in, w_in).compile().as_text())
+print("collectives:", by_hand_ops, "| output sharding:", by_hand.sharding.spec,
+      "| max diff from the unsharded product", results_.error_text(np.abs(by_hand - by_compiler).max()))
+
+# %% tags=["check"]
+# The one collective is the psum we wrote; without it each device would return a quarter-sum.
+assert by_hand_ops == {"all-reduce": 1}
+np.testing.assert_allclose(np.asarray(by_hand), np.asarray(by_compiler), atol=1e-4, rtol=0)
 
 # %% [markdown]
 # And the memory claim, per tensor: every sharded tensor holds exactly `1 / axis size` of its
@@ -508,6 +572,27 @@ print("cache", k_cache.shape, "-> per device", k_cache.sharding.shard_shape(k_ca
 assert k_cache.sharding.shard_shape(kv_shape) == (2, 8 // 2, 4 // 4, 32, 8)
 slices = {tuple((i.start, i.stop) for i in s.index) for s in k_cache.addressable_shards}
 assert len(slices) == 8  # 8 distinct slices, no copies
+
+# %% [markdown]
+# ### Exercise 3: the cache split on heads alone
+#
+# Decoding one long sequence leaves nothing for `dp` to split: take
+# `P(None, None, "tp", None, None)`, heads over `tp` only. **Predict** first: the shape of each
+# device's slice, how many distinct slices the eight devices hold, and how many devices hold each.
+# Then run the solution.
+
+# %% tags=["solution"]
+heads_only = jax.device_put(jnp.zeros(kv_shape, jnp.float32), NamedSharding(mesh, P(None, None, "tp", None, None)))
+holders = {}
+for shard in heads_only.addressable_shards:
+    holders.setdefault(tuple((i.start, i.stop) for i in shard.index), []).append(shard.device)
+print("per device", heads_only.sharding.shard_shape(kv_shape), "|", len(holders), "distinct slices, each on",
+      sorted({len(d) for d in holders.values()}), "devices")
+
+# %% tags=["check"]
+# Four head groups, each copied on both dp rows of the mesh: replication along the axis not named.
+assert heads_only.sharding.shard_shape(kv_shape) == (2, 8, 4 // 4, 32, 8)
+assert len(holders) == mesh.shape["tp"] and all(len(d) == mesh.shape["dp"] for d in holders.values())
 
 # %% [markdown]
 # ## 5. The same program, compiled for a TPU v6e-8
@@ -597,3 +682,60 @@ assert not any(shape in big_weights for op in tpu_ops for shape in op.shapes)
 #   memory before paying for it.
 #
 # Next: notebook `torchax_internals`, torchax internals and the pitfall catalog.
+
+# %% [markdown]
+# ## Self-check
+#
+# 1. A torch `nn.Linear(512, 2048)` is the first layer of an MLP. Which dimension of its
+#    `weight` does Megatron's column-parallel rule split, and why does that layer need no
+#    communication?
+#
+#    <details><summary>Answer</summary>
+#
+#    Dim 0: torch stores the weight as `(out_features, in_features)`, here `(2048, 512)`, and
+#    column-parallel splits the output features. Each device then computes whole output columns
+#    from the whole input; nothing is summed across devices.
+#
+#    </details>
+#
+# 2. Why does a rule table list the tensors no rule matches instead of silently replicating them?
+#
+#    <details><summary>Answer</summary>
+#
+#    A typo in a regex would otherwise replicate a large matrix on every device without a word,
+#    costing memory the plan never showed. Listing them makes the mistake visible before anything
+#    moves.
+#
+#    </details>
+#
+# 3. FSDP held the fewest weight bytes per device here, yet sent more bytes than `tp`. When does
+#    FSDP pay off?
+#
+#    <details><summary>Answer</summary>
+#
+#    When the batch per device is large compared with the weights: FSDP all-gathers every weight
+#    matrix on every forward, a cost that does not grow with the batch, while `tp` moves
+#    activations, which do. With this tiny batch, the weight traffic dominates.
+#
+#    </details>
+#
+# 4. Inside `jax.shard_map`, what does `jax.lax.psum(v, "tp")` compute, and what would a
+#    row-parallel layer return without it?
+#
+#    <details><summary>Answer</summary>
+#
+#    The sum of `v` over the devices along the `tp` axis, an all-reduce, so every device ends with
+#    the full result. Without it each device returns only its partial sum over its quarter of the
+#    contracting dimension.
+#
+#    </details>
+#
+# 5. A `NamedSharding` with `P(None, None, "tp", None, None)` on a `(2, 4)` mesh of `("dp", "tp")`:
+#    how many copies of each slice exist, and why?
+#
+#    <details><summary>Answer</summary>
+#
+#    Two. The spec does not name `dp`, so the array is replicated along it: each of the four `tp`
+#    slices is held by both devices in its column of the mesh.
+#
+#    </details>

@@ -47,7 +47,7 @@
 # | `tiny` (CPU, CI) | tiny random GPT-2, Llama and CogVideoX models built in code | about 1.2 GB of host RAM | about 20 s, measured here on a 2-core CPU |
 # | `full` (TPU v6e-8) | the same tiny models | a few MB per chip | under a minute, mostly compiling (not measured here: no TPU) |
 #
-# *Reading time: about 16 minutes.*
+# *Reading time: about 19 minutes.*
 
 # %% [markdown]
 # ## 0. Set-up
@@ -133,7 +133,7 @@ print("x:        ", kind(x), x.dtype, tuple(x.shape))
 print("x.jax():  ", kind(x.jax()), x.jax().dtype)
 print("y.torch():", kind(y.torch()))
 
-# %%
+# %% tags=["check"]
 assert isinstance(x, torchax.tensor.Tensor) and isinstance(x, torch.Tensor)
 assert isinstance(x.jax(), jax.Array)
 torch.testing.assert_close(y.torch(), (x_cpu * 2).sin())
@@ -272,7 +272,7 @@ with env:
     fixed = F.scaled_dot_product_attention(q.to("jax"), k.to("jax"), v.to("jax"), attn_mask=mask.to("jax"))
 print("torchax with the override, row 3:", fixed.torch()[0, 0, 3, :4].tolist())
 
-# %%
+# %% tags=["check"]
 assert torch.isnan(got.torch()).any()
 assert not torch.isnan(fixed.torch()).any()
 torch.testing.assert_close(fixed.torch(), expected, rtol=0, atol=1e-5)
@@ -304,7 +304,7 @@ with env:
     logits_eager = gpt2(ids_j, use_cache=False).logits
 print("eager logits:", kind(logits_eager), tuple(logits_eager.shape))
 
-# %%
+# %% tags=["check"]
 torch.testing.assert_close(logits_eager.torch(), logits_cpu, rtol=0, atol=1e-5)
 
 # %% [markdown]
@@ -386,7 +386,7 @@ with env:
     out_c = gpt2_jit(ids_j, use_cache=False)  # same static values as out_a: no new program
 print(type(out_a).__name__, type(out_b).__name__, "| compiled programs:", gpt2_jit.compiled_variants)
 
-# %%
+# %% tags=["check"]
 assert gpt2_jit.compiled_variants == 2
 assert isinstance(gpt2_jit, transformers.GPT2LMHeadModel)  # pipelines' isinstance checks still pass
 for logits in (out_a.logits, out_b[0], out_c.logits):
@@ -434,7 +434,7 @@ with env:
     jitted_sum = jax_jit(positive_sum_static)(v)
 print("jitted:", round(float(jitted_sum.torch()), 4))
 
-# %%
+# %% tags=["check"]
 torch.testing.assert_close(jitted_sum.torch(), eager_sum.torch(), rtol=0, atol=1e-6)
 
 # %% [markdown]
@@ -465,7 +465,7 @@ with env:
 print(f"measured here (tiny GPT-2, 2-core CPU in CI): eager {eager_s * 1e3:.1f} ms, "
       f"jitted {jit_s * 1e3:.2f} ms, eager/jit = {eager_s / jit_s:.0f}x")
 
-# %%
+# %% tags=["check"]
 assert eager_s > jit_s
 
 # %% [markdown]
@@ -473,6 +473,41 @@ assert eager_s > jit_s
 # v6e-8, YOLO11n at 640×640): about 21.7 s per forward eagerly against 8.1 ms with one `jax.jit`
 # around the whole forward. On a real model, always compile the hot path, and check that the
 # method you actually call is the compiled one, which is the subject of the next section.
+
+# %% [markdown]
+# ### Exercise 1: a mean over the selected elements, compiled
+#
+# Pitfall 7 summed the positive elements. Take the next step a real model takes, their *mean*:
+# `positive_mean(t)` returns `t[t > 0].mean()`. **Predict** whether eager torchax runs it, and
+# what `jax_jit(positive_mean)` raises. Then rewrite it with fixed shapes, as pitfall 7's fix
+# did (the count of positive elements is itself a sum over the mask), compile the rewrite, and
+# compare it with plain PyTorch on the CPU for the same vector `v`.
+
+# %% tags=["solution"]
+from tpupedia.errors import expect  # prints an expected error's cleaned message (notebook `hf_model_in_jax`)
+
+
+def positive_mean(t):
+    return t[t > 0].mean()
+
+
+def positive_mean_static(t):
+    keep = t > 0
+    return torch.where(keep, t, torch.zeros_like(t)).sum() / keep.sum()
+
+
+with env:
+    eager_mean = positive_mean(v)  # eager: every op sees concrete data, so it runs
+    mean_error = expect(lambda: jax_jit(positive_mean)(v), jax.errors.NonConcreteBooleanIndexError, max_lines=1)
+    jitted_mean = jax_jit(positive_mean_static)(v)
+cpu_mean = positive_mean(v.torch())
+print(f"PyTorch CPU {float(cpu_mean):.4f} | eager torchax {float(eager_mean.torch()):.4f} "
+      f"| jitted rewrite {float(jitted_mean.torch()):.4f}")
+
+# %% tags=["check"]
+assert isinstance(mean_error, jax.errors.NonConcreteBooleanIndexError)
+torch.testing.assert_close(eager_mean.torch(), cpu_mean, rtol=0, atol=1e-6)
+torch.testing.assert_close(jitted_mean.torch(), cpu_mean, rtol=0, atol=1e-6)
 
 # %% [markdown]
 # ## 5. Compiling `decode` and other methods
@@ -513,7 +548,7 @@ diff = (video_jax.torch() - video_cpu).abs().max().item()
 print(f"decoded {tuple(video_jax.shape)}; compiled programs: {vae_jit.compiled_variants}; "
       f"max abs diff < 1e-4: {diff < 1e-4}")
 
-# %%
+# %% tags=["check"]
 assert vae_jit.compiled_variants == 1
 assert diff < 1e-4
 
@@ -560,9 +595,45 @@ with env:
 moved = sorted(n for n, val in vars(scheduler).items() if isinstance(val, torchax.tensor.Tensor))
 print("moved:", moved)
 
-# %%
+# %% tags=["check"]
 assert "alphas_cumprod" in moved
 torch.testing.assert_close(step_jax.torch(), step_cpu, rtol=0, atol=1e-5)
+
+# %% [markdown]
+# ### Exercise 2: a lookup table outside any module
+#
+# Schedulers are not the only objects that keep tensors outside a module. `GainTable` below holds
+# a table of ten gains and multiplies its input by the gain at index `i`. Under `with env:`, call
+# `apply` on a torchax tensor twice: once with the Python int `3`, once with the index as a
+# torchax tensor, as a pipeline's timestep would be. **Predict** which of the two calls fails,
+# and with which message. Then apply pitfall 9's fix and check the eager and the jitted results
+# against plain PyTorch.
+
+# %% tags=["solution"]
+class GainTable:
+    def __init__(self):
+        self.gains = torch.linspace(1.0, 2.0, 10)  # a plain attribute, not a buffer
+
+    def apply(self, x, i):
+        return x * self.gains[i]
+
+
+table, x_ones = GainTable(), torch.ones(3)
+with env:
+    by_int = table.apply(x_ones.to("jax"), 3)  # a CPU 0-d tensor from a Python index: used as a scalar
+    index_error = expect(lambda: table.apply(x_ones.to("jax"), torch.tensor(3).to("jax")), AttributeError)
+    tu.move_tensors(table)
+    i_j = torch.tensor(3).to("jax")
+    by_tensor = table.apply(x_ones.to("jax"), i_j)
+    by_tensor_jit = jax_jit(table.apply)(x_ones.to("jax"), i_j)
+expected_gain = x_ones * torch.linspace(1.0, 2.0, 10)[3]
+print(f"gain 3: Python int index {float(by_int.torch()[0]):.4f} | after move_tensors, eager "
+      f"{float(by_tensor.torch()[0]):.4f}, jitted {float(by_tensor_jit.torch()[0]):.4f}")
+
+# %% tags=["check"]
+assert "_env" in str(index_error)
+for got in (by_int, by_tensor, by_tensor_jit):
+    torch.testing.assert_close(got.torch(), expected_gain, rtol=0, atol=1e-6)
 
 # %% [markdown]
 # ## 7. A whole diffusers pipeline, every component compiled
@@ -627,7 +698,7 @@ print("compiled programs:", {n: getattr(pipe, n).compiled_variants for n in ("te
 # NBVAL_IGNORE_OUTPUT
 print(f"measured here: max abs diff {pipe_diff:.1e}")
 
-# %%
+# %% tags=["check"]
 assert pipe_diff < 1e-4
 assert all(getattr(pipe, n).compiled_variants >= 1 for n in ("text_encoder", "transformer", "vae"))
 
@@ -716,11 +787,40 @@ for route, logits in route_logits.items():
 # VAE in the same program (notebook `cogvideox_vae_flax`), shardings as data, and compiles for a TPU slice from a
 # CPU host.
 
-# %%
+# %% tags=["check"]
 for route in ("torchax, eager", "torchax, jax.jit"):
     torch.testing.assert_close(route_logits[route], reference_logits, rtol=0, atol=1e-5)
 assert route_programs["torchax, jax.jit"] == (1, 0)  # one program, compiled once
 assert route_programs["torchax, eager"][0] > 10 and route_programs["torchax, eager"][1] == 0  # many, cached
+
+# %% [markdown]
+# ### Exercise 3: which calls compile a new program
+#
+# The jitted route compiled one program for the `(1, 6)` prompt and nothing on the second call.
+# Call `jitted` three more times: with a batch of two prompts of length 6 (the prompt and its
+# reverse), with one prompt of length 9, and with the original prompt again. **Predict** how many
+# programs each call compiles, counting with the same `compile_events` listener. Check that the
+# batch's first row reproduces the PyTorch logits of the original prompt.
+
+# %% tags=["solution"]
+batch_of_two = torch.cat([prompt, prompt.flip(1)])
+longer = torch.randint(0, 320, (1, 9), generator=torch.Generator().manual_seed(6))
+new_programs = {}
+with env:
+    batch_of_two, longer = batch_of_two.to("jax"), longer.to("jax")
+    for name, tokens in (("batch (2, 6)", batch_of_two), ("length (1, 9)", longer), ("again (1, 6)", prompt_j)):
+        before = compile_events[BACKEND_COMPILE]
+        out = jitted(tokens, use_cache=False).logits
+        jax.block_until_ready(out.jax())
+        new_programs[name] = compile_events[BACKEND_COMPILE] - before
+        if name.startswith("batch"):
+            batch_logits = out.torch()
+print("programs compiled per call:", new_programs)
+# A new shape is a new program; a shape already seen reuses its program. The values never matter.
+
+# %% tags=["check"]
+assert new_programs == {"batch (2, 6)": 1, "length (1, 9)": 1, "again (1, 6)": 0}
+torch.testing.assert_close(batch_logits[:1], reference_logits, rtol=0, atol=1e-5)
 
 # %% [markdown]
 # ## Summary: nine pitfalls
@@ -757,3 +857,62 @@ assert route_programs["torchax, eager"][0] > 10 and route_programs["torchax, eag
 # - torchax builds one JAX program that shares a mesh, Pallas kernels and Flax modules, and
 #   compiles ahead of time for a slice this host lacks: why this course takes it over torch_xla
 #   and TorchTPU (section 8).
+
+# %% [markdown]
+# ## Self-check
+#
+# 1. Why does torchax refuse to add a plain CPU tensor to a torchax tensor instead of copying it
+#    to the device for you?
+#
+#    <details><summary>Answer</summary>
+#
+#    A silent copy would hide a host-to-device transfer inside every step that touches the stray
+#    tensor, a slowdown nobody asked for. Failing makes you move it once, explicitly, with
+#    `.to("jax")` (or `tu.move_tensors` for an object that is not a module).
+#
+#    </details>
+#
+# 2. A transformer masks its padded queries, and under torchax its whole output turns to NaN.
+#    Why does one fully masked row spread, and what does the override change?
+#
+#    <details><summary>Answer</summary>
+#
+#    A row whose scores are all `-inf` gives `0/0` in the softmax, and the next layer multiplies
+#    that NaN by weights, where `0 * NaN` is still NaN. `tu.install_masked_row_safe_sdpa` zeroes
+#    the rows that can attend to nothing, as PyTorch does, and changes no other row.
+#
+#    </details>
+#
+# 3. `t[t > 0].sum()` runs eagerly under torchax but not under `jax.jit`. Why, and why does the
+#    `torch.where` rewrite compile?
+#
+#    <details><summary>Answer</summary>
+#
+#    Eager dispatch runs each operator on concrete values, so the selection's length is known.
+#    Under `jax.jit` the mask is a tracer and the selected array would have a length that depends
+#    on data; `torch.where` keeps every element and zeroes the rest, so every shape is fixed.
+#
+#    </details>
+#
+# 4. A pipeline wraps its VAE in `JittableModule` and calls `vae.decode(latents)`. The result is
+#    right. What is wrong, and how do you fix it?
+#
+#    <details><summary>Answer</summary>
+#
+#    `JittableModule` compiles only `forward`; `decode` falls through to the wrapped module and
+#    runs eagerly, one dispatch per operator, correct but slow. `tu.JitModule(vae,
+#    methods=("decode",))` compiles `decode` too (or torchax's `methods_to_compile`).
+#
+#    </details>
+#
+# 5. Why does this course take torchax rather than torch_xla or TorchTPU for its video
+#    pipelines?
+#
+#    <details><summary>Answer</summary>
+#
+#    torchax turns torch operators into JAX calls, so the model lands in the same JAX program as
+#    `NamedSharding` tables, Pallas kernels and Flax modules, and that program can be compiled
+#    ahead of time for a TPU slice from a CPU host. The other two build their programs on their
+#    own terms, outside JAX.
+#
+#    </details>

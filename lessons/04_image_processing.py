@@ -41,7 +41,7 @@
 # | `tiny` (CPU, CI) | a synthetic 360×640 clip drawn in code | about 1.5 GB of host RAM | about 20 s, measured here on a 2-core CPU |
 # | `full` (TPU v6e-8) | the same clip drawn at 1080×1920 | tens of MB on one chip | seconds (reported upstream for these steps on a v6e-8: well under a second each after compiling; not measured here) |
 #
-# *Reading time: about 12 minutes.*
+# *Reading time: about 15 minutes.*
 
 # %% [markdown]
 # ## 0. Set-up
@@ -130,7 +130,7 @@ for ax in axes:
     ax.axis("off")
 plt.show()
 
-# %%
+# %% tags=["check"]
 assert frame.dtype == torch.uint8 and frame.shape == (1, 3, *FRAME_HW)
 assert set(mask.unique().tolist()) == {0.0, 1.0} and 0 < mask.mean() < 0.5
 
@@ -270,10 +270,41 @@ with env, jax.default_matmul_precision("highest"):  # parity checks ask for full
     resized = jit_resize(crop.to("jax"), size).cpu()
 print(f"5 calls, {len(traces)} compilations, for input shapes {traces}")
 
-# %%
+# %% tags=["check"]
 assert len(traces) == 2  # one per distinct input shape; repeated shapes reuse the program
 assert resized.shape[-2:] == size and size[0] % 16 == 0 and size[1] % 16 == 0
 torch.testing.assert_close(resized, image.resize_bilinear(crop, size), atol=1e-5, rtol=0)
+
+# %% [markdown]
+# ### Exercise 1: which calls recompile the resize
+#
+# `jit_resize` has been traced twice so far. Call it four more times, under the same precision
+# context: the same crop and size again; the crop flipped left to right, same size; the crop
+# with half the output size, `(size[0] // 2, size[1] // 2)`; and the crop 16 rows shorter, same
+# size. **Predict** which of the four calls trace again (the counter `traces` grows by one per
+# trace), remembering what is part of the compile key: input shapes and dtypes, and static
+# arguments, never values. Then open the solution, run it, and compare.
+
+# %% tags=["solution"]
+calls = {
+    "same crop, same size": (crop, size),
+    "flipped crop (new values)": (crop.flip(-1), size),
+    "half the size (new static argument)": (crop, (size[0] // 2, size[1] // 2)),
+    "16 rows shorter (new shape)": (crop[..., :-16, :], size),
+}
+retraced = {}
+with env, jax.default_matmul_precision("highest"):  # the context is part of the key as well
+    for name, (image_in, out_size) in calls.items():
+        before = len(traces)
+        jit_resize(image_in.to("jax"), out_size)
+        retraced[name] = len(traces) - before
+for name, n in retraced.items():
+    print(f"{name:36s} traced again: {n}")
+
+# %% tags=["check"]
+assert retraced == {"same crop, same size": 0, "flipped crop (new values)": 0,
+                    "half the size (new static argument)": 1, "16 rows shorter (new shape)": 1}
+assert len(traces) == 4
 
 # %% [markdown]
 # In a real pipeline every crop has its own size, and every new size costs a compilation. The
@@ -547,10 +578,37 @@ for name, text in tpu_text.items():
 # **speed paths keep the default**. A bf16 model loses nothing to the default, since its inputs
 # are bf16 already; and some TPU kernels refuse the request outright on bf16 inputs (notebook `splash_attention` meets one).
 
-# %%
+# %% tags=["check"]
 assert conv_precisions(lowered["default"]) == ["DEFAULT"] and conv_precisions(lowered["highest"]) == ["HIGHEST"]
 assert "operand_precision={highest,highest}" in tpu_text["highest"]
 assert "operand_precision" not in tpu_text["default"]
+
+# %% [markdown]
+# ### Exercise 2: the 256 pixel levels in bfloat16
+#
+# `normalise` maps the 256 values of a `uint8` pixel to `k / 127.5 - 1`, from -1 to 1 in steps
+# of one 8-bit level. Store those 256 floats in bf16. **Predict** three numbers: how many of them
+# bf16 holds exactly, whether any two levels collapse into the same bf16 value (compare one
+# level, 2/255, with bf16's largest step inside [-1, 1]), and the largest rounding error, in
+# 8-bit levels. Then open the solution, run it, and compare.
+
+# %% tags=["solution"]
+levels32 = normalise(torch.arange(256, dtype=torch.uint8))
+levels16 = levels32.bfloat16().float()
+exact_levels = int((levels16 == levels32).sum())
+distinct_levels = levels16.unique().numel()
+worst_level_err = ((levels16 - levels32).abs().max() / LEVEL).item()
+largest_step = 2.0**-8  # bf16's step in [0.5, 1): 8 significant bits
+print(f"exact in bf16: {exact_levels} of 256 | distinct after rounding: {distinct_levels} "
+      f"| worst rounding: {worst_level_err:.2f} levels")
+print(f"one level {LEVEL:.5f} > largest bf16 step below 1, {largest_step:.5f}: no two levels can meet")
+# Exact only where (2k - 255) / 255 has a power-of-two denominator: k = 0 and k = 255 (-1 and 1).
+# Rounding moves a value by at most half a step, 2^-9, about a quarter of a level: storing the
+# pixels in bf16 costs up to 0.25 levels before any op has run.
+
+# %% tags=["check"]
+assert exact_levels == 2 and distinct_levels == 256
+assert worst_level_err <= 2.0**-9 / LEVEL < 0.26
 
 # %% [markdown]
 # ## 7. What to keep in float32
@@ -590,10 +648,54 @@ for name, err in stage_err.items():
 # * **The model itself** can take bf16 inputs: cast *after* preprocessing, once, at the model's
 #   boundary.
 
-# %%
+# %% tags=["check"]
 assert stage_err["resize coordinates in bf16"] > 10 * stage_err["resize weights in bf16"]
 assert stage_err["resize coordinates in bf16"] > 10 * stage_err["blur taps + sums in bf16"]
 assert max(stage_err["resize weights in bf16"], stage_err["blur taps + sums in bf16"]) < 2 * LEVEL
+
+# %% [markdown]
+# ### Exercise 3: a per-pixel op against a sum over every pixel
+#
+# Two bf16 computations on the crop's red channel, brought to [0, 1]: scaling every pixel by 0.7,
+# and the channel's mean brightness computed the way a hand-written loop or kernel would, one
+# pixel at a time into a **bf16 running sum** (a `jax.lax.fori_loop`, notebook `hf_model_in_jax`).
+# **Predict** which of the two loses more against float32, and roughly how much: a fraction of a
+# level, or most of the answer? Compare with `torch.sum` on the same bf16 pixels, which keeps its
+# running sum in float32 and rounds once at the end.
+
+# %% tags=["solution"]
+import jax.numpy as jnp
+
+red32 = (x32[0, 0] + 1) / 2  # the red channel in [0, 1]
+red16 = red32.bfloat16()
+scale_err = ((red16 * 0.7).float() - red32 * 0.7).abs().max().item() / (LEVEL / 2)  # levels of [0, 1]
+
+
+def sum_one_by_one(values, acc_dtype):
+    """The sum of `values`, added one element at a time into an `acc_dtype` accumulator."""
+    flat = values.reshape(-1)
+    return jax.lax.fori_loop(0, flat.shape[0], lambda i, s: s + flat[i].astype(acc_dtype), jnp.zeros((), acc_dtype))
+
+
+running_sum = jax.jit(sum_one_by_one, static_argnums=1)  # the dtype is static: one program per dtype
+
+
+red16_j = jnp.asarray(red16.float().numpy()).astype(jnp.bfloat16)
+true_mean = red32.double().mean().item()
+means = {"bf16 running sum": float(running_sum(red16_j, jnp.bfloat16)) / red16.numel(),
+         "fp32 running sum": float(running_sum(red16_j, jnp.float32)) / red16.numel(),
+         "torch.sum on bf16": red16.sum().item() / red16.numel()}
+mean_err = {name: abs(m - true_mean) / true_mean for name, m in means.items()}
+print(f"scale by 0.7, per pixel, bf16: max |err| {scale_err:.2f} levels")
+for name, err in mean_err.items():
+    print(f"mean of {red16.numel():,} pixels, {name:17s}: relative error {'< 1%' if err < 0.01 else f'{err:.0%}'}")
+# The bf16 sum stops growing: once it passes 256 its step is 2, and adding a pixel below 1 rounds
+# back to the same sum. A per-pixel op rounds once per value and never accumulates.
+
+# %% tags=["check"]
+assert scale_err < 1  # one rounding of the input, one of the product: under a level
+assert mean_err["bf16 running sum"] > 0.5  # most of the answer is lost
+assert mean_err["fp32 running sum"] < 2**-8 and mean_err["torch.sum on bf16"] < 2**-8
 
 # %% [markdown]
 # ## Takeaways
@@ -609,3 +711,62 @@ assert max(stage_err["resize weights in bf16"], stage_err["blur taps + sums in b
 #   "two orders of magnitude".
 # * On a TPU a float32 matmul or convolution runs as one bfloat16 pass unless asked otherwise:
 #   parity checks ask for `"highest"`, timed paths keep the default (section 6).
+
+# %% [markdown]
+# ## Self-check
+#
+# 1. Eager torchax crops with `nonzero` without complaint, but `jax_jit` of the same function
+#    fails. Why, and which part of the crop can be compiled anyway?
+#
+#    <details><summary>Answer</summary>
+#
+#    Eager dispatch runs each op on concrete data, so `nonzero`'s output length is known before the
+#    next op. Under `jax.jit` every shape must be fixed before the data exists, and that length is
+#    data. The box itself is four numbers with fixed shape (`any` and `argmax`), so it compiles; the
+#    cut either happens on the host or becomes a fixed-size window.
+#
+#    </details>
+#
+# 2. A video pipeline crops each clip around its subject at its own size and resizes the crop
+#    with a jitted function. What does that cost on a TPU, and how do you avoid it?
+#
+#    <details><summary>Answer</summary>
+#
+#    Every distinct crop size is a new input shape, so a new trace and a new compilation. A
+#    fixed-size window, or rounding crop sizes up to a few buckets and padding, keeps the number of
+#    programs small.
+#
+#    </details>
+#
+# 3. Why does jit make the resize much faster here, but not the blur?
+#
+#    <details><summary>Answer</summary>
+#
+#    Jit removes per-op dispatch: the resize is many small ops, each a round trip through Python
+#    when eager. The blur's time is nearly all inside two depthwise convolutions, which XLA's CPU
+#    backend runs slowly, and jit cannot shorten time spent inside one op.
+#
+#    </details>
+#
+# 4. Sampling coordinates in bf16 cost tens of 8-bit levels, bf16 resize weights about one. Why
+#    is the gap so large?
+#
+#    <details><summary>Answer</summary>
+#
+#    A coordinate above 256 cannot even hold every integer in bf16 (its step is 2 there), so samples
+#    land on the wrong pixel and sharp edges move. A rounded weight only blends the right pixels in
+#    slightly wrong proportions, an error the size of one bf16 rounding of a pixel.
+#
+#    </details>
+#
+# 5. A float32 parity check passes on this CPU and fails on a TPU by about 1e-3. What is the
+#    likely cause, and what should the check ask for?
+#
+#    <details><summary>Answer</summary>
+#
+#    On a TPU, JAX runs a float32 matmul or convolution at `Precision.DEFAULT`, one bfloat16 pass,
+#    while a CPU ignores the setting. The check should run under
+#    `jax.default_matmul_precision("highest")`, active while the function is traced; timed paths
+#    keep the default.
+#
+#    </details>

@@ -43,7 +43,7 @@
 # | `tiny` (CPU, CI) | random arrays; a tiny Llama and CogVideoX transformer in section 8 | about 2.3 GB of host RAM (the TPU compiles in section 7) | 70–100 s, measured here on a 2-core CPU |
 # | `full` (TPU v6e-8) | the same, kernels compiled by Mosaic; section 7 also compiles the 4096-block case live (about a minute on the host) | section 7's CogVideoX-size kernels: about 940 MiB per chip (AOT here, printed there) | a few minutes, mostly host compiles (not measured on a TPU VM) |
 #
-# *Reading time: about 13 minutes.*
+# *Reading time: about 16 minutes.*
 
 # %% [markdown]
 # ## 1. Online softmax
@@ -123,7 +123,7 @@ def online_softmax_attention(q, k, v, scale, block=64):
 err = np.abs(online_softmax_attention(q, k, v, scale) - softmax_attention(q, k, v, scale)).max()
 print("online vs direct softmax attention: max abs diff", below(err))
 
-# %%
+# %% tags=["check"]
 assert err < 1e-5
 
 # %% [markdown]
@@ -170,7 +170,7 @@ program_of_row = pl.pallas_call(
 )(jnp.zeros((512, 64), jnp.float32))
 print("program that wrote rows 0, 127, 128, 300, 511:", np.asarray(program_of_row[[0, 127, 128, 300, 511], 0]))
 
-# %%
+# %% tags=["check"]
 assert np.array_equal(np.asarray(program_of_row[:, 0]), np.repeat(np.arange(4.0), 128))
 
 # %% [markdown]
@@ -207,7 +207,7 @@ def flash_kernel(q_ref, k_ref, v_ref, o_ref, *, block_kv, exp):
     o_ref[...] = (o / l).astype(o_ref.dtype)
 
 
-def toy_flash(q, k, v, block_q=128, block_kv=128, exp=jnp.exp):
+def toy_flash(q, k, v, block_q=128, block_kv=128, exp=jnp.exp, interpret=interpret):
     s, d = q.shape
     return pl.pallas_call(
         functools.partial(flash_kernel, block_kv=block_kv, exp=exp),
@@ -225,8 +225,102 @@ toy_out = jax.jit(toy_flash)(jnp.asarray(q * scale), jnp.asarray(k), jnp.asarray
 err = np.abs(np.asarray(toy_out) - softmax_attention(q, k, v, scale)).max()
 print("Pallas toy kernel vs reference: max abs diff", below(err))
 
-# %%
+# %% tags=["check"]
 assert err < 1e-5
+
+# %% [markdown]
+# ### The same kernel, compiled for a chip
+#
+# `interpret=False` hands the kernel to Mosaic, which compiles it for a TPU core. On a host with
+# one chip (a Colab or Kaggle TPU runtime), the tiny preset keeps that chip beside the eight CPU
+# devices (notebook `start_here`), so the cell below runs the compiled kernel there and compares
+# it with the interpreted one. Without a chip, as in CI, it compiles the kernel ahead of time for
+# one v5e chip, the chip Colab lends, so a kernel Mosaic cannot lower fails here as well.
+
+# %%
+from jax.sharding import SingleDeviceSharding
+
+from tpupedia import aot
+
+chip = devices.kernel_chip()
+compiled_flash = functools.partial(toy_flash, interpret=False)
+if chip is not None:
+    on_chip = jax.jit(compiled_flash)(*jax.device_put((jnp.asarray(q * scale), jnp.asarray(k), jnp.asarray(v)), chip))
+    err_chip = np.abs(np.asarray(on_chip) - np.asarray(toy_out)).max()
+    print(f"compiled on this {chip.device_kind}: max abs diff from the interpreted kernel", below(err_chip))
+else:
+    v5e = devices.tpu_topology("v5e:1x1")[0]
+    toy_v5e = aot.compile_aot(compiled_flash, *(aot.abstract(x.shape, jnp.float32, SingleDeviceSharding(v5e))
+                                                  for x in (q, k, v)))
+    print(f"no chip here: compiled ahead of time for one {v5e.device_kind} chip,",
+          toy_v5e.summary())
+
+# %% tags=["check"]
+assert (err_chip < 1e-5) if chip is not None else toy_v5e.fits
+
+# %% [markdown]
+# ### Exercise 1: a causal mask in the toy kernel
+#
+# Make the toy kernel causal: query `i` may attend keys `0..i` only. Inside a program, the rows of
+# its block are queries `program_id(0) * block_q + 0, 1, ...`, and in loop step `j` the columns are
+# keys `j * block_kv + 0, 1, ...`; `jax.lax.broadcasted_iota` builds such index grids. Set the
+# masked scores to `-inf` before the running max. **Predict** first: why can no row's running max
+# stay `-inf` after the first key block, and what would the output be for such a row if one did?
+# Then run the solution, which checks it against a NumPy causal reference.
+
+# %% tags=["solution"]
+def causal_flash_kernel(q_ref, k_ref, v_ref, o_ref, *, block_kv):
+    q = q_ref[...]
+    rows = pl.program_id(0) * q.shape[0] + jax.lax.broadcasted_iota(jnp.int32, (q.shape[0], block_kv), 0)
+    m = jnp.full((q.shape[0], 1), -jnp.inf, jnp.float32)
+    l = jnp.zeros((q.shape[0], 1), jnp.float32)
+    o = jnp.zeros(o_ref.shape, jnp.float32)
+
+    def body(j, carry):
+        m, l, o = carry
+        kb = k_ref[pl.ds(j * block_kv, block_kv), :]
+        vb = v_ref[pl.ds(j * block_kv, block_kv), :]
+        cols = j * block_kv + jax.lax.broadcasted_iota(jnp.int32, (q.shape[0], block_kv), 1)
+        s = jnp.where(cols <= rows, q @ kb.T, -jnp.inf)  # a key after the query: never attended
+        m_new = jnp.maximum(m, s.max(-1, keepdims=True))
+        correction = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new)
+        return m_new, l * correction + p.sum(-1, keepdims=True), o * correction + p @ vb
+
+    m, l, o = jax.lax.fori_loop(0, k_ref.shape[0] // block_kv, body, (m, l, o))
+    o_ref[...] = (o / l).astype(o_ref.dtype)
+
+
+def causal_toy_flash(q, k, v, block_q=128, block_kv=128):
+    s, d = q.shape
+    return pl.pallas_call(
+        functools.partial(causal_flash_kernel, block_kv=block_kv),
+        grid=(s // block_q,),
+        in_specs=[pl.BlockSpec((block_q, d), lambda i: (i, 0)),
+                  pl.BlockSpec(k.shape, lambda i: (0, 0)),
+                  pl.BlockSpec(v.shape, lambda i: (0, 0))],
+        out_specs=pl.BlockSpec((block_q, d), lambda i: (i, 0)),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        interpret=interpret,
+    )(q, k, v)
+
+
+def causal_reference(q, k, v, scale):
+    s = np.where(np.tril(np.ones((q.shape[0], k.shape[0]), bool)), (q @ k.T) * scale, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return (p / p.sum(-1, keepdims=True)) @ v
+
+
+causal_out = jax.jit(causal_toy_flash)(jnp.asarray(q * scale), jnp.asarray(k), jnp.asarray(v))
+err_causal = np.abs(np.asarray(causal_out) - causal_reference(q, k, v, scale)).max()
+print("causal toy kernel vs NumPy: max abs diff", below(err_causal), "| first row equals v[0]:",
+      np.allclose(np.asarray(causal_out)[0], v[0], atol=1e-6))
+
+# %% tags=["check"]
+# Every query sees key 0 in the first key block, so each running max is finite from there on
+# (a row masked everywhere would divide 0 by 0: NaN). Query 0 sees only key 0: its output is v[0].
+assert err_causal < 1e-5
+np.testing.assert_allclose(np.asarray(causal_out)[0], v[0], atol=1e-6)
 
 # %% [markdown]
 # ## 3. JAX's splash attention
@@ -277,9 +371,28 @@ print("splash (causal) vs jax.nn.dot_product_attention: max abs diff", below(err
 info, _ = mask_info.process_mask(sa.MultiHeadMask([sa.CausalMask((512, 512))]), (128, 128), shrink_grid=False)
 print(np.asarray(info.block_mask)[0])
 
-# %%
+# %% tags=["check"]
 assert err < 1e-5
 assert np.array_equal(np.asarray(info.block_mask)[0], np.array([[1, 0, 0, 0], [2, 1, 0, 0], [2, 2, 1, 0], [2, 2, 2, 1]]))
+
+# %% [markdown]
+# ### Exercise 2: bigger query blocks, less skipped
+#
+# Keep the causal mask over 512 tokens and 128-token key blocks, but take query blocks of 256.
+# **Predict** first: the block map (two rows of four), and whether the share of blocks skipped
+# grows or shrinks compared with the 128 x 128 map above. Then run the solution.
+
+# %% tags=["solution"]
+wide, _ = mask_info.process_mask(sa.MultiHeadMask([sa.CausalMask((512, 512))]), (256, 128), shrink_grid=False)
+wide_map = np.asarray(wide.block_mask)[0]
+square_map = np.asarray(info.block_mask)[0]
+print(wide_map)
+print(f"skipped: {np.mean(wide_map == 0):.1%} of blocks with 256 x 128, {np.mean(square_map == 0):.1%} with 128 x 128")
+
+# %% tags=["check"]
+# A 256-query block straddles the diagonal of two key blocks: those become partial, not skipped.
+assert np.array_equal(wide_map, np.array([[1, 1, 0, 0], [2, 2, 1, 1]]))
+assert np.mean(wide_map == 0) < np.mean(square_map == 0)
 
 # %% [markdown]
 # **Why multiples of 128.** A TPU vector register holds 8 × 128 values (8 sublanes, 128 lanes),
@@ -353,7 +466,7 @@ print("padding  real tokens  upstream rel. error  exact max abs diff")
 for f, n, up_err, ex_err in padding_rows:
     print(f"{f:>7.0%}  {n:>11}  {up_err:>19.1%}  {below(ex_err):>18}")
 
-# %%
+# %% tags=["check"]
 assert all(ex < 1e-5 for *_, ex in padding_rows)
 assert padding_rows[0][2] < 1e-5  # no padding, no error
 assert all(a[2] < b[2] for a, b in zip(padding_rows, padding_rows[1:]))  # grows with padding
@@ -406,7 +519,7 @@ ax.grid(alpha=0.3)
 fig.tight_layout()
 plt.show()
 
-# %%
+# %% tags=["check"]
 assert production_err["CogVideoX 720p"] > 0.01 and production_err["HunyuanVideo-1.5 121f"] > 0.001
 
 # %% [markdown]
@@ -458,7 +571,7 @@ for name, sel in (("aligned with mean key", aligned), ("anti-aligned", ~aligned)
 same_as_mean = float(jnp.abs(smoothed - mean_padded).max())
 print("K-smoothed zero padding vs padding with the mean key: max abs diff", below(same_as_mean))
 
-# %%
+# %% tags=["check"]
 assert same < 1e-5 and same_as_mean < 1e-5
 assert float(err_smooth[aligned].mean()) > float(err_raw[aligned].mean())
 assert float(err_smooth[~aligned].mean()) < float(err_raw[~aligned].mean())
@@ -486,7 +599,7 @@ print(f"LOG2_E = {LOG2_E:.8f}")
 print(f"exp2 kernel, q * scale:          max abs diff {err_wrong:.2f}")
 print("exp2 kernel, q * scale * LOG2_E: max abs diff", below(err_fixed))
 
-# %%
+# %% tags=["check"]
 assert err_wrong > 0.01 and err_fixed < 1e-5
 
 # %% [markdown]
@@ -543,7 +656,7 @@ at_highest = compile_splash(small_blocks, small_bf16, precision="highest")
 print("bf16 splash, default precision:", "compiles" if not isinstance(at_default, str) else at_default)
 print("bf16 splash, highest precision:", at_highest if isinstance(at_highest, str) else "compiles")
 
-# %%
+# %% tags=["check"]
 assert not isinstance(at_default, str) and at_default.fits
 assert isinstance(at_highest, str) and "Bad lhs type" in at_highest
 
@@ -655,7 +768,7 @@ plt.show()
 # above). Between the sizes that compile, the choice is made by timing on the chip; this sweep
 # only tells you which candidates are worth timing, and costs no TPU time.
 
-# %%
+# %% tags=["check"]
 assert all(not isinstance(res, str) and res.fits for res in sweep.values())
 assert not big_record["compiles"] and big_record["vmem_required_bytes"] > big_record["vmem_limit_bytes"]
 
@@ -681,7 +794,7 @@ err_seq = float(jnp.abs(seq_parallel - jax_reference(qb, kt, vt)).max())
 print("head-parallel causal self-attention: max abs diff", below(err_heads))
 print("sequence-parallel cross-attention:   max abs diff", below(err_seq))
 
-# %%
+# %% tags=["check"]
 assert err_heads < 1e-5 and err_seq < 1e-5
 
 # %% [markdown]
@@ -745,7 +858,7 @@ cog_err = float((jax_video - torch_video).abs().max())
 print("tiny CogVideoX transformer, splash SDPA vs PyTorch: max abs diff", below(cog_err))
 print("SDPA calls routed through tpupedia.attention:", installed.calls)
 
-# %%
+# %% tags=["check"]
 assert llama_err < 1e-5 and cog_err < 1e-5
 assert installed.calls == 4  # 2 Llama layers + 2 CogVideoX blocks
 
@@ -760,3 +873,56 @@ assert installed.calls == 4  # 2 Llama layers + 2 CogVideoX blocks
 # * Block sizes are multiples of 128, bounded by the VMEM the compiler lets a kernel use; an AOT
 #   sweep on a CPU host tells you which ones compile for a v6e-8 before you pay for one.
 # * `tpupedia.attention.install_attention(env, mesh)` is the one line the video pipelines use.
+
+# %% [markdown]
+# ## Self-check
+#
+# 1. What do the running max `m` and the running sum `l` of online softmax let a kernel avoid?
+#
+#    <details><summary>Answer</summary>
+#
+#    Materialising the whole `(queries, keys)` score matrix. Each key block updates `m`, `l` and the
+#    unnormalised output, rescaling what was accumulated when the max grows, so the kernel holds one
+#    block of scores at a time.
+#
+#    </details>
+#
+# 2. A Pallas `BlockSpec((128, 64), lambda i: (i, 0))`: which rows does program 3 see?
+#
+#    <details><summary>Answer</summary>
+#
+#    Rows 384 to 511. The index map returns block indices, not element offsets: block `(3, 0)` of
+#    128-row blocks starts at row `3 * 128`.
+#
+#    </details>
+#
+# 3. Why are splash's masks static objects while its segment ids are runtime arrays?
+#
+#    <details><summary>Answer</summary>
+#
+#    The mask is turned into a per-block map before compiling, so fully masked blocks are never
+#    loaded; that needs the mask at compile time. Segment ids change from call to call (padding of
+#    each batch), so they are data the kernel compares element by element.
+#
+#    </details>
+#
+# 4. Why must splash block sizes be multiples of 128, and what limits how large they can be?
+#
+#    <details><summary>Answer</summary>
+#
+#    The kernel lays the sequence along the 128 lanes of the TPU's vector registers, so tiles are
+#    whole multiples of 128. Every block must fit in the scoped VMEM the chip's compiler allows,
+#    double-buffered with the float32 scratch, which is why a v6e's blocks can overflow a v5e.
+#
+#    </details>
+#
+# 5. On a CPU, a Pallas kernel runs with `interpret=True`. What does that check, and what does it
+#    not?
+#
+#    <details><summary>Answer</summary>
+#
+#    It checks the kernel's arithmetic: the same code runs as ordinary XLA operations. It does not
+#    check that Mosaic can lower it, nor its speed or VMEM use; an ahead-of-time compile for a TPU
+#    (`interpret=False`) checks the lowering and the VMEM.
+#
+#    </details>

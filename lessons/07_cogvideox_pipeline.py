@@ -47,13 +47,13 @@
 # | preset | loads | memory | compute time |
 # |---|---|---|---|
 # | `tiny` (CPU, CI) | a random 2-layer CogVideoX checkpoint written with `save_pretrained`, 8 simulated devices | about 1 GB of host RAM | about 45 s, measured here on a 2-core CPU |
-# | `full` (TPU v6e-8) | `zai-org/CogVideoX1.5-5B`: about 21 GB of bf16 weights (T5-XXL 9.5 GB, transformer 11.2 GB, VAE 0.4 GB, from their parameter counts); on the host CPU too, for section 7's one-step parity check | per chip: T5-XXL 2.2 GiB while encoding (9.5 GB split over `tp`, AOT here); the transformer step at 1360x768, 81 frames, 3.8 GiB of arguments + 1.8 GiB of temporaries (AOT here, the `tp` table on the 2×4 mesh, splash); the VAE decode at 1360x768 split over a host's chips, under 19 GiB per chip (AOT here, 4 chips; about 22 GiB on one) | about 107 s for 50 steps at 720p once compiled (reported upstream, TPU v6e-8), twice over: the opening call and sections 2 to 6 each make the video |
+# | `full` (TPU v6e-8) | `zai-org/CogVideoX1.5-5B`: about 21 GB of bf16 weights (T5-XXL 9.5 GB, transformer 11.2 GB, VAE 0.4 GB, from their parameter counts); on the host CPU too, for section 7's one-step parity check | per chip: T5-XXL 2.2 GiB while encoding (9.5 GB split over `tp`, AOT here); the transformer step at 1360x768, 81 frames, 3.8 GiB of arguments + 1.8 GiB of temporaries (AOT here, the `tp` table on the 2×4 mesh, splash); the VAE decode at 1360x768 split over a host's chips, under 19 GiB per chip (AOT here, 4 chips; about 22 GiB on one) | about 107 s for 50 steps at 720p once compiled (reported upstream, TPU v6e-8), twice over: the opening call and sections 2 to 6 each make the video; Exercise 3 loads the transformer once more and compiles one more step |
 #
 # The full preset downloads `zai-org/CogVideoX1.5-5B`, released under the **CogVideoX LICENSE**
 # (linked from its model card on the Hugging Face Hub; the CogVideoX code is Apache-2.0, the
 # weights are not): read it before you run the full preset.
 #
-# *Reading time: about 19 minutes.*
+# *Reading time: about 22 minutes.*
 
 # %%
 # %xmode Minimal
@@ -104,7 +104,7 @@ from IPython.display import Video
 
 Video(str(scratch / "first.mp4"), embed=True, width=256, html_attributes="controls loop autoplay muted")
 
-# %%
+# %% tags=["check"]
 assert [r.stage for r in reports] == ["text", "denoise", "decode"] and all(r.ran for r in reports)
 assert (scratch / "first.mp4").stat().st_size > 0
 
@@ -135,7 +135,7 @@ for frames in (9, 49, 81, 85):
     print(f"{frames:>6} {family.latent_frames(frames):>6} {padded:>6} {padding:>7} "
           f"{family.video_tokens(1280, 720, frames):>15,}")
 
-# %%
+# %% tags=["check"]
 assert family.padded_latent_frames(81) == (22, 1) and family.padded_latent_frames(85) == (22, 0)
 assert family.video_tokens(1280, 720, 81) == 11 * 45 * 80 == 39_600
 
@@ -150,6 +150,33 @@ expect(lambda: pipeline.validate(pipeline.Request(**{**request.__dict__, "frames
        family.ModelInputError, max_lines=1)
 _ = expect(lambda: pipeline.validate(pipeline.Request(**{**request.__dict__, "width": 1000}), pipeline.Options()),
            family.ModelInputError)
+
+# %% [markdown]
+# ### Exercise 1: the same video through CogVideoX 1.0
+#
+# CogVideoX 1.0 (the 2B release, whose configs the family module builds in:
+# `family.full_configs(size="2b")`) has the same VAE, but its transformer has no temporal patch
+# (`patch_size_t` is `None`). **Predict** first, for a 49-frame video at 720x480 (that release's
+# default) and for both releases: how many latent frames the VAE gives, how many padding frames
+# the transformer adds, and how many video tokens one sample puts in the attention. Then open the
+# solution, run it, and compare.
+
+# %% tags=["solution"]
+v1_facts = family.shape_facts(family.full_configs(size="2b"))  # read from the configs, as in section 2
+print("CogVideoX 1.0:", v1_facts)
+for name, facts in (("CogVideoX 1.5", family.DEFAULT_SHAPES), ("CogVideoX 1.0", v1_facts)):
+    padded, padding = family.padded_latent_frames(49, facts)
+    print(f"{name}: {family.latent_frames(49, facts)} latent frames, {padding} padding, "
+          f"{family.video_tokens(720, 480, 49, facts):,} video tokens at 720x480")
+
+# %% tags=["check"]
+latent_49 = (49 - 1) // v1_facts.temporal + 1  # the VAE's rule, with its ratio read from the configs
+grid = (480 // v1_facts.size_multiple) * (720 // v1_facts.size_multiple)  # tokens per temporal position
+assert v1_facts.patch_t is None and v1_facts.temporal == family.DEFAULT_SHAPES.temporal
+assert family.padded_latent_frames(49, v1_facts) == (latent_49, 0)  # no temporal patch: nothing to pad
+assert family.padded_latent_frames(49) == (latent_49 + 1, 1)  # 13 is odd: one padding frame for pairs
+assert family.video_tokens(720, 480, 49, v1_facts) == latent_49 * grid
+assert family.video_tokens(720, 480, 49) == (latent_49 + 1) // 2 * grid  # about half of 1.0's
 
 # %% [markdown]
 # ## 2. The checkpoint, and stage 1: text
@@ -247,7 +274,7 @@ else:  # full, bfloat16: relative to the largest value
     text_error, text_bound = max(relative(a, b) for a, b in pairs), llm.BF16_RELATIVE_BOUND
     print(f"max abs difference from diffusers over its largest |value|: {text_error:.1e} (bound {text_bound:.1e})")
 
-# %%
+# %% tags=["check"]
 assert pipe.traces["text"] == 1
 assert text_error <= text_bound
 
@@ -354,9 +381,32 @@ for i, timestep in enumerate(reference.timesteps):
     step_errors.append(float(np.abs(np.asarray(x_pure) - x_stock.numpy()).max()))
 print("max abs difference per step:", " ".join(results.error_text(e) for e in step_errors))
 
-# %%
+# %% tags=["check"]
 assert type(scheduler).__name__ == "CogVideoXDPMScheduler" and max(step_errors) <= 1e-5
 assert pure_step._cache_size() == 1  # one compiled program for all steps
+
+# %% [markdown]
+# ### Exercise 2: the schedule at 10 steps
+#
+# The tables above are for this preset's step count. A run with 10 steps gets its own tables
+# from the same scheduler. **Predict** first: the 10 timesteps (the spacing is `trailing`, 1000
+# training timesteps), which steps are first order and which second order, and the values of
+# `mult1`, `mult2` and `mult_noise` at the first and at the last step. Then open the solution,
+# run it, and compare.
+
+# %% tags=["solution"]
+ten = family.load_scheduler(source)
+ten.set_timesteps(10)
+ten_tables = schedulers.cogvideox_tables(ten)
+print(" ".join(f"{c:>12}" for c in ["step"] + columns))
+for i in range(10):
+    print(" ".join([f"{i:>12}"] + [f"{ten_tables[c][i]:>12.4g}" for c in columns]))
+
+# %% tags=["check"]
+assert list(ten_tables["timesteps"]) == list(range(999, 0, -100))  # trailing: 1000 / 10 apart, the last at 99
+assert list(ten_tables["second_order"]) == [0] + [1] * 8 + [0]  # no previous estimate, then no next timestep
+assert ten_tables["sqrt_alpha"][0] == 0 and ten_tables["mult1"][0] == 0 and ten_tables["mult_noise"][0] > 0
+assert ten_tables["mult1"][-1] == 0 and abs(ten_tables["mult2"][-1] + 1) < 1e-6 and ten_tables["mult_noise"][-1] == 0
 
 # %% [markdown]
 # ## 4. Stage 2: the denoising step, written out
@@ -471,7 +521,7 @@ latents, denoise_timings = pipe.denoise(request, embeds)
 print("module:", tuple(latents["latents"].shape), "| traced", pipe.traces["denoise"], "time(s) for",
       request.steps, "steps | equal to the step written here:", torch.equal(latents["latents"], ours))
 
-# %%
+# %% tags=["check"]
 assert step._cache_size() == 1 and pipe.traces["denoise"] == 1  # one program for every step
 assert torch.equal(latents["latents"], ours)
 assert latents["latents"].shape[1] == family.padded_latent_frames(request.frames)[0]
@@ -494,7 +544,7 @@ print(f"{t['num_layers']} blocks; collectives in the compiled step:", dict(kinds
 for op in collectives:
     print(f"  {op.kind:18} over {op.group_size} chips, result {op.shapes}: {op.bytes_sent / 2**10:.1f} KiB sent per chip")
 
-# %%
+# %% tags=["check"]
 assert kinds["all-reduce"] >= 2 * t["num_layers"]  # to_out and ff.net.2 in every block
 
 # %% [markdown]
@@ -506,7 +556,7 @@ from IPython.display import Markdown
 plan = pipe.plans["transformer"]
 Markdown(plan.table(r"^transformer_blocks\.0\.(attn1\.to_(q|out\.0)|ff\.net\.(0\.proj|2))\.weight$"))
 
-# %%
+# %% tags=["check"]
 assert plan["transformer_blocks.0.attn1.to_q.weight"].spec == jax.sharding.PartitionSpec("tp", None)
 assert plan["transformer_blocks.0.ff.net.2.weight"].spec == jax.sharding.PartitionSpec(None, "tp")
 
@@ -519,6 +569,69 @@ assert plan["transformer_blocks.0.ff.net.2.weight"].spec == jax.sharding.Partiti
 # NBVAL_IGNORE_OUTPUT
 print(f"text    first {text_timings['first_s']:.2f} s, second {text_timings['steady_s'] * 1e3:.1f} ms")
 print(f"denoise first {denoise_timings['first_s']:.2f} s, steady {denoise_timings['steady_s'] * 1e3:.1f} ms/step")
+
+# %% [markdown]
+# ### Exercise 3: turn guidance off
+#
+# At `guidance = 1`, `u + g (c - u)` is `c`: the negative prompt no longer counts, so diffusers
+# skips it (`do_classifier_free_guidance` is `guidance_scale > 1`), and so does the pipeline
+# module, which compiles another step for it. That step makes one transformer call on a batch of
+# one, the positive prompt only, the latents whole on every chip. **Predict** first: (a) which
+# collectives of the guided step's list above disappear, and whether the `tp` all-reduces that
+# stay send fewer bytes; (b) how many transformer samples each chip of this `(dp=2, tp=4)` mesh
+# computes per step, guided and not; (c) whether one step of it matches the guided step run at
+# `guidance = 1.0` from the same latents and noise. Then open the solution, run it, and compare.
+
+# %% tags=["solution"]
+# section 4's transformer again (our copy went to make room for the module's), placed the same way
+transformer = CogVideoXTransformer3DModel.from_pretrained(source, subfolder="transformer", dtype=dtype,
+                                                          use_safetensors=True).eval()
+family.make_jit_friendly(transformer)
+sharding.place(transformer, sharding.rules(family.SPEC, "tp", axis="tp"), mesh, env)
+forward = torchax_utils.FunctionalModule(transformer, return_dict=False)  # `denoise_step` calls it by this name
+weights, buffers = forward.state()
+
+
+def unguided_step(weights, buffers, latents, old_x0, text, cos, sin, i, noise):
+    timestep = jnp.broadcast_to(device_tables["timesteps"][i], (1,))
+    v = forward(weights, buffers, hidden_states=latents, encoder_hidden_states=text, timestep=timestep,
+                image_rotary_emb=(cos, sin))[0].astype(jnp.float32)  # one call, a batch of one
+    new, x0 = schedulers.dpm_step(device_tables, i, latents.astype(jnp.float32), v, old_x0, noise)
+    return new.astype(latents.dtype), x0
+
+
+unguided = jax.jit(unguided_step, out_shardings=(replicated, replicated))
+cos_sin = [jax.device_put(common.to_jax_array(a), replicated) for a in (cos, sin)]
+positive = jax.device_put(common.to_jax_array(embeds["prompt_embeds"]), replicated)
+pair_text = jax.device_put(common.to_jax_array(text_pair), pair)
+fresh = lambda: (jax.device_put(common.to_jax_array(start), replicated),  # noqa: E731 - `step` donates these
+                 jax.device_put(jnp.zeros(latent_shape, jnp.float32), replicated))
+with common.attention_installed(env, mesh, backend, pipe.block_sizes), jax.default_matmul_precision("highest"):
+    one_call = unguided.lower(weights, buffers, *fresh(), positive, *cos_sin, np.int32(0), first_noise).compile()
+    unguided_x, _ = one_call(weights, buffers, *fresh(), positive, *cos_sin, np.int32(0), first_noise)
+    guided_x, _ = step(weights, buffers, *fresh(), pair_text, *cos_sin, np.int32(0), np.float32(1.0), first_noise)
+    guided_flops = step.lower(weights, buffers, *fresh(), pair_text, *cos_sin, np.int32(0), np.float32(1.0),
+                              first_noise).compile().cost_analysis()["flops"]
+unguided_collectives = aot.collective_ops(one_call.as_text(), jax.device_count())
+print("guided:  ", dict(kinds))
+print("unguided:", dict(Counter(op.kind for op in unguided_collectives)))
+for op in unguided_collectives:
+    print(f"  {op.kind:18} over {op.group_size} chips, result {op.shapes}: {op.bytes_sent / 2**10:.1f} KiB sent per chip")
+flops_ratio = one_call.cost_analysis()["flops"] / guided_flops  # the compiler's count, one chip's program
+print(f"FLOPs per chip per step, unguided over guided: {flops_ratio:.2f}")
+guidance_off_error = relative(common.to_torch(unguided_x), common.to_torch(guided_x))
+print("one step, unguided against guided at guidance 1.0, max difference over the largest |value|:",
+      results.error_text(guidance_off_error, 1e-5 if dtype == torch.float32 else llm.BF16_RELATIVE_BOUND))
+del transformer, weights, buffers, cos_sin, positive, pair_text, unguided_x, guided_x
+forward = None
+
+# %% tags=["check"]
+tp_reduces = lambda ops: sorted(op.bytes_sent for op in ops if op.kind == "all-reduce" and op.group_size == 4)  # noqa: E731
+assert tp_reduces(unguided_collectives) == tp_reduces(collectives)  # the tp all-reduces stay, as large
+assert all(op.group_size == mesh.shape["tp"] for op in unguided_collectives)  # nothing crosses dp: no pair to split
+assert 0.95 < flops_ratio < 1.05  # one sample per chip either way: both dp groups now compute the same one
+assert step._cache_size() == 1  # guidance 1.0 is only another value of the traced scale: no new program
+assert guidance_off_error <= (1e-5 if dtype == torch.float32 else llm.BF16_RELATIVE_BOUND)
 
 # %% [markdown]
 # ## 5. A write in place, and a compiler that got it wrong
@@ -640,7 +753,7 @@ for in_place in (True, False):
 # compute new tensors rather than writing into old ones; and check parity on the mesh you will
 # run, because a program right on one device can be wrong split.
 
-# %%
+# %% tags=["check"]
 assert stock_whole <= 1e-5 and fixed_split <= 1e-5
 assert jax_errors[(False, True)] <= 1e-5 and jax_errors[(True, False)] <= 1e-5
 if jax.default_backend() == "cpu":  # measured here; another backend's partitioner may get it right
@@ -703,7 +816,7 @@ for chips in (one_chip, host_chips):
     decode_memory[chips.size] = first_batch.compile().memory
     print(f"{first_batch.name}: {decode_memory[chips.size].temporaries / 2**20:,.1f} MiB of temporaries per chip")
 
-# %%
+# %% tags=["check"]
 assert decode_memory[host_chips.size].temporaries < decode_memory[1].temporaries / 3
 
 # %% [markdown]
@@ -727,7 +840,7 @@ from IPython.display import Video
 
 Video(str(movie), embed=True, width=256, html_attributes="controls loop autoplay muted")
 
-# %%
+# %% tags=["check"]
 assert frames.shape == (request.frames, request.height, request.width, 3) and frames.dtype == np.float32
 assert 0.0 <= frames.min() and frames.max() <= 1.0
 assert read_back.shape == frames.shape
@@ -773,7 +886,7 @@ else:  # full: one denoising step at 9 frames, 256x256, without guidance
           f"max abs difference from stock diffusers over its largest |value|: {step_error:.1e} "
           f"(bound {llm.BF16_RELATIVE_BOUND:.1e})")
 
-# %%
+# %% tags=["check"]
 if preset.host_runs_whole_models:
     assert expected.shape == frames.shape
     assert video_error <= 1e-4
@@ -828,7 +941,7 @@ tensor_file.write_bytes(tensor_file.read_bytes()[:100])
 truncated = expect(lambda: pipeline.run(request, options, preset=preset, stage="decode", force=True, workdir=workdir),
                    stages.StageError)
 
-# %%
+# %% tags=["check"]
 assert [line.split(":")[1].strip().split(" ")[0] for line in log] == ["wrote"] * 4 + ["up"] * 3  # 3 stages and the mp4, then 3 skips
 assert "seed=42 in the file, seed=7 in this run" in str(refused)
 assert "checksum" in str(truncated)
@@ -898,7 +1011,7 @@ if preset.host_runs_whole_models:
     print("image-to-video frames: max abs difference from stock diffusers", results.error_text(i2v_error, 1e-4))
     del stock_i2v
 
-# %%
+# %% tags=["check"]
 assert [r.stage for r in i2v_reports] == ["text", "image", "denoise", "decode"]
 assert i2v_configs["transformer"]["in_channels"] == 2 * i2v_configs["vae"]["latent_channels"]
 assert image_latents.shape == i2v_latents.shape and (image_latents[0, 1:] == 0).all()
@@ -944,3 +1057,63 @@ if preset.host_runs_whole_models:
 # - [Corrections to the upstream material](../kb/corrections.md): the upstream claims this
 #   notebook checks.
 # - [CogVideoX on a TPU VM](../guides/cogvideox-tpu-vm.md): the full-size commands.
+
+# %% [markdown]
+# ## Self-check
+#
+# 1. Why does one compiled program serve all 50 denoising steps, and what would happen if the
+#    step index were a static argument (`static_argnums`)?
+#
+#    <details><summary>Answer</summary>
+#
+#    The index `i` is a traced argument and every per-step number of the scheduler is a row of a
+#    table indexed by it, so the program does not depend on the step. A static index is a
+#    constant of the trace: every new value traces and compiles its own program, 50 compiles.
+#
+#    </details>
+#
+# 2. Why is the noise drawn on the host from `torch.Generator(seed)`, not with `jax.random`
+#    inside the step?
+#
+#    <details><summary>Answer</summary>
+#
+#    To draw the same numbers in the same order as the stock pipeline, so the video matches
+#    diffusers frame for frame (section 7). `jax.random` would give a correct video that no
+#    diffusers run reproduces, and parity could no longer be checked.
+#
+#    </details>
+#
+# 3. The stock attention processor is right on one device. Why does the pipeline still replace
+#    it, and what does that teach about checking a port?
+#
+#    <details><summary>Answer</summary>
+#
+#    Its in-place RoPE write becomes a `dynamic-update-slice` that XLA's SPMD partitioner got
+#    wrong once the program was split over the mesh (an error of 0.06 where 1e-7 was expected).
+#    Building the rotated tensor with a concatenation removes the update. Check parity on the
+#    mesh you will run, not only on one device.
+#
+#    </details>
+#
+# 4. What does the `dp` axis buy the guided step, and what happens to it when guidance is off?
+#
+#    <details><summary>Answer</summary>
+#
+#    Each `dp` group computes one half of the guidance pair, so a guided step costs each chip
+#    one sample, at the price of splitting the pair and combining the halves over `dp`. Without
+#    guidance the batch of one cannot be split: both groups compute the same sample, so the step
+#    does not get faster on this mesh (Exercise 3) unless the chips are used otherwise, for
+#    example `tp` over all eight.
+#
+#    </details>
+#
+# 5. A denoise file made with seed 42 has the same shapes as one made with seed 7. What would
+#    go wrong if the decode stage checked only shapes, and what else does it check?
+#
+#    <details><summary>Answer</summary>
+#
+#    It would decode latents of another request without a word and write a plausible, wrong
+#    video. `stages.read` also compares the settings fingerprint (which names the setting that
+#    differs) and the tensor file's checksum (which catches a truncated or edited file).
+#
+#    </details>

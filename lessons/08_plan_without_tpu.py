@@ -38,7 +38,7 @@
 # | `tiny` (CPU, CI) | no weights: abstract shapes only; the compiles read from their records | about 1.8 GB of host RAM | about 3.5 minutes, measured here on a 2-core CPU |
 # | `full` (TPU VM or any host with libtpu) | no weights either: this notebook only compiles, on the host CPU | the program it plans: 3.8 GiB of arguments + 1.6 GiB of temporaries per chip (AOT here); host RAM for the 42-layer compile not recorded (the 54-block HunyuanVideo-1.5 compiles took 3.6–8.7 GB, measured here) | adds one live compile at all 42 layers, the splash-attention step of section 3: 182 s, measured on a shared 2-core CPU; the 42-layer reference-attention compile is read from its record, and section 4 compiles at one layer, as on tiny |
 #
-# *Reading time: about 12 minutes.*
+# *Reading time: about 15 minutes.*
 
 # %%
 # %xmode Minimal
@@ -115,6 +115,44 @@ assert shares[("720p", 81)] > 0.5  # at 720p and 81 frames, attention is most of
 assert cogvideox.step_flops(1280, 720, 81)["tokens"] == 39_600 + 226
 
 # %% [markdown]
+# ### Exercise 1: CogVideoX 1.0's floor at 720p
+#
+# CogVideoX 1.0's 2B release (`cogvideox.full_configs(size="2b")`, built in) has 30 layers of 30
+# heads of 64, against 1.5-5B's 42 layers of 48, and no temporal patch: every latent frame is its
+# own row of tokens (notebook `cogvideox_pipeline`, Exercise 1). **Predict** first: at 1280x720
+# and 49 frames, is its step's roofline floor on a v6e-8 below or above 1.5-5B's 0.157 s, and is
+# its attention share higher or lower? Count the tokens with `cogvideox.video_tokens` and the
+# release's shape facts, and the FLOPs with this section's formula; `cogvideox.step_flops` counts
+# 1.5's temporal patches, so it cannot count 1.0's tokens. Then open the solution, run it, and
+# compare.
+
+# %% tags=["solution"]
+v1 = cogvideox.full_configs(size="2b")
+v1_t = v1["transformer"]
+v1_d, v1_layers = v1_t["num_attention_heads"] * v1_t["attention_head_dim"], v1_t["num_layers"]
+v1_tokens = cogvideox.video_tokens(1280, 720, 49, cogvideox.shape_facts(v1)) + v1_t["max_text_seq_length"]
+
+
+def step_flops_by_formula(tokens, d, layers, batch=cogvideox.CFG_BATCH):
+    """This section's count: 2 x 12 d^2 per token and layer, 4 S^2 d of attention per layer."""
+    linear, attention = batch * layers * 2 * tokens * 12 * d * d, batch * layers * 4 * tokens**2 * d
+    return {"tokens": tokens, "linear": float(linear), "attention": float(attention), "total": float(linear + attention)}
+
+
+v1_flops = step_flops_by_formula(v1_tokens, v1_d, v1_layers)
+v15_flops = cogvideox.step_flops(1280, 720, 49)
+for name, f in (("CogVideoX 1.0 (2B)", v1_flops), ("CogVideoX1.5-5B", v15_flops)):
+    print(f"{name:18} {f['tokens']:>7,} tokens {f['total']:.3e} FLOPs/step, attention {f['attention'] / f['total']:.0%}, "
+          f"v6e-8 floor {f['total'] / (8 * v6e.bf16_flops):.3f} s")
+
+# %% tags=["check"]
+assert step_flops_by_formula(v15_flops["tokens"], 3072, 42) == v15_flops  # the formula is the helper's
+assert v1_tokens == cogvideox.latent_frames(49) * (720 // 16) * (1280 // 16) + 226  # 13 latent frames, no pairs
+assert v1_flops["total"] > v15_flops["total"]  # fewer, narrower layers, but almost twice the tokens
+assert v1_flops["attention"] / v1_flops["total"] > v15_flops["attention"] / v15_flops["total"]
+assert abs(v1_flops["attention"] / v1_flops["total"] - v1_tokens / (v1_tokens + 6 * v1_d)) < 1e-12  # S / (S + 6d)
+
+# %% [markdown]
 # ## 2. Memory per chip, by plan
 #
 # Weights are the part of memory we can compute exactly from shapes. The model is built on
@@ -162,6 +200,26 @@ assert full == 2 * n_params
 assert full / 4 < tp_plan.bytes_per_device < full / 2
 assert full / 8 < plans["fsdp (over 8)"].bytes_per_device < full / 3
 assert abs(tp_plan.bytes_per_device - ((full - leftover_bytes) / 4 + leftover_bytes)) < 0.01 * full
+
+# %% [markdown]
+# ### Exercise 2: tensor parallelism over all eight chips
+#
+# The same `tp` table on a `(dp=1, tp=8)` mesh of the same slice splits every matched tensor
+# eight ways instead of four. **Predict** first, in GiB: the weights per chip, and how they
+# compare with `tp` over 4 (half?) and with `fsdp` over 8. Use the totals printed above. Then
+# open the solution, run it, and compare.
+
+# %% tags=["solution"]
+tp8_mesh = devices.topology_mesh("v6e:2x4", (1, 8), ("dp", "tp"))
+tp8_plan = sharding.plan(transformer, sharding.rules(cogvideox.SPEC, "tp"), tp8_mesh)
+print(f"tp over 8: {tp8_plan.bytes_per_device / 2**30:.2f} GiB of weights per chip; tp over 4: "
+      f"{tp_plan.bytes_per_device / 2**30:.2f} GiB; fsdp over 8: {plans['fsdp (over 8)'].bytes_per_device / 2**30:.2f} GiB")
+print(f"(the {leftover_bytes / 2**30:.2f} GiB that match no rule stay whole on every chip)")
+
+# %% tags=["check"]
+assert abs(tp8_plan.bytes_per_device - ((full - leftover_bytes) / 8 + leftover_bytes)) < 0.01 * full
+assert tp8_plan.bytes_per_device > tp_plan.bytes_per_device / 2  # not half: the unmatched part does not shrink
+assert abs(tp8_plan.bytes_per_device - plans["fsdp (over 8)"].bytes_per_device) < 0.01 * full
 
 # %% [markdown]
 # Weights are not the problem: even replicated, 10.4 GiB fit in a v6e's 31.25 GiB. The problem
@@ -437,7 +495,7 @@ for r in sorted(full_plans, key=lambda r: (r["family"], -r["chips"])):
                 f"| {aot.format_bytes(p['text'])} | {aot.format_bytes(p['denoise'])} | {r['binding']} |")
 Markdown("\n".join(rows))
 
-# %%
+# %% tags=["check"]
 assert {(f, c) for f, c in peaks} == {(f, c) for f in ("cogvideox", "hunyuan") for c in (8, 4)}
 assert all(r["fits"] and r["binding"] == "denoise" for r in full_plans)
 for f in ("cogvideox", "hunyuan"):  # half the chips: each chip holds twice the shard
@@ -459,9 +517,44 @@ for stage, size in sorted(budget.items(), key=lambda item: ("text", "denoise", "
     print(f"{stage:>8}: {size / 2**30:6.2f} GiB per chip of {hbm / 2**30:.2f}")
 print("binding stage:", max(budget, key=budget.get))
 
-# %%
+# %% tags=["check"]
 assert set(budget) == {"text", "denoise", "decode"} and max(budget, key=budget.get) == "decode"
 assert all(size < hbm for size in budget.values())
+
+# %% [markdown]
+# ### Exercise 3: one chip, and the binding stage moves
+#
+# The results page also holds a plan of CogVideoX 1.0's 2B release at its own default video
+# (720x480, 49 frames) on a single v5e chip (15.75 GiB of HBM for a program), made the same way
+# (the solution prints its command). On the v6e-8 the denoise stage binds. **Predict** first: on one chip, which stage
+# binds, and roughly how large its peak is? Weigh what each stage must hold whole now that
+# nothing is split: T5-XXL (`cogvideox.full_text_encoder_config()`) against the 2B transformer,
+# both counted from their shapes on `meta` as in section 2. Then open the solution, run it, and
+# compare.
+
+# %% tags=["solution"]
+from transformers import T5Config, T5EncoderModel
+
+with torch.device("meta"):
+    t5 = T5EncoderModel(T5Config(**cogvideox.full_text_encoder_config())).to(torch.bfloat16)
+    transformer_2b = CogVideoXTransformer3DModel(**cogvideox.full_transformer_config(size="2b")).to(torch.bfloat16)
+weights_2b = {stage: sum(2 * t.numel() for t in (*model.parameters(), *model.buffers()))  # 1.0's positions are a buffer
+              for stage, model in (("text", t5), ("denoise", transformer_2b))}
+(one_chip,) = [r for r in results.load(Path("..") / plan.DEFAULT_RECORDS)
+               if r["checkpoint"] == cogvideox.SMALL_ID and r["topology"] == "v5e:1x1" and r["fits"]
+               and [st["stage"] for st in r["stages"]] == ["text", "denoise"]]  # its decode is a plan of its own
+for st in one_chip["stages"]:
+    print(f"{st['stage']:>8}: peak {st['peak'] / 2**30:5.2f} GiB, of which weights {weights_2b[st['stage']] / 2**30:5.2f} GiB "
+          "(from shapes)")
+print(one_chip["command"])
+print(f"binding stage on {one_chip['topology']}: {one_chip['binding']} (of {one_chip['hbm'] / 2**30:.2f} GiB)")
+
+# %% tags=["check"]
+assert one_chip["chips"] == 1 and one_chip["binding"] == "text" and runs["one video"].binding == "denoise"
+assert weights_2b["text"] > weights_2b["denoise"]  # T5-XXL outweighs the 2B transformer
+assert all(abs(st["weights"] - weights_2b[st["stage"]]) < 0.01 * st["weights"] for st in one_chip["stages"])
+one_chip_peaks = {st["stage"]: st["peak"] for st in one_chip["stages"]}
+assert weights_2b["text"] <= one_chip_peaks["text"] < 1.1 * weights_2b["text"]  # the text peak is its weights
 
 # %% [markdown]
 # On a TPU VM, `tpupedia generate --preset full` runs these checks itself, before it loads any
@@ -483,3 +576,62 @@ assert all(size < hbm for size in budget.values())
 # * MFU turns a reported step time into a statement about headroom.
 # * A run is several programs: `tpupedia plan` compiles each stage's, and the largest stage's peak
 #   per chip, with what a batch keeps resident, is what must fit.
+
+# %% [markdown]
+# ## Self-check
+#
+# 1. Why does a step's cost grow faster than its token count as videos get longer, and which part
+#    of the transformer decides it?
+#
+#    <details><summary>Answer</summary>
+#
+#    The linear layers cost `24 S d²` per layer, linear in the tokens `S`; attention costs
+#    `4 S² d`, quadratic. Its share is `S / (S + 6d)`, so past `S = 6d` tokens attention is most
+#    of the work and each added token costs more than the last.
+#
+#    </details>
+#
+# 2. A compile of one layer says the step fits with 1 GiB to spare. Why is that not yet a reason
+#    to rent the slice?
+#
+#    <details><summary>Answer</summary>
+#
+#    The weights of the other layers are added from their shapes, but the temporaries are those
+#    of the shallow copy. The full-depth compile can need more (section 3: 39.84 GiB against
+#    35.96 GiB), so a plan close to the limit deserves `tpupedia plan` without `--layers`.
+#
+#    </details>
+#
+# 3. `tp` and `tp_transposed` hold the same weight bytes per chip. Why is one compute-bound and
+#    the other communication-bound at 480p?
+#
+#    <details><summary>Answer</summary>
+#
+#    `tp_transposed` splits the other dimension of every matrix, so each matmul's output is laid
+#    out wrong for the next one and the compiler re-shards activations with many more
+#    collectives, several times the bytes. Its communication floor ends above its compute
+#    floor; Megatron's `tp` needs only two all-reduces per layer.
+#
+#    </details>
+#
+# 4. CogVideoX's reported 2.13 s per step gives an MFU of 15%. Why is that a lower bound, and
+#    what does the number not say?
+#
+#    <details><summary>Answer</summary>
+#
+#    The reported time is the whole run divided by 50, text encoder and VAE included, so the
+#    denoising steps alone ran faster than that. MFU says how much room there is, not where the
+#    time goes: that takes a profile.
+#
+#    </details>
+#
+# 5. Why does the denoise stage's peak include the text encoder's weights in a batch but not for
+#    one video?
+#
+#    <details><summary>Answer</summary>
+#
+#    For one video each stage loads its models and frees them before the next stage, so only the
+#    largest stage must fit. A batch keeps every stage's models resident between prompts, so
+#    each stage's peak also carries the other stages' weights.
+#
+#    </details>

@@ -33,9 +33,9 @@
 # | preset | loads | memory | compute time |
 # |---|---|---|---|
 # | `tiny` (CPU, CI) | notebook `cogvideox_pipeline`'s random 2-layer CogVideoX checkpoint, 8 simulated devices | about 1 GB of host RAM | about 60 s, measured here on a 2-core CPU |
-# | `full` (TPU v6e-8) | `zai-org/CogVideoX1.5-5B`, the text encoder and the transformer | per chip as notebook `cogvideox_pipeline`'s stages (T5-XXL 2.2 GiB, the step 5.6 GiB at 1360x768, AOT here) | two denoising steps traced, plus two short processes that compile the step: minutes, most of it the first compile |
+# | `full` (TPU v6e-8) | `zai-org/CogVideoX1.5-5B`, the text encoder and the transformer | per chip as notebook `cogvideox_pipeline`'s stages (T5-XXL 2.2 GiB, the step 5.6 GiB at 1360x768, AOT here) | two denoising steps traced, plus three short processes that compile the step (the third for Exercise 2): minutes, most of it the first compile |
 #
-# *Reading time: about 8 minutes.*
+# *Reading time: about 10 minutes.*
 
 # %%
 # %xmode Minimal
@@ -176,10 +176,46 @@ for name in ("attention", "other matmuls", "collectives", "everything else", "no
     print(f"  {name:16} {shares[name] / total:6.1%}")
 
 
-# %%
+# %% tags=["check"]
 assert trace_file.stat().st_size > 0 and step_module.startswith("jit_")
 assert shares["not in the HLO"] < 0.05 * total  # the rebuilt step names the traced instructions
 assert all(shares[name] > 0 for name in ("attention", "other matmuls", "collectives"))
+
+# %% [markdown]
+# ### Exercise 1: count the events of one instruction
+#
+# A share is a sum of events. Before summing time, count: the traced block called the step
+# `request.steps` times on a mesh of `jax.device_count()` devices. **Predict** first: how many
+# events the trace holds for one instruction of the step, say its first all-reduce, and on how
+# many distinct devices; and how many of the step's instructions are collectives, given the two
+# all-reduces per block of notebook `cogvideox_pipeline` and the pair that guidance splits and
+# combines over `dp`. Then open the solution, run it, and compare.
+
+# %% tags=["solution"]
+from collections import Counter
+
+events_per_op, devices_per_op = Counter(), defaultdict(set)
+for plane in profile.planes:
+    for line in plane.lines:
+        for event in line.events:
+            stats = dict(event.stats)
+            if stats.get("hlo_module") == step_module and "hlo_op" in stats:
+                events_per_op[stats["hlo_op"]] += 1
+                devices_per_op[stats["hlo_op"]].add(stats.get("device_ordinal"))
+collective_ops = sorted(op for op in events_per_op if category(op) == "collectives")
+print(f"{len(events_per_op)} instructions of the step in the trace; events per instruction:",
+      dict(Counter(events_per_op.values())))
+print(f"{len(collective_ops)} collectives over {t['num_layers']} blocks:")
+for op in collective_ops:
+    result_and_opcode = re.sub(r"\{[\d,]*\}", "", instructions[op].split("(%")[0])  # layouts dropped
+    print(f"  {op:20} {events_per_op[op]:>3} events on {len(devices_per_op[op])} devices: {result_and_opcode}")
+
+# %% tags=["check"]
+all_reduces = [op for op in collective_ops if " all-reduce(" in instructions[op] or " all-reduce-start(" in instructions[op]]
+assert len(all_reduces) >= 2 * t["num_layers"]  # to_out and ff.net.2 in every block
+assert all(len(devices_per_op[op]) == jax.device_count() for op in collective_ops)  # every device runs each one
+if jax.default_backend() == "cpu":  # one event per instruction, per call, per device (measured here)
+    assert set(events_per_op.values()) == {request.steps * jax.device_count()}
 
 # %% [markdown]
 # Read these shares for what they are. The devices here are threads of one 2-core CPU, so a
@@ -261,10 +297,38 @@ print(f"the cache folder holds {len(entries)} compiled program(s)")
 for i, run in enumerate(runs, 1):
     print(f"process {i}: {run['seconds']:.2f} s to compile the step")
 
-# %%
+# %% tags=["check"]
 assert runs[0]["cache misses"] >= 1 and runs[0]["cache hits"] == 0  # the first process compiles and writes
 assert runs[1]["cache hits"] >= 1 and runs[1]["cache misses"] == 0  # the second only reads
 assert len(entries) >= 1
+
+# %% [markdown]
+# ### Exercise 2: a third process, one step more
+#
+# The cache is keyed by the program, not by the request. A third process uses the same cache
+# folder, but its request asks for 3 denoising steps instead of 2 (the schedule's tables are
+# arrays the step closes over, notebook `cogvideox_pipeline`). **Predict** first: does it read
+# the step from the cache or compile it, and does the folder grow? JAX's small start-up programs
+# are counted too, so also guess whether every one of them is still a hit. Then open the
+# solution, run it, and compare.
+
+# %% tags=["solution"]
+three_steps = probe.replace('{"steps": 2}', '{"steps": 3}')
+assert three_steps != probe  # the request line of the probe changed
+done = subprocess.run([sys.executable, "-c", three_steps, str(cache)], capture_output=True, text=True, check=True,
+                      env=os.environ | {"TPUPEDIA_PRESET": preset.name, "JAX_COMPILATION_CACHE_DIR": str(cache),
+                                        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                                        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+                                        "JAX_COMPILATION_CACHE_MAX_SIZE": "-1"})
+third = json.loads(done.stdout.strip().splitlines()[-1])
+entries_after = sorted(p.name for p in cache.iterdir() if not p.name.startswith("."))
+print(f"process 3 (3 steps): cache hits {third['cache hits']}, misses {third['cache misses']}")
+print(f"the cache folder holds {len(entries_after)} compiled program(s), {len(entries_after) - len(entries)} new")
+
+# %% tags=["check"]
+assert third["cache misses"] >= 1  # another schedule is another program: compiled, not read
+assert third["cache hits"] + third["cache misses"] == runs[1]["cache hits"]  # as many programs asked for as before
+assert len(entries_after) == len(entries) + third["cache misses"]  # each miss wrote one entry
 
 # %% [markdown]
 # ## 4. Device memory over a run
@@ -377,3 +441,61 @@ assert memory_stats is None or "bytes_in_use" in memory_stats
 #   the same tools, with upstream's TPU profiles.
 # - [Plan a TPU run without a TPU](08_plan_without_tpu.ipynb): the numbers a profile is checked
 #   against.
+
+# %% [markdown]
+# ## Self-check
+#
+# 1. Why does section 1 run the denoising stage once before it starts the trace?
+#
+#    <details><summary>Answer</summary>
+#
+#    The first call traces and compiles the step, which takes far longer than a step. A trace of
+#    it would measure the compiler, not the program you mean to tune.
+#
+#    </details>
+#
+# 2. On the simulated CPU devices, collectives take most of the step's time. Why does that not
+#    mean a TPU run of this step is communication-bound?
+#
+#    <details><summary>Answer</summary>
+#
+#    Here eight devices are threads on two cores, and a collective's event lasts until every
+#    thread has reached it, so it mostly measures waiting. On a TPU the chips run in parallel,
+#    collectives travel over ICI and XLA overlaps them with compute; only the method carries over.
+#
+#    </details>
+#
+# 3. How does a trace event get sorted into attention, matmuls or collectives, when the trace
+#    itself only names an HLO instruction?
+#
+#    <details><summary>Answer</summary>
+#
+#    The instruction name is looked up in the compiled program's text: its opcode says whether it
+#    is a collective, the computations it calls say whether it holds a `dot` or a convolution,
+#    and a result of `[..., S, S]` marks the attention scores. The program is rebuilt with
+#    `tpupedia.plan.programs`, and the coverage check confirms it names the traced instructions.
+#
+#    </details>
+#
+# 4. A second process with the same program compiles nothing. What would make it miss the cache
+#    again, and what would not?
+#
+#    <details><summary>Answer</summary>
+#
+#    The key is the program and the compiler's options: other shapes, other constants baked into
+#    the program (the schedule's tables, Exercise 2), another mesh or another jax or libtpu
+#    version make a miss. A new prompt or seed does not, since they only change the values of
+#    the arguments.
+#
+#    </details>
+#
+# 5. Why does section 4 count bytes from each array's shard shape, and not through
+#    `array.addressable_shards[i].data`?
+#
+#    <details><summary>Answer</summary>
+#
+#    Asking for a shard's data creates a new array object, which the next `jax.live_arrays()`
+#    lists too, so every sample would count more than the one before. The sharding's shard shape
+#    gives the bytes without creating anything.
+#
+#    </details>

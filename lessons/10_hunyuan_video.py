@@ -54,7 +54,7 @@
 # The full preset downloads HunyuanVideo-1.5, released under the **Tencent Hunyuan Community
 # License Agreement**. Its territory excludes the European Union, the United Kingdom and South
 # Korea: the agreement grants no licence to use the model there. Read it before you run the full
-# preset. *Reading time: about 17 minutes.*
+# preset. *Reading time: about 20 minutes.*
 
 # %%
 # %xmode Minimal
@@ -106,7 +106,7 @@ from IPython.display import Video
 
 Video(str(scratch / "first.mp4"), embed=True, width=256, html_attributes="controls loop autoplay muted")
 
-# %%
+# %% tags=["check"]
 assert [r.stage for r in reports] == ["text", "denoise", "decode"] and all(r.ran for r in reports)
 assert (scratch / "first.mp4").stat().st_size > 0
 
@@ -128,7 +128,7 @@ print(f"{config.num_layers} dual-stream blocks, {config.num_attention_heads} hea
       f"{config.num_refiner_layers} text-refiner layers")
 print(f"{params / 1e9:.2f} B parameters, {params * 2 / 1e9:.1f} GB in bf16")
 
-# %%
+# %% tags=["check"]
 assert config.num_layers == family.FULL_LAYERS == 54
 assert config.num_attention_heads * config.attention_head_dim == 2048 and 8.0e9 < params < 8.6e9
 
@@ -147,7 +147,7 @@ for frames in (9, 49, 121):
     print(f"{frames:>6} {family.latent_frames(frames):>6} {tokens:>13,} {tokens + text_slots:>13,} "
           f"{family.mask_elements(1280, 720, frames):>15,}")
 
-# %%
+# %% tags=["check"]
 assert family.video_tokens(1280, 720, 121) == 31 * 45 * 80 == 111_600
 assert family.mask_elements(1280, 720, 121) == (111_600 + 1_985) ** 2  # about 12.9 G per sample
 
@@ -164,6 +164,31 @@ expect(lambda: pipeline.validate(pipeline.Request(**{**request.__dict__, "frames
        family.ModelInputError, max_lines=1)
 _ = expect(lambda: pipeline.validate(pipeline.Request(**{**request.__dict__, "height": 100}), pipeline.Options()),
            family.ModelInputError, max_lines=1)
+
+# %% [markdown]
+# ### Exercise 1: predict the mask's sizes for a 480p video
+#
+# Take a 480p request, 848x480 and 61 frames. **Predict** first, from the frame rule and the three
+# text slots of this section: the latent frames, the video tokens, the length of the validity
+# vector each attention receives per sample (section 3 keeps the mask as that vector), and the
+# number of elements in diffusers' `(S, S)` mask per sample. Then open the solution, run it, and
+# compare.
+
+# %% tags=["solution"]
+wide = pipeline.Request(prompt="a fox in the snow", frames=61, height=480, width=848)
+pipeline.validate(wide, pipeline.Options())  # accepted: 4n + 1 frames, a multiple of 16 on each side
+wide_latent_frames = family.latent_frames(wide.frames)
+wide_tokens = family.video_tokens(wide.width, wide.height, wide.frames)
+wide_sequence = wide_tokens + text_slots  # the validity vector's length, per sample
+wide_matrix = family.mask_elements(wide.width, wide.height, wide.frames)
+print(f"{wide.width}x{wide.height}, {wide.frames} frames: {wide_latent_frames} latent frames, {wide_tokens:,} video tokens")
+print(f"validity vector: {wide_sequence:,} booleans per sample; diffusers' mask: {wide_matrix:,} "
+      f"({wide_matrix / wide_sequence:,.0f}x the vector)")
+
+# %% tags=["check"]
+assert wide_latent_frames == (61 - 1) // 4 + 1 == 16
+assert wide_tokens == 16 * (480 // 16) * (848 // 16) == 25_440  # patch 1: one token per latent pixel
+assert wide_sequence == 25_440 + 1000 + 256 + 729 and wide_matrix == wide_sequence**2
 
 # %% [markdown]
 # ## 2. A forward that `jax.jit` can trace
@@ -250,7 +275,7 @@ with torch.no_grad():
     rewritten = family.static_forward(stock_transformer, x, timestep, text, text_mask, **kwargs)[0]
 print("bit-identical to the stock forward:", torch.equal(rewritten, reference), "| output", tuple(reference.shape))
 
-# %%
+# %% tags=["check"]
 assert "bool[]" in str(error) and torch.equal(rewritten, reference)
 
 # %% [markdown]
@@ -369,7 +394,7 @@ with torchax_utils.restoring_ops(env):
     in_stock, in_ours = mask_tensors(matrix_version), mask_tensors(transformer)
 print("diffusers' processor:", in_stock or "none", "| vector + splash:", in_ours or "none")
 
-# %%
+# %% tags=["check"]
 assert in_stock and not in_ours
 
 # %% [markdown]
@@ -478,7 +503,7 @@ print(f"non-zero rows of prompt_embeds: {int(embeds['prompt_embeds'].ne(0).any(-
       f"{embeds['prompt_embeds'].shape[1]}; ByT5's glyph slot: {int(embeds['prompt_embeds_mask_2'].sum())} valid "
       f"tokens for the quoted text, none for the negative prompt")
 
-# %%
+# %% tags=["check"]
 assert templated - text_defaults["crop_start"] == valid < text_defaults["tokenizer_max_length"]
 assert sentence < valid  # the system message, not the sentence, fills the slot
 assert int(embeds["prompt_embeds"].ne(0).any(-1).sum()) == embeds["prompt_embeds"].shape[1]  # padding rows too
@@ -511,7 +536,7 @@ else:  # full, bfloat16: relative to each tensor's largest value
     print(f"max abs difference from diffusers over the largest |value|, worst of the 4 positive-prompt tensors: "
           f"{text_error:.1e} (bound {text_bound:.1e})")
 
-# %%
+# %% tags=["check"]
 assert pipe.traces["text"] == 1  # prompt and negative prompt share one program
 assert embeds["prompt_embeds_mask_2"].sum() > 0 and embeds["negative_prompt_embeds_mask_2"].sum() == 0
 assert text_error <= text_bound
@@ -602,9 +627,37 @@ for dt, eps in ((torch.float32, 2.0**-23), (torch.bfloat16, 2.0**-7)):
     sched.set_timesteps(sigmas=np.linspace(1.0, 0.0, steps + 1)[:-1])  # `step` advanced its index: reset
 print("largest difference from the stock step, in units of the last place:", {k: round(v, 2) for k, v in ulps.items()})
 
-# %%
+# %% tags=["check"]
 assert all(u <= 1.0 for u in ulps.values())
 assert pure._cache_size() == 2  # one program per dtype, whatever the step
+
+# %% [markdown]
+# ### Exercise 2: one flow-matching step by hand
+#
+# The first of the 8 steps above moves from sigma 1 to the next of `np.linspace(1, 0, 9)`, both
+# shifted with the checkpoint's shift (`resolved.shift`). **Predict** first: the first step's
+# `dt` from the shift formula alone, and how close `x + dt * v`, written as one jitted line, comes
+# to the stock scheduler's step on the same float32 `x` and `v`. Then open the solution, run it,
+# and compare with the tables' `dt` and the stock step.
+
+# %% tags=["solution"]
+def shifted(sigma, s):  # the scheduler's shift, as above
+    return s * sigma / (1 + (s - 1) * sigma)
+
+
+by_hand_dt = shifted(1 - 1 / steps, resolved.shift) - shifted(1.0, resolved.shift)
+gen = torch.Generator().manual_seed(2)
+x0, v0 = torch.randn(1, 4, 3, 4, 4, generator=gen), torch.randn(1, 4, 3, 4, 4, generator=gen)
+x1_stock = sched.step(v0, sched.timesteps[0], x0, return_dict=False)[0]
+sched.set_timesteps(sigmas=np.linspace(1.0, 0.0, steps + 1)[:-1])  # `step` advanced its index: reset
+x1_hand = jax.jit(lambda x, v: x + jnp.float32(by_hand_dt) * v)(x0.numpy(), v0.numpy())
+hand_error = float(np.abs(np.asarray(x1_hand) - x1_stock.numpy()).max())
+print(f"first step's dt: by hand {by_hand_dt:.6f}, the tables' {float(tables['dt'][0]):.6f}")
+print("one Euler step by hand against the stock scheduler:", results.error_text(hand_error, 1e-6))
+
+# %% tags=["check"]
+assert by_hand_dt < 0 and abs(by_hand_dt - float(tables["dt"][0])) < 1e-6  # sigma falls: dt is negative
+assert hand_error <= 1e-6  # float32 rounding, at most an ulp or two of values near 1
 
 # %% [markdown]
 # ## 6. Stage 2: the denoising step, written out
@@ -731,7 +784,7 @@ print("module:", tuple(latents["latents"].shape), "| traced", pipe.traces["denoi
       f"steps | {denoise_timings['text_tokens']} conditioning tokens | equal to the step written here:",
       torch.equal(latents["latents"], ours))
 
-# %%
+# %% tags=["check"]
 assert step._cache_size() == 1 and pipe.traces["denoise"] == 1  # one program for every step
 assert denoise_timings["text_tokens"] == kept and max(valid_pair) <= kept < slots
 assert torch.equal(latents["latents"], ours)
@@ -758,7 +811,7 @@ print("collectives in the compiled step:", dict(kinds))
 print(f"all-reduce bytes sent per chip per step: "
       f"{sum(op.bytes_sent for op in collectives if op.kind == 'all-reduce') / 2**10:.1f} KiB")
 
-# %%
+# %% tags=["check"]
 assert in_blocks == 4 * step_blocks
 assert kinds["all-reduce"] >= len(row_parallel)
 
@@ -773,7 +826,7 @@ from IPython.display import Markdown
 plan = pipe.plans["transformer"]
 Markdown(plan.table(r"^transformer_blocks\.0\.(attn\.(to_q|to_out\.0)|ff\.net\.(0\.proj|2))\.weight$"))
 
-# %%
+# %% tags=["check"]
 assert plan["transformer_blocks.0.attn.to_q.weight"].spec == jax.sharding.PartitionSpec("tp", None)
 assert plan["transformer_blocks.0.ff.net.2.weight"].spec == jax.sharding.PartitionSpec(None, "tp")
 
@@ -781,6 +834,30 @@ assert plan["transformer_blocks.0.ff.net.2.weight"].spec == jax.sharding.Partiti
 # NBVAL_IGNORE_OUTPUT
 print(f"text    first {text_timings['first_s']:.2f} s")
 print(f"denoise first {denoise_timings['first_s']:.2f} s, steady {denoise_timings['steady_s'] * 1e3:.0f} ms/step")
+
+# %% [markdown]
+# ### Exercise 3: predict how many conditioning tokens a step keeps
+#
+# The step keeps the conditioning tokens up to the most valid tokens of the guidance pair, rounded
+# up to 128 (`family.kept_text_tokens`), out of the 1,985 slots. **Predict** first how many it
+# keeps when the negative and positive prompts have 37 and 12 valid tokens, 120 and 300, 0 and
+# 129, and when every slot is valid. Why is the count rounded at all, rather than kept exact?
+# Then open the solution, run it, and compare.
+
+# %% tags=["solution"]
+pairs = {"37 and 12 valid": [37, 12], "120 and 300 valid": [120, 300], "0 and 129 valid": [0, 129],
+         "every slot valid": [slots, slots]}
+kept_for = {name: family.kept_text_tokens(counts, slots) for name, counts in pairs.items()}
+for name, n in kept_for.items():
+    print(f"{name:>18}: {n} of {slots} conditioning tokens kept")
+print("this notebook's prompt pair:", valid_pair, "->", kept)
+print("rounded, not exact: one compiled step serves every prompt pair whose count rounds to the same length")
+
+# %% tags=["check"]
+# rounded so that one compiled step serves every prompt whose count rounds to the same length
+assert kept_for == {"37 and 12 valid": 128, "120 and 300 valid": 384, "0 and 129 valid": 256,
+                    "every slot valid": slots}
+assert kept == family.kept_text_tokens(valid_pair, slots) and (kept % 128 == 0 or kept == slots)
 
 # %% [markdown]
 # ## 7. Stage 3: decode, and parity with stock diffusers
@@ -832,7 +909,7 @@ else:  # full: one denoising step at 9 frames, 256x256, without guidance
           f"max abs difference from stock diffusers over its largest |value|: {step_error:.1e} "
           f"(bound {llm.BF16_RELATIVE_BOUND:.1e})")
 
-# %%
+# %% tags=["check"]
 if preset.host_runs_whole_models:
     assert frames.shape == expected.shape == (request.frames, request.height, request.width, 3)
     assert video_error <= 1e-4
@@ -880,7 +957,7 @@ print(f"720p, 121 frames: {sum(p.calls for p in alone)} tile decodes one after a
 # one sample at a time). The loop-free mask of section 3 (`family.vae_attention_mask`) keeps the
 # head axis, and `tests/test_hunyuan.py` checks that a batch decodes each sample as alone.
 
-# %%
+# %% tags=["check"]
 assert sum(p.calls for p in alone) == 28 and sum(p.calls for p in shared) < sum(p.calls for p in alone)
 assert all(p.args[-1].shape[0] == host_chips.size for p in shared)  # one tile per chip in every call
 
@@ -926,3 +1003,62 @@ _ = gc.collect()
 # - [Splash attention](../kb/splash-attention.md): the kernel behind section 3's padded attention.
 # - Next: notebook `hunyuan_tuning_and_i2v`, DeepCache, the sharding tables on a v6e-8 and
 #   image-to-video on this pipeline.
+
+# %% [markdown]
+# ## Self-check
+#
+# 1. The stock forward fails under `jax.jit` on `if torch.all(image_embeds == 0)`. Why does
+#    replacing it with `torch.where` fix the trace without changing the numbers?
+#
+#    <details><summary>Answer</summary>
+#
+#    A Python `if` needs a concrete boolean, and under tracing the tensor has none. `torch.where`
+#    computes both values and selects one inside the program, so the shape and the ops are fixed;
+#    it returns what the `if` would have chosen, so `static_forward` is the stock forward bit for bit.
+#
+#    </details>
+#
+# 2. Why does a naive softmax over diffusers' pairwise mask put NaN in every token's output, not
+#    only in the padded ones?
+#
+#    <details><summary>Answer</summary>
+#
+#    A padded token's row sees no key, and a softmax over a row of `-inf` is `0 / 0`, NaN. The next
+#    block multiplies padded tokens by their zero mask, `0 * NaN` is NaN, and attention's weighted
+#    sum carries it into every token.
+#
+#    </details>
+#
+# 3. The TPU compiler did not store the `(B, 1, S, S)` mask even with diffusers' processor. What
+#    does passing the `(B, S)` vector still buy?
+#
+#    <details><summary>Answer</summary>
+#
+#    A guarantee: correctness and memory no longer depend on a fusion decision, and the reference
+#    path (GPUs, CPU checks) gets a vector it can broadcast lazily instead of a 13 G-element tensor.
+#    Splash takes the vector directly as segment ids.
+#
+#    </details>
+#
+# 4. Why can the flow-matching step be one compiled program for all steps when the stock
+#    scheduler keeps its index as Python state?
+#
+#    <details><summary>Answer</summary>
+#
+#    Every number the step needs (sigmas, timesteps, `dt`) is known on the host before the loop, so
+#    `flow_match_tables` stacks them and the pure step indexes them with the traced step number `i`.
+#    Only the index changes from step to step, and it is an argument, not a constant.
+#
+#    </details>
+#
+# 5. Cutting the conditioning tokens after the most valid ones changes the sequence length. Why
+#    does the video stay the same?
+#
+#    <details><summary>Answer</summary>
+#
+#    The tokens are ordered valid-first, so what is cut is padding, and every query masks padding
+#    out; the output reads only video tokens. The result changes at most by the order in which a
+#    softmax's sum is added, and section 7's frames, against a stock pipeline that keeps all 1,985
+#    slots, stay within float32 rounding.
+#
+#    </details>

@@ -37,7 +37,7 @@
 # The full preset downloads HunyuanVideo-1.5, released under the **Tencent Hunyuan Community
 # License Agreement**. Its territory excludes the European Union, the United Kingdom and South
 # Korea: the agreement grants no licence to use the model there. Read it before you run the full
-# preset. *Reading time: about 12 minutes.*
+# preset. *Reading time: about 15 minutes.*
 
 # %%
 # %xmode Minimal
@@ -147,7 +147,7 @@ bound = 50 / (len(full_steps) + (50 - len(full_steps)) / family.FULL_LAYERS)
 print(f"upper bound on the speed-up: {bound:.2f}x (the upstream project reports 1.93-1.96x in theory, "
       f"1.72x measured at 121 frames and 1.83x at 49 frames on a TPU v6e-8)")
 
-# %%
+# %% tags=["check"]
 assert len(full_steps) == 25 and full_steps[:11] == list(range(11)) and full_steps[-5:] == list(range(45, 50))
 assert 1.9 < bound < 2.0
 
@@ -164,7 +164,7 @@ latents_every, timings_every = pipe.denoise(exact_request, embeds)
 print("interval 1 equals the plain pipeline bit for bit:", torch.equal(latents_every["latents"], latents["latents"]),
       f"({timings_every['full_steps']} full steps, traced full {pipe.traces['full']}x)")
 
-# %%
+# %% tags=["check"]
 assert torch.equal(latents_every["latents"], latents["latents"])
 assert timings_every["full_steps"] == request.steps
 
@@ -184,7 +184,7 @@ n_full, n_cached = trade["full_steps"], trade["steps"] - trade["full_steps"]
 print(f"{trade_request.deepcache} over {trade['steps']} steps: {n_full} full, {n_cached} cached")
 print(f"quality against the uncached video: PSNR {trade['psnr_db']:.1f} dB, 1 - SSIM = {1 - trade['ssim']:.1e}")
 
-# %%
+# %% tags=["check"]
 assert trade["full_steps"] == len(trade_request.deepcache.full_steps(10)) == 6
 assert 0 < trade["ssim"] < 1 and np.isfinite(trade["psnr_db"])
 
@@ -211,7 +211,7 @@ print(f"FLOPs per step: full {step_flops['full']:.3g}, cached {step_flops['cache
 print(f"speed-up bound: {block_bound:.2f}x counting blocks (1/{tiny_blocks} per cached step), "
       f"{flop_bound:.2f}x counting FLOPs")
 
-# %%
+# %% tags=["check"]
 assert len(step_programs) == 2 and 0 < cached_share < 1 / tiny_blocks  # less than its share of the blocks
 assert flop_bound > block_bound
 
@@ -224,6 +224,41 @@ assert flop_bound > block_bound
 # NBVAL_IGNORE_OUTPUT
 print(f"denoising, compile steps left out: {trade['plain_s']:.2f} s without, {trade['cached_s']:.2f} s with "
       f"DeepCache: {trade['speedup']:.2f}x measured on this CPU, of a {flop_bound:.2f}x bound from FLOPs")
+
+# %% [markdown]
+# ### Exercise 1: write a DeepCache schedule and predict its speed-up bound
+#
+# Take 50 steps on the 54-block model and a schedule that runs the first 5 steps and the last 5 in
+# full and one step in 5 between them: `deepcache.Schedule(5, 45, 5)`. **Predict** first: how many
+# full steps it runs, and its upper bound on the speed-up counting blocks (a cached step costs
+# `tail` blocks of 54), with the default tail of 1 and with `tail=2`. Then open the solution, run
+# it, and compare with what the schedule helper says; the upstream default is there for reference.
+
+# %% tags=["solution"]
+import math
+
+
+def predicted_full_steps(s, steps):  # before start, then one in `interval` up to end, then from end on
+    return s.start + math.ceil((s.end - s.start) / s.interval) + (steps - s.end)
+
+
+def block_bound(s, steps, blocks):  # a cached step runs `tail` of `blocks` blocks
+    n = len(s.full_steps(steps))
+    return steps / (n + (steps - n) * s.tail / blocks)
+
+
+mine = {"11:45:4 (upstream)": deepcache.UPSTREAM_DEFAULT, "5:45:5": deepcache.Schedule(5, 45, 5),
+        "5:45:5, tail 2": deepcache.Schedule(5, 45, 5, tail=2)}
+for name, s in mine.items():
+    print(f"{name:>20}: {predicted_full_steps(s, 50)} full steps predicted, {len(s.full_steps(50))} from the "
+          f"helper; bound {block_bound(s, 50, family.FULL_LAYERS):.2f}x")
+
+# %% tags=["check"]
+assert all(predicted_full_steps(s, 50) == len(s.full_steps(50)) for s in mine.values())
+assert len(mine["5:45:5"].full_steps(50)) == 18  # 5 + 8 + 5
+assert abs(block_bound(mine["5:45:5"], 50, family.FULL_LAYERS) - 50 / (18 + 32 / 54)) < 1e-12
+assert abs(block_bound(mine["11:45:4 (upstream)"], 50, family.FULL_LAYERS) - bound) < 1e-12
+assert 1 < block_bound(mine["5:45:5, tail 2"], 50, family.FULL_LAYERS) < block_bound(mine["5:45:5"], 50, family.FULL_LAYERS)
 
 # %% [markdown]
 # ## 2. Three sharding tables, planned for a v6e-8
@@ -345,6 +380,30 @@ assert abs(tp_plan.bytes_per_device - plans[("tp", (2, 4))]["arguments_bytes"]) 
 assert modulation / params > 0.25  # a quarter of the weights, replicated by every table
 
 # %% [markdown]
+# ### Exercise 2: predict the weights per chip when the tp table splits the modulation
+#
+# Add two rules in front of the `tp` table that split the AdaLN modulation projections the way the
+# table splits q, k and v: the weight's output rows over `tp` (`P("tp", None)`) and the bias with
+# them (`P("tp")`). **Predict** first, from the modulation's parameter count printed above and
+# its bf16 bytes: how many GB per chip the `tp` table holds on the `dp=2, tp=4` mesh after the
+# change. Then open the solution, run it (`sharding.plan` compiles nothing), and compare.
+
+# %% tags=["solution"]
+from jax.sharding import PartitionSpec as P
+
+split_modulation = [(r".*\.norm1(_context)?\.linear\.weight", P("tp", None)),
+                    (r".*\.norm1(_context)?\.linear\.bias", P("tp"))]
+split_plan = sharding.plan(full, split_modulation + sharding.rules(family.SPEC, "tp", axis="tp"), mesh8)
+itemsize = next(full.parameters()).element_size()  # bf16: 2 bytes
+predicted_bytes = tp_plan.bytes_per_device - modulation * itemsize * (1 - 1 / mesh8.shape["tp"])
+print(f"tp: {tp_plan.bytes_per_device / 1e9:.2f} GB per chip; modulation split over tp: predicted "
+      f"{predicted_bytes / 1e9:.2f} GB, planned {split_plan.bytes_per_device / 1e9:.2f} GB")
+
+# %% tags=["check"]
+assert abs(split_plan.bytes_per_device - predicted_bytes) < 1  # each chip keeps a quarter of the modulation
+assert split_plan.bytes_per_device < 0.55 * tp_plan.bytes_per_device
+
+# %% [markdown]
 # ## 3. Next to the GPU
 #
 # None of the following was measured here: the upstream project reports these times for 121
@@ -452,7 +511,7 @@ print(f"image slot: {family.image_tokens(release)} SigLIP tokens of width {relea
 print("kind from model_index.json:", {name: family.image_to_video(c) for name, c in
                                       (("720p_t2v", family.full_configs()), ("720p_i2v", release))})
 
-# %%
+# %% tags=["check"]
 assert family.video_size(1920, 1080, release) == (1280, 720)
 assert family.image_tokens(release) == family.TEXT_SLOTS["image"][0] == 729
 assert release["transformer"]["in_channels"] == family.full_configs()["transformer"]["in_channels"] == 65
@@ -511,7 +570,7 @@ if preset.host_runs_whole_models:
     print("image-to-video frames: max abs difference from stock diffusers", results.error_text(i2v_error, 1e-4))
     del stock_i2v
 
-# %%
+# %% tags=["check"]
 assert [r.stage for r in i2v_reports] == ["text", "image", "denoise", "decode"]
 assert (sized.width, sized.height) == family.video_size(96, 64, i2v_configs) == (64, 48)
 assert i2v_frames.shape == (i2v_request.frames, sized.height, sized.width, 3)
@@ -535,12 +594,12 @@ if preset.pretrained:
                           stages=("image", "denoise"), vae_tiling="on").as_dict()
 else:
     i2v_plan = next(r for r in results.load(Path("..") / planner.DEFAULT_RECORDS)
-                    if r.get("family") == "hunyuan" and r["request"].get("image"))
+                    if r.get("family") == "hunyuan" and r["request"].get("image") and r["topology"] == "v6e:2x4")
 for stage in i2v_plan["stages"]:
     print(f"{stage['stage']:8} peak {stage['peak'] / 2**30:6.2f} GiB per chip (weights {stage['weights'] / 2**30:.2f} GiB)")
 print("binding stage:", i2v_plan["binding"], "| fits:", i2v_plan["fits"])
 
-# %%
+# %% tags=["check"]
 assert i2v_plan["fits"] and [s["stage"] for s in i2v_plan["stages"]] == ["image", "denoise"]
 
 # %% [markdown]
@@ -565,3 +624,63 @@ assert i2v_plan["fits"] and [s["stage"] for s in i2v_plan["stages"]] == ["image"
 #   costs per video.
 # - [HunyuanVideo-1.5 on TPU](../kb/hunyuan-video.md): the model, its checkpoints and upstream's
 #   TPU runs in one page.
+
+# %% [markdown]
+# ## Self-check
+#
+# 1. Why does DeepCache here compile two programs and pick one per step in Python, rather than
+#    branch inside one jitted step?
+#
+#    <details><summary>Answer</summary>
+#
+#    Inside `jax.jit` a per-step choice needs `lax.cond` with both branches compiled and matching
+#    output structures. The schedule is fixed on the host before the run, so the Python loop can
+#    call a **full** program (which also returns the tail's input) or a **cached** one (which
+#    takes it) at no cost.
+#
+#    </details>
+#
+# 2. On the tiny 2-block model the FLOP bound is higher than the block bound. Why, and which
+#    would you trust on the 54-block model?
+#
+#    <details><summary>Answer</summary>
+#
+#    A cached step also skips everything before the tail: the first block, the text refiner and
+#    the embeddings, a large share of a 2-block model's FLOPs that counting blocks leaves out. The
+#    FLOP bound, from the cost analysis of the two compiled programs, counts what each step must do
+#    on any model; at 54 blocks the parts before the tail are a smaller share, so the two bounds
+#    come closer.
+#
+#    </details>
+#
+# 3. What does replicating `fc2` and the attention output projection (`tp_fc2_replicated`) trade,
+#    compared with the Megatron `tp` table?
+#
+#    <details><summary>Answer</summary>
+#
+#    It halves the all-reduce bytes but adds all-gathers, because the replicated layers' input is
+#    still split over `tp` and must be gathered; fewer bytes in all, for more weights per chip.
+#
+#    </details>
+#
+# 4. Why is the `tp` table's weights per chip much more than the model's bf16 bytes divided by 4?
+#
+#    <details><summary>Answer</summary>
+#
+#    A weight no rule matches stays whole on every chip, and the AdaLN modulation projections, about
+#    a quarter of the parameters, match no rule in any table. Splitting them over `tp`, as
+#    exercise 2 does, nearly halves the weights per chip.
+#
+#    </details>
+#
+# 5. In image-to-video, why does `tpupedia generate hunyuan --image` refuse `--width` and
+#    `--height`, and how does the pipeline tell an image-to-video checkpoint from a text-to-video
+#    one?
+#
+#    <details><summary>Answer</summary>
+#
+#    The video's size comes from the picture (the bucket nearest its aspect), and the stock pipeline
+#    ignores a given size, so accepting one would silently do something else. Both kinds take 65
+#    input channels, so the pipeline asks `model_index.json` whether it names an image encoder.
+#
+#    </details>

@@ -37,7 +37,7 @@
 #
 # On the full preset, sections 2 to 4 and section 7's run use the tiny sizes (the facts they
 # teach do not depend on the checkpoint), and section 5 loads the release from the Hub: a TPU
-# VM with about 100 GB of disk. *Reading time: about 10 minutes.*
+# VM with about 100 GB of disk. *Reading time: about 12 minutes.*
 
 # %%
 # %xmode Minimal
@@ -89,7 +89,7 @@ flops = family.step_flops(1280, 720, 81)
 print(f"720p, 81 frames: {flops['tokens']:,} video tokens per sample; one guided step {flops['total'] / 1e15:.1f} PFLOP "
       f"({flops['attention'] / flops['total']:.0%} in attention)")
 
-# %%
+# %% tags=["check"]
 assert "wan" in families.names("video") and "wan" in subcommands
 assert 14.0e9 < n_params < 14.5e9 and flops["tokens"] == 21 * 45 * 80
 
@@ -114,6 +114,7 @@ import jax.numpy as jnp
 import numpy as np
 from diffusers import UniPCMultistepScheduler
 
+from tpupedia import results
 from tpupedia.pipelines import schedulers
 
 stock = UniPCMultistepScheduler(**family.SCHEDULER_CONFIG)
@@ -128,22 +129,55 @@ print("corrector runs:         ", host_tables["c_on"].astype(int).tolist())
 # outputs and compare every sample. One compiled step serves all eight.
 
 # %%
-tables = {k: jnp.asarray(v) for k, v in host_tables.items()}
 step = jax.jit(schedulers.unipc_step)
-g = torch.Generator().manual_seed(0)
-sample = torch.randn(1, 4, 3, 8, 8, generator=g)
-ours, state = jnp.asarray(sample.numpy()), schedulers.unipc_state(tuple(sample.shape))
-unipc_errors = []
-for i, t in enumerate(stock.timesteps):
-    output = torch.randn(sample.shape, generator=g)
-    sample = stock.step(output, t, sample, return_dict=False)[0]
-    ours, state = step(tables, i, ours, jnp.asarray(output.numpy()), state)
-    unipc_errors.append(float(np.abs(np.asarray(ours) - sample.numpy()).max()))
+
+
+def step_by_step(stock, seed):
+    """Run `stock` and the pure `step` on the same random model outputs; the max difference per step."""
+    tables = {k: jnp.asarray(v) for k, v in schedulers.unipc_tables(stock).items()}
+    g = torch.Generator().manual_seed(seed)
+    sample = torch.randn(1, 4, 3, 8, 8, generator=g)
+    ours, state = jnp.asarray(sample.numpy()), schedulers.unipc_state(tuple(sample.shape))
+    errors = []
+    for i, t in enumerate(stock.timesteps):
+        output = torch.randn(sample.shape, generator=g)
+        sample = stock.step(output, t, sample, return_dict=False)[0]
+        ours, state = step(tables, i, ours, jnp.asarray(output.numpy()), state)
+        errors.append(float(np.abs(np.asarray(ours) - sample.numpy()).max()))
+    return errors
+
+
+unipc_errors = step_by_step(stock, seed=0)
 print("max abs difference per step:", " ".join(f"{e:.0e}" for e in unipc_errors))
 print("compiled once:", step._cache_size() == 1)
 
-# %%
+# %% tags=["check"]
 assert max(unipc_errors) < 1e-5 and step._cache_size() == 1
+
+# %% [markdown]
+# ### Exercise 1: predict UniPC's tables for 5 steps, and what the compiled step does with them
+#
+# The tables above are for 8 steps. Build them for 5 steps and run the same step-by-step
+# comparison with the jitted `step` of this section. **Predict** first: the `p_two` and `c_on`
+# columns for 5 steps (which steps use the second-order predictor, which run the corrector), and
+# whether `step` compiles again for the new tables or reuses its one program. Then open the
+# solution, run it, and compare.
+
+# %% tags=["solution"]
+stock_5 = UniPCMultistepScheduler(**family.SCHEDULER_CONFIG)
+stock_5.set_timesteps(5)
+tables_5 = schedulers.unipc_tables(stock_5)
+errors_5 = step_by_step(stock_5, seed=1)
+print("predictor second order:", np.asarray(tables_5["p_two"]).astype(int).tolist())
+print("corrector runs:        ", np.asarray(tables_5["c_on"]).astype(int).tolist())
+print("max abs difference from the stock scheduler:", results.error_text(max(errors_5)))
+print("programs compiled by `step` (8 steps, then 5):", step._cache_size())
+
+# %% tags=["check"]
+assert np.asarray(tables_5["p_two"]).astype(int).tolist() == [0, 1, 1, 1, 0]  # first order first and last
+assert np.asarray(tables_5["c_on"]).astype(int).tolist() == [0, 1, 1, 1, 1]  # no corrector before any output
+assert max(errors_5) < 1e-5
+assert step._cache_size() == 2  # tables of length 5 are new shapes: one more program, then reused for all 5 steps
 
 # %% [markdown]
 # ## 3. Two experts
@@ -171,7 +205,7 @@ for shift in (3.0, 12.0):
     print(f"shift {shift:4}: boundary timestep {boundary:.0f}: {experts.count('high')} high-noise steps, "
           f"then {experts.count('low')} low-noise")
 
-# %%
+# %% tags=["check"]
 assert family.experts(two) == ("transformer", "transformer_2") and 0 < split[3.0] < split[12.0] < 40
 
 # %% [markdown]
@@ -207,7 +241,7 @@ latents = torch.from_numpy(np.random.default_rng(0).standard_normal((1, 4, 5, 8,
 decoded, _ = pipe.decode(request, latents)
 print("5 latent frames ->", tuple(decoded["frames"].shape), "frames; decoder programs traced:", pipe.traces["decode"])
 
-# %%
+# %% tags=["check"]
 assert tuple(decoded["frames"].shape) == (17, 64, 64, 3) and pipe.traces["decode"] == 3
 
 # %% [markdown]
@@ -218,6 +252,39 @@ assert tuple(decoded["frames"].shape) == (17, 64, 64, 3) and pipe.traces["decode
 # `is_residual`, `patch_size`, `scale_factor_spatial`). `decode_frames` unpatchifies as diffusers
 # does. `tests/test_wan.py` builds that layout at tiny size and checks its frames against stock
 # `WanPipeline` within 1e-4.
+
+# %% [markdown]
+# ### Exercise 2: predict the latents of a frame count, from the VAE's rule
+#
+# Five seconds at 16 frames per second is 80 frames. The VAE keeps the first frame and folds each
+# later group of `temporal` frames into one latent frame; `family.shape_facts` reads `spatial`,
+# `temporal` and the latent channels from a checkpoint's configs. **Predict** first: does
+# `family.check_frames` accept 80 frames, and if not, what would diffusers round it down to? And
+# the latent shape `(1, C, T, H, W)` of 81 frames for Wan2.1-T2V-14B at 1280x720 and for
+# Wan2.2-TI2V-5B at 1280x704 (its own VAE). Then open the solution, run it, and compare.
+
+# %% tags=["solution"]
+from tpupedia.models import ModelInputError
+
+releases = {"Wan2.1-T2V-14B at 1280x720": (family.full_configs(), 720, 1280),
+            "Wan2.2-TI2V-5B at 1280x704": (family.full_configs(size="5B"), 704, 1280)}
+latent_shapes = {}
+for name, (configs, height, width) in releases.items():
+    release_facts = family.shape_facts(configs)
+    latent_shapes[name] = family.latent_shape(81, height, width, release_facts)
+    print(f"{name}: VAE {release_facts.spatial}x in space, {release_facts.temporal}x in time, "
+          f"{release_facts.latent_channels} channels -> 81 frames give latents {latent_shapes[name]}")
+try:
+    family.check_frames(80, release_facts)
+    refused = None
+except ModelInputError as err:
+    refused = str(err)
+print("80 frames:", refused)
+
+# %% tags=["check"]
+assert latent_shapes["Wan2.1-T2V-14B at 1280x720"] == (1, 16, 21, 90, 160)  # (81 - 1) / 4 + 1 = 21
+assert latent_shapes["Wan2.2-TI2V-5B at 1280x704"] == (1, 48, 21, 44, 80)  # 16x in space
+assert refused is not None and refused.endswith("round 80 down to 77")  # 4 * 19 + 1
 
 # %% [markdown]
 # ## 5. The whole run against stock diffusers
@@ -255,7 +322,7 @@ for name, checkpoint, guidance_2 in (("Wan 2.1", checkpoint_21, None), ("Wan 2.2
     print(f"{name}: steps per expert {per_expert}; max abs difference from stock WanPipeline "
           f"{results.error_text(parity[name])}")
 
-# %%
+# %% tags=["check"]
 assert all(error < 1e-4 for error in parity.values())
 
 # %% [markdown]
@@ -284,14 +351,15 @@ if preset.pretrained:
     full_request = pipeline.Request(prompt="a video", **family.default_request(preset))
     wan_plan = plan.make("wan", full_request, pipeline.Options(), topology="v6e:2x4", layers=1).as_dict()
 else:
-    wan_plan = next(r for r in results.load(Path("..") / plan.DEFAULT_RECORDS) if r.get("checkpoint") == family.FULL_ID)
+    wan_plan = next(r for r in results.load(Path("..") / plan.DEFAULT_RECORDS)
+                    if r.get("checkpoint") == family.FULL_ID and r["topology"] == "v6e:2x4")
 for stage in wan_plan["stages"]:
     print(f"{stage['stage']:8} peak {stage['peak'] / 2**30:6.2f} GiB per chip (weights {stage['weights'] / 2**30:.2f} GiB)")
 print("binding stage:", wan_plan["binding"], "| fits:", wan_plan["fits"])
 vae_dtype = wan_plan["request"].get("vae_dtype", family.component_dtype("vae", "bfloat16"))
 print("the VAE runs in", vae_dtype, *[f"({n})" for n in wan_plan["notes"] if n.startswith("VAE in")])
 
-# %%
+# %% tags=["check"]
 assert wan_plan["fits"] and all(s["peak"] <= wan_plan["hbm"] for s in wan_plan["stages"])
 assert vae_dtype == "float32" or any(n.startswith(f"VAE in {vae_dtype}") for n in wan_plan["notes"])  # stock, or why not
 
@@ -375,7 +443,7 @@ if preset.host_runs_whole_models:
     print("image-to-video frames: max abs difference from stock diffusers", results.error_text(i2v_error, 1e-4))
     del stock_i2v
 
-# %%
+# %% tags=["check"]
 assert [r.stage for r in i2v_reports] == ["text", "image", "denoise", "decode"]
 assert i2v_configs["transformer"]["in_channels"] == 2 * facts.latent_channels + facts.temporal
 assert mask[:, 0].min() == 1 and mask[:, 1:].max() == 0
@@ -398,7 +466,8 @@ if preset.pretrained:
                  for m in i2v_releases}
 else:
     recorded = results.load(Path("..") / plan.DEFAULT_RECORDS)
-    i2v_plans = {m: next(r for r in recorded if r.get("checkpoint") == m) for m in i2v_releases}
+    i2v_plans = {m: next(r for r in recorded if r.get("checkpoint") == m and r["topology"] == "v6e:2x4")
+                 for m in i2v_releases}
 for model, i2v_plan in i2v_plans.items():
     print(f"{model}: binding stage {i2v_plan['binding']}, fits: {i2v_plan['fits']}")
     for stage in i2v_plan["stages"]:
@@ -431,3 +500,63 @@ assert len(names[family.FULL_ID_I2V, "denoise"]) == 1 and len(names[family.FULL_
 #   arguments and its markers static (section 4); the encoder's cache works the same way (section 7).
 # - Image-to-video is a stage, not a second pipeline: the picture enters as channels beside the
 #   noise and, for Wan 2.1, as tokens beside the text (section 7).
+
+# %% [markdown]
+# ## Self-check
+#
+# 1. UniPC's stock `step` picks its order and keeps its history in Python. Why can one jitted
+#    step still reproduce it exactly?
+#
+#    <details><summary>Answer</summary>
+#
+#    Every decision depends on the step index only, never on the data, so `unipc_tables` makes
+#    them on the host once and stores the coefficients per step. The history (the corrected sample
+#    and the last two predictions) becomes an argument and a result of the step.
+#
+#    </details>
+#
+# 2. Why does Wan 2.2 compile one step per expert instead of one step with a `lax.cond` between
+#    the two transformers?
+#
+#    <details><summary>Answer</summary>
+#
+#    Which expert runs depends only on the timestep against the boundary, a host fact known before
+#    the loop. A `lax.cond` would put both 14B weight sets and both branches in one program for no
+#    gain; two programs picked by the Python loop are simpler and each is compiled once.
+#
+#    </details>
+#
+# 3. What would happen to the high-noise expert's share of the steps if you raised the flow shift,
+#    and why?
+#
+#    <details><summary>Answer</summary>
+#
+#    It would grow: the shift bends the timesteps towards high noise, so more of them stay above
+#    the boundary timestep (`boundary_ratio * 1000`). Section 3 shows more high-noise steps at
+#    shift 12 than at 3 over the same 40 steps.
+#
+#    </details>
+#
+# 4. The VAE's `feat_cache` holds tensors, `None` and the string `"Rep"`. How does the decoder
+#    still run as compiled programs, and why are three enough for any number of frames?
+#
+#    <details><summary>Answer</summary>
+#
+#    The tensors become arguments and results, and the markers (tensor, `None`, `"Rep"`) become
+#    static arguments. The markers a call leaves depend only on the markers it received, so the
+#    layout is the same from the third frame on: one program for the first frame, one for the
+#    second, one for all the rest.
+#
+#    </details>
+#
+# 5. In Wan 2.1's image-to-video, the transformer takes 36 input channels but returns 16. What are
+#    the other 20, and why does the self-attention sequence not get longer?
+#
+#    <details><summary>Answer</summary>
+#
+#    4 mask channels (one per pixel frame folded into a latent frame) and the 16 channels of the
+#    picture's latents, stacked beside the noise in each latent frame. They widen every token
+#    instead of adding tokens, so the sequence keeps its length; the CLIP tokens go to the
+#    cross-attention beside the text.
+#
+#    </details>

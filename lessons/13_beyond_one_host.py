@@ -44,7 +44,7 @@
 # CPU processes would run the real CogVideoX1.5-5B checkpoint on the CPU. Sections 4 and 5 run
 # as on the tiny preset.
 #
-# *Reading time: about 12 minutes.*
+# *Reading time: about 15 minutes.*
 
 # %%
 # %xmode Minimal
@@ -162,7 +162,7 @@ else:  # full: the same file on every host of the slice, no arguments
 # `tpupedia launch` is the launcher above with the output relayed and a failed process stopping
 # the others; `tpupedia distributed-check` is the script.
 
-# %%
+# %% tags=["check"]
 if preset.host_runs_whole_models:
     assert all("sum 120 of 120, process 0 read 42" in line for line in lines)
     assert "process 0 of 2: 4 of 8 devices, rows [0, 1, 2, 3], whole array here: False" in lines[0]
@@ -269,6 +269,48 @@ if preset.host_runs_whole_models:
     assert {e["index"]: e["process"] for e in index} == {0: 0, 1: 1, 2: 0, 3: 1}
 
 # %% [markdown]
+# ### Exercise 1: a process dies mid-video; predict what the rerun redoes
+#
+# Process 0 is killed while it decodes video 0 (seed 1): video 0 has no mp4 and no record, and
+# its stage folder `.stages/0000-a-panda-playing-a-guitar/` holds a `text` and a `denoise` stage
+# file. To make the case sharper, the files put there are section 2's single-process run's: the
+# same prompt, but seed 42. The solution builds that state in a copy of the batch's folder and
+# reruns the batch in one process.
+# **Predict** first: which of the four prompts does the rerun redo, and which of video 0's three
+# stages (text, denoise, decode) run again and which are read from the stage files? Then open the
+# solution, run it, and compare (the record's `timings` is empty for a stage that was read).
+
+# %% tags=["solution"]
+import shutil
+
+if preset.host_runs_whole_models:  # tiny: the folder a crash would leave, then the same batch once more
+    crashed, first = scratch / "crashed", items[0]  # video 0: seed 1, made by process 0
+    shutil.copytree(scratch / "out", crashed)
+    for suffix in (".mp4", ".json"):  # killed before its video and record were written
+        (crashed / f"{first.name}{suffix}").unlink()
+    work = crashed / ".stages" / first.name
+    work.mkdir(parents=True)
+    for stage in ("text", "denoise"):  # section 2's files: the same prompt, seed 42
+        for stage_file in sorted((scratch / "one").glob(f"{stage}.*")):
+            shutil.copy(stage_file, work / stage_file.name)
+    resumed = [line.split(" (")[0] for line in tpupedia(*batch_args[:4], "--outdir", crashed.name) if line[:4].isdigit()]
+    timings = json.loads((crashed / f"{first.name}.json").read_text())["timings"]
+    print("\n".join(resumed))
+    print("video 0, stages read from their files:", [s for s in ("text", "denoise", "decode") if not timings[s]])
+    print("video 0, stages that ran again:", [s for s in ("text", "denoise", "decode") if timings[s]])
+    print("stage folder left after the rerun:", (crashed / ".stages").exists())
+else:  # full: a crashed job is rerun with the same command on every host
+    on_every_host(*batch_args[:4], "--outdir", "crashed")
+
+# %% tags=["check"]
+if preset.host_runs_whole_models:
+    assert resumed[0] == "0000-a-panda-playing-a-guitar: wrote 0000-a-panda-playing-a-guitar.mp4"
+    assert all(line.endswith("done already, skipped") for line in resumed[1:]) and len(resumed) == 4
+    assert timings["text"] == {} and timings["denoise"] and timings["decode"]  # the seed is not a text setting
+    assert all(batch.is_done(crashed, i, records[i.index]["fingerprint"]) for i in items)
+    assert not (crashed / ".stages").exists()
+
+# %% [markdown]
 # ## 4. One video on a bigger slice, planned ahead of time
 #
 # The other way to use 16 chips is to spread **one** video's step over them. `tpupedia dryrun`
@@ -348,10 +390,35 @@ for r in plans.values():  # bytes sent over a one-axis ring: 2 ports x 100 GB/s,
 # matches the model's shape, and on this model it starts to cost at 16 chips; for many videos,
 # the data parallelism of section 3 scales instead.
 
-# %%
+# %% tags=["check"]
 assert eight.mesh == {"dp": 2, "tp": 32} and eight.fits and layout_warnings
 assert eight.bound == "communication" and eight.floors["communication"] > 4 * eight.floors["compute"]
 assert sum(eight.collectives.values()) > 10 * sum(two.collectives.values())
+
+# %% [markdown]
+# ### Exercise 2: predict the bytes a chip sends when the tp group doubles
+#
+# The v6e-8 and v6e-16 plans run the same two all-reduces per layer over the same activations:
+# `dp=2` in both, so each `tp` group reduces one half of the guidance pair. Only the group grows,
+# from 4 to 8 chips. A ring all-reduce of `B` bytes over `n` chips sends `2(n-1)/n B` from each chip.
+# **Predict** the ratio of the bytes one chip sends per step on the v6e-16 to the v6e-8, and the
+# v6e-16's ICI floor in seconds from the v6e-8's. Then open the solution, run it, and compare.
+
+# %% tags=["solution"]
+def ring_factor(n):  # bytes one chip sends in a ring all-reduce, per byte of the array
+    return 2 * (n - 1) / n
+
+
+predicted_ratio = ring_factor(two.mesh["tp"]) / ring_factor(one.mesh["tp"])
+planned_ratio = sum(two.collective_bytes.values()) / sum(one.collective_bytes.values())
+print(f"predicted {predicted_ratio:.4f}x the bytes (2*7/8 over 2*3/4), planned {planned_ratio:.4f}x")
+print(f"ICI floor: v6e-8 {one.floors['communication']:.3f} s -> predicted {one.floors['communication'] * predicted_ratio:.3f} s, "
+      f"planned {two.floors['communication']:.3f} s on the v6e-16")
+
+# %% tags=["check"]
+assert abs(predicted_ratio - 7 / 6) < 1e-12
+assert abs(planned_ratio - predicted_ratio) < 1e-6  # the same arrays, only the ring is longer
+assert abs(two.floors["communication"] - one.floors["communication"] * predicted_ratio) < 1e-6 * two.floors["communication"]
 
 # %% [markdown]
 # ## 5. What a bigger slice buys
@@ -386,7 +453,7 @@ for name in ("v6e:2x4", "v6e:4x4", "v6e:8x8", "v6e:16x16"):
     rows[topo.accelerator_type] = (topo.hosts, floor, reported, topo.num_chips)
     print(f"{topo.accelerator_type:>8} {topo.hosts:>5} {chips:>14} {floor:>17,.0f} {reported:>26,.0f}")
 
-# %%
+# %% tags=["check"]
 assert rows["v6e-8"][0] == 1 and rows["v6e-16"][0] == 4 and rows["v6e-256"][0] == 64
 assert abs(rows["v6e-16"][2] / rows["v6e-8"][2] - 2.0) < 1e-9  # 16 chips, linear: twice the v6e-8
 
@@ -451,10 +518,30 @@ for name, (hosts, floor, reported, chips) in rows.items():
     print(f"{name:>8}: ${chips * usd_per_chip_hour / floor:.3f} per video at the floor, ${costs[name]:.2f} at the "
           "reported time")
 
-# %%
+# %% tags=["check"]
 assert max(costs.values()) - min(costs.values()) < 1e-9  # the same cost on every slice
 assert abs(costs["v6e-8"] - 8 * 2.70 * 106.47 / 3600) < 1e-9  # $0.64: 8 chips for 106.47 s
 assert 6 < reported_step / flop_floor < 7 and reported_step > sum(floor_parts.values())
+
+# %% [markdown]
+# ### Exercise 3: one video over 16 chips or one per host; predict which is cheaper
+#
+# Section 4 spread one video's step over a v6e-16; section 5 gave each host its own pipeline and
+# found the cost per video the same on every slice. Take the floors of section 4's plans as the
+# step times. **Predict** first: does a video cost more, less or the same in chip-seconds when one
+# pipeline spans the whole v6e-16 than when it runs on a v6e-8, and by roughly what factor? Then
+# open the solution, run it, and compare.
+
+# %% tags=["solution"]
+chip_seconds = {name: r.num_chips * r.roofline_seconds for name, r in (("v6e-8", one), ("v6e-16", two))}
+for name, cost in chip_seconds.items():
+    print(f"{name}: one pipeline over all chips, {cost:.2f} chip-seconds per step at the floor")
+print(f"a video over the v6e-16 costs {chip_seconds['v6e-16'] / chip_seconds['v6e-8']:.2f}x one over the v6e-8")
+
+# %% tags=["check"]
+# twice the chips, a floor 1.8x lower, not 2x: each video costs more; dp over hosts keeps the v6e-8's cost
+assert 1.0 < chip_seconds["v6e-16"] / chip_seconds["v6e-8"] < 1.2
+assert two.roofline_seconds == two.floors["communication"] and one.roofline_seconds == one.floors["compute"]
 
 # %% [markdown]
 # ### The path to a real run
@@ -502,3 +589,61 @@ assert 6 < reported_step / flop_floor < 7 and reported_step > sum(floor_parts.va
 #   and the same arithmetic for 8x H100.
 # - ["Trillium (v6e): GKE, XPK, training recipes"](../guides/trillium-gke.md): creating the slices
 #   this notebook plans.
+
+# %% [markdown]
+# ## Self-check
+#
+# 1. Each process of section 1 holds half of the array, yet both print the whole sum. Where did
+#    the rows of the other process come from, and who wrote that transfer?
+#
+#    <details><summary>Answer</summary>
+#
+#    The compiler inserted an all-reduce across both processes, derived from the input's sharding
+#    over both hosts and the replicated `out_shardings`. The program never names a transfer; with
+#    the gloo collectives the processes exchange partial sums as chips of one slice would over ICI.
+#
+#    </details>
+#
+# 2. Why does only process 0 look at the work directory in a multi-process `generate`, and what
+#    would go wrong if every process decided on its own which stages to skip?
+#
+#    <details><summary>Answer</summary>
+#
+#    The hosts of a slice need not share a disk, so their files can differ. A process that skipped a
+#    stage would not join that stage's collectives while the others ran them, and the job would hang;
+#    so process 0 decides and **broadcasts** the decision and the tensors it read.
+#
+#    </details>
+#
+# 3. In section 3's batch, why do the processes send nothing to each other while they generate,
+#    and what would make a finished prompt count as not done on the next run?
+#
+#    <details><summary>Answer</summary>
+#
+#    Each process runs its own prompts (index modulo the process count) on its own devices, a
+#    separate mesh per process. A prompt is done only when its JSON record parses, names this
+#    request's settings fingerprint, and the mp4's checksum matches: a cut mp4, a missing record or
+#    a changed setting (a new seed) makes it redo that prompt.
+#
+#    </details>
+#
+# 4. The v6e-16 plan has half the compute floor of the v6e-8 plan. Why is its step floor not half?
+#
+#    <details><summary>Answer</summary>
+#
+#    The all-reduces now run over 8-chip `tp` groups and each chip sends `2(n-1)/n` of the same
+#    activations, 7/6 of the v6e-8's bytes, at the same 200 GB/s a ring gets from a chip. The ICI
+#    floor did not fall and now lies above the halved compute floor: the step is communication-bound.
+#
+#    </details>
+#
+# 5. Why does the v6e-64 plan send far more than the v6e-16, when it only doubles the chips again?
+#
+#    <details><summary>Answer</summary>
+#
+#    Its `tp` axis has 32 chips and 48 heads do not divide 32 ways, so attention falls back to
+#    splitting queries along the sequence, and the compiler re-shards activations around every
+#    attention with all-gathers, all-to-alls and collective-permutes. The mesh no longer matches the
+#    model's shape; data parallelism over hosts scales instead.
+#
+#    </details>

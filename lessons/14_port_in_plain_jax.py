@@ -37,7 +37,7 @@
 # | `tiny` (CPU, CI) | a random 2-layer CogVideoX checkpoint in the 1.0 layout with the DDIM scheduler, 8 simulated devices | under 1 GB of host RAM | about 30 s, measured here on a 2-core CPU |
 # | `full` (TPU v6e-8) | `zai-org/CogVideoX-2b` (the 1.0 layout, DDIM): a 1.7B-parameter transformer, T5-XXL run once on the host, the VAE | per chip: the transformer's shard and one step's activations at 720x480, 49 frames (not compiled here) | not measured here: this notebook's full path has not been run on a TPU |
 #
-# *Reading time: about 6 minutes.*
+# *Reading time: about 8 minutes.*
 
 # %%
 # %xmode Minimal
@@ -77,7 +77,7 @@ dtype = getattr(torch, preset.dtype)
 prompt, negative, guidance, seed = "a red fox in the snow", "blurry", 6.0, 42
 print(source if preset.pretrained else "tiny checkpoint", size)
 
-# %%
+# %% tags=["check"]
 assert (size["frames"] - 1) % 4 == 0  # 4k + 1 frames: the VAE keeps the first and packs the rest by 4
 assert size["height"] % 16 == 0 and size["width"] % 16 == 0  # the VAE's 8x, then the 2x2 patches
 
@@ -234,11 +234,37 @@ with jax.default_matmul_precision("highest"):
 frames = pipe.video_processor.postprocess_video(torch.from_numpy(np.asarray(video, np.float32)), output_type="np")[0]
 print("frames", frames.shape)
 
-# %%
+# %% tags=["check"]
 assert frames.shape == (size["frames"], size["height"], size["width"], 3)
 assert type(scheduler).__name__ == "CogVideoXDDIMScheduler"  # the sampler the tables encode
 assert step._cache_size() == 1  # one program for every step
 assert P("tp", None) in {w.sharding.spec for w in weights.values()}  # the rule split something
+
+# %% [markdown]
+# ### Exercise 1: one row of the tables against `scheduler.step`
+#
+# The port never calls the scheduler in its loop; it trusts four tables. Check that trust for one
+# step: take step 1, a random sample `x` and a random model output `v`, and compare the
+# table formula `a x + b (sqrt_a x - sqrt_b v)` with diffusers' `scheduler.step(v, t, x)` at that step.
+# **Predict** first: should they agree to float32 rounding or only roughly, given that the tables
+# were computed in float64 on the host? Then run the solution.
+
+# %% tags=["solution"]
+from tpupedia.results import error_text
+
+row = 1
+x_check = torch.randn((1, 2, 4, 4, 4), generator=torch.Generator().manual_seed(0))
+v_check = torch.randn((1, 2, 4, 4, 4), generator=torch.Generator().manual_seed(1))
+scheduler.set_timesteps(size["steps"])  # a fresh schedule: step() reads and advances its own state
+stock = scheduler.step(v_check, scheduler.timesteps[row], x_check, return_dict=False)[0].numpy()
+xj, vj = jnp.asarray(x_check.numpy()), jnp.asarray(v_check.numpy())
+from_tables = np.asarray(tables["a"][row] * xj + tables["b"][row] * (tables["sqrt_a"][row] * xj - tables["sqrt_b"][row] * vj))
+table_error = float(np.abs(from_tables - stock).max())
+print(f"tables vs scheduler.step at step {row}: max abs diff", error_text(table_error))
+
+# %% tags=["check"]
+# float32 rounding: the tables hold the same numbers scheduler.step computes from alphas_cumprod
+assert table_error < 1e-5, table_error
 
 # %% [markdown]
 # ## 2. The same frames as the package
@@ -265,9 +291,37 @@ error = float(np.abs(frames - expected).max())
 bound = 1e-4 if preset.dtype == "float32" else llm.BF16_RELATIVE_BOUND
 print("port vs package: max abs difference", results.error_text(error, bound))
 
-# %%
+# %% tags=["check"]
 assert expected.shape == frames.shape and error <= bound
 assert frames.std() > 0.01
+
+# %% [markdown]
+# ### Exercise 2: make the step index static, and count the programs
+#
+# `step` takes `i` as a traced integer, so one program serves every step. Suppose `i` were a
+# static argument instead (`static_argnums`), as a Python `int` often ends up in ported code.
+# **Predict** first: after the same loop, how many programs has the jitted function compiled, and
+# do the latents change? Then run the solution: it jits the same Python function with `i` static
+# and runs the loop again from the same noise.
+
+# %% tags=["solution"]
+def step_static_i(weights, latents, text_pair, rope, i):  # its own function: its own cache of programs
+    return step.__wrapped__(weights, latents, text_pair, rope, i)
+
+
+static_step = jax.jit(step_static_i, static_argnums=4, out_shardings=whole)
+again = jax.device_put(to_jax(noise), whole)
+with jax.default_matmul_precision("highest"):
+    for i in range(size["steps"]):
+        again = static_step(weights, again, text_pair, rope_jax, i)
+static_diff = float(jnp.abs(again - latents).max())
+print(f"static i: {static_step._cache_size()} programs for {size['steps']} steps; traced i: {step._cache_size()};",
+      "latents differ by", error_text(static_diff))
+
+# %% tags=["check"]
+# One compile per distinct static value: a 50-step run would compile 50 programs, for the same result.
+assert static_step._cache_size() == size["steps"] and step._cache_size() == 1
+assert static_diff < 1e-5
 
 # %% [markdown]
 # ## 3. A checklist for the next model
@@ -301,3 +355,56 @@ assert frames.std() > 0.01
 #   (section 1).
 # - The port gives the package's frames within float32 rounding; the package adds what a real run
 #   needs around the same core: stage files, plans, memory checks (section 2).
+
+# %% [markdown]
+# ## Self-check
+#
+# 1. What does `torchax.extract_jax(module)` return, and why does that make the transformer pure?
+#
+#    <details><summary>Answer</summary>
+#
+#    A dict of the module's weights as JAX arrays and a function of that dict and the inputs. The
+#    weights become arguments instead of state held by the module, so the function's output
+#    depends only on what it is given, which is what `jax.jit` needs.
+#
+#    </details>
+#
+# 2. Why is the sampler written as tables indexed by the step number rather than calling
+#    `scheduler.step` inside the jitted step?
+#
+#    <details><summary>Answer</summary>
+#
+#    `scheduler.step` keeps Python state (its step counter) and is not a JAX function. Everything
+#    it computes depends only on the step index, so the host computes it once per step, and the
+#    jitted step reads its row with a traced index.
+#
+#    </details>
+#
+# 3. The stock attention processor writes the rotated queries back in place. Why did the port
+#    replace it, if the write traces without error?
+#
+#    <details><summary>Answer</summary>
+#
+#    Tracing is not correctness: with the heads split over `tp`, XLA's partitioner computed that
+#    in-place write wrongly. Building the tensor by concatenation computes the same values and
+#    partitions correctly.
+#
+#    </details>
+#
+# 4. Where do the weights live between `extract_jax` and the sharded `device_put`, and why?
+#
+#    <details><summary>Answer</summary>
+#
+#    In host RAM, under `jax.default_device(jax.devices("cpu")[0])`. Each chip then receives only
+#    its shards, so no chip ever holds the whole model.
+#
+#    </details>
+#
+# 5. Why does the parity check also assert that the frames vary?
+#
+#    <details><summary>Answer</summary>
+#
+#    Two constant images can agree within any tolerance while both are wrong, for example if the
+#    decode returned zeros. Requiring a spread makes the comparison about real content.
+#
+#    </details>

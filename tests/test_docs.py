@@ -53,6 +53,22 @@ def test_strict_docs_build_renders_stored_notebook_outputs(docs_build):
                              f"one <ol> each: {dict(missing)}")
 
 
+def test_the_site_folds_every_solution_and_check_cell(docs_build):
+    """Each notebook page wraps every cell tagged `solution` or `check` in a closed `<details>` of
+    that class (`docs/hooks.py`, `fold_tagged_cells`), with the cell's source inside it."""
+    for notebook in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        cells = json.loads(notebook.read_text())["cells"]
+        rendered = (docs_build.site / "notebooks" / notebook.stem / "index.html").read_text()
+        for tag in ("solution", "check"):
+            tagged = [c for c in cells if tag in c.get("metadata", {}).get("tags", [])]
+            blocks = re.findall(rf'<details class="{tag}"><summary>.*?</summary>(.*?)</details>', rendered, re.S)
+            assert len(blocks) == len(tagged), f"{notebook.name}: {len(tagged)} {tag} cells, {len(blocks)} folded"
+            for cell, block in zip(tagged, blocks):
+                first = next(line for line in "".join(cell["source"]).splitlines() if line.strip())
+                word = re.findall(r"[A-Za-z_]{4,}", first)[0]  # highlighting splits the line into spans
+                assert word in block, f"{notebook.name}: a folded {tag} block lacks its cell's source ({word!r})"
+
+
 def numbered_lists(notebook: Path) -> list[int]:
     """The item count of each numbered list ("1. ...", "2. ...") in the notebook's markdown cells."""
     lengths = []

@@ -52,6 +52,26 @@ def test_a_plan_that_does_not_fit_names_the_stage_and_the_fix(cogvideox_plan):
     assert "one video at a time" in batch.advice()
 
 
+def test_weights_over_one_chip_ask_for_more_chips_not_a_smaller_frame(cogvideox_plan):
+    """No frame size, tiling or kernel shrinks weights: a stage whose weights alone are over the
+    chip is told to split them (HunyuanVideo-1.5 and Wan 14B on one v5e chip); a step over the chip
+    with weights that fit is told to shrink the frame, without options it already has or cannot use."""
+    import dataclasses
+
+    _, p = cogvideox_plan
+    step = p.stage("denoise").programs[0]
+    heavy = dataclasses.replace(step, weights=2 * p.hbm, arguments=2 * p.hbm)
+    one_chip = dataclasses.replace(p, chips=1, mesh={"dp": 1, "tp": 1}, attention="splash 512/512/512",
+                                   stages=[plan.StageCost("denoise", [heavy], 0.0)])
+    assert re.search(r"its weights alone are .* GiB: try more chips: one chip cannot hold them", one_chip.advice())
+    assert "--resolution" not in one_chip.advice()
+    activations = dataclasses.replace(step, temporaries=p.hbm)
+    busy = dataclasses.replace(one_chip, stages=[plan.StageCost("denoise", [activations], 0.0)])
+    advice = busy.advice()
+    assert "GiB of it weights, which leave" in advice and "--resolution" in advice
+    assert "--attention splash" not in advice and "--sharding fsdp" not in advice  # splash already; one chip
+
+
 def test_the_decode_runs_on_the_hosts_chips_and_its_programs_share_the_vaes_weights(cogvideox_plan):
     """Each decode program runs on the host's chips (all 4 of v6e:2x2's) and takes the VAE's
     weights; programs of one component count their weights once (a decode with tiles and frame

@@ -37,6 +37,9 @@ __all__ = [
     "tpu_present",
     "quiet_libtpu",
     "simulate_cpu_devices",
+    "tiny_platforms",
+    "kernel_chip",
+    "chip_error",
     "platform",
     "make_mesh",
     "default_mesh_shape",
@@ -101,12 +104,19 @@ def quiet_libtpu() -> None:
         os.environ["JAX_PLATFORMS"] = "cuda,cpu" if gpu else "cpu"
 
 
-def simulate_cpu_devices(n: int = 8) -> list[jax.Device]:
+def simulate_cpu_devices(n: int = 8, chip: bool = False) -> list[jax.Device]:
     """Make JAX see `n` CPU devices, so sharded programs run on a laptop or in CI.
 
     Must run before JAX initialises a backend (before the first `jax.devices()`, array or jit).
-    Returns the devices. Raises `DeviceSetupError` if JAX has already chosen its devices
+    Returns the CPU devices. Raises `DeviceSetupError` if JAX has already chosen its devices
     and they are not `n` CPU devices.
+
+    `chip`: on a host with a TPU chip attached (Colab, Kaggle, a one-chip VM), keep the chip as a
+    second backend beside the CPU devices. CPU stays the default backend (listed first in
+    `jax_platforms`), so `jax.devices()`, meshes and models are the `n` CPU devices as on a laptop,
+    while `kernel_chip()` returns the chip for the Pallas kernels notebook `splash_attention` compiles
+    on it. If JAX cannot open the chip (another process holds it, say), this warns once, says why,
+    and goes on with the CPU devices alone; `chip_error()` keeps the reason.
     """
     if n < 1:
         raise ValueError(f"simulate_cpu_devices needs n >= 1, got {n}")
@@ -121,13 +131,58 @@ def simulate_cpu_devices(n: int = 8) -> list[jax.Device]:
             f"call simulate_cpu_devices({n}) before any JAX computation (restart the kernel)"
         )
     quiet_libtpu()
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    jax.config.update("jax_platforms", "cpu")
+    platforms = tiny_platforms(chip)
+    os.environ["JAX_PLATFORMS"] = platforms
+    jax.config.update("jax_platforms", platforms)
     jax.config.update("jax_num_cpu_devices", n)
-    devices = jax.devices()
-    if len(devices) != n:  # pragma: no cover - defensive
-        raise DeviceSetupError(f"asked for {n} simulated CPU devices, JAX made {len(devices)}")
+    _CHIP_ERROR.clear()
+    try:
+        devices = jax.devices()
+    except RuntimeError as err:  # the chip would not open: JAX has the CPU backend, not the TPU
+        if platforms == "cpu":
+            raise
+        _CHIP_ERROR.append(str(err).splitlines()[0])
+        import warnings
+
+        warnings.warn(f"a TPU chip is attached but JAX could not open it ({_CHIP_ERROR[0]}); "
+                      f"going on with {n} CPU devices and Pallas kernels in interpret mode", RuntimeWarning,
+                      stacklevel=2)
+        import jax.extend.backend
+
+        jax.extend.backend.clear_backends()
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        jax.config.update("jax_platforms", "cpu")
+        devices = jax.devices()
+    if len(devices) != n or devices[0].platform != "cpu":  # pragma: no cover - defensive
+        raise DeviceSetupError(f"asked for {n} simulated CPU devices, JAX made {len(devices)} {devices[0].platform}")
     return devices
+
+
+_CHIP_ERROR: list[str] = []
+
+
+def tiny_platforms(chip: bool) -> str:
+    """The `jax_platforms` the simulated devices ask for: `"cpu"`, or `"cpu,tpu"` when `chip` is
+    asked for and this host has a TPU chip and libtpu. The first platform listed is JAX's default,
+    so the CPU devices stay where arrays, meshes and models go."""
+    return "cpu,tpu" if chip and tpu_present() and has_libtpu() else "cpu"
+
+
+def kernel_chip() -> jax.Device | None:
+    """The TPU chip Pallas kernels can compile on: the default device on a TPU, the chip kept
+    beside simulated CPU devices (`simulate_cpu_devices(chip=True)`), or `None` where there is
+    no TPU (kernels then run in interpret mode). Introduced in notebook `splash_attention`."""
+    import jax
+
+    try:
+        return jax.local_devices(backend="tpu")[0]
+    except RuntimeError:  # "Unknown backend tpu": JAX was not asked for one, or could not open it
+        return None
+
+
+def chip_error() -> str | None:
+    """Why JAX could not open the TPU chip `simulate_cpu_devices(chip=True)` found, or `None`."""
+    return _CHIP_ERROR[0] if _CHIP_ERROR else None
 
 
 def platform() -> str:

@@ -38,6 +38,8 @@ __all__ = [
     "reading_minutes",
     "check_reading_time",
     "check_all",
+    "only_asserts",
+    "check_folded",
     "CORE",
     "lesson",
     "REPOSITORY_KEY",
@@ -338,6 +340,38 @@ def check_reading_time(lesson: Path) -> list[str]:
     return []
 
 
+def only_asserts(source: str) -> bool:
+    """Whether a code cell does nothing but check: every statement an `assert`, an
+    `np.testing.assert_*` call, or a `for`/`if` holding only such statements."""
+    import ast
+
+    def checks(node: ast.stmt) -> bool:
+        if isinstance(node, ast.Assert):
+            return True
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+            name = ast.unparse(node.value.func)
+            return name.split(".")[-1].startswith("assert_")
+        if isinstance(node, (ast.For, ast.If)):
+            return all(checks(n) for n in node.body + node.orelse)
+        return False
+
+    try:
+        body = ast.parse("\n".join(line for line in source.splitlines() if not line.startswith("%"))).body
+    except SyntaxError:
+        return False
+    return bool(body) and all(checks(n) for n in body)
+
+
+def check_folded(lesson: Path) -> list[str]:
+    """Every code cell that only asserts is tagged `check`, so the site folds it behind a summary
+    line (`docs/hooks.py`) while CI still runs it."""
+    import jupytext
+
+    return [f"{Path(lesson).name}: code cell {i} only asserts; tag it check (# %% tags=[\"check\"])"
+            for i, c in enumerate(jupytext.read(lesson).cells)
+            if c.cell_type == "code" and only_asserts(c.source) and "check" not in c.metadata.get("tags", [])]
+
+
 def check_all(root: Path | None = None) -> list[str]:
     """Every hygiene problem in the repository's lessons and notebooks."""
     problems = []
@@ -346,7 +380,8 @@ def check_all(root: Path | None = None) -> list[str]:
     except ValueError as err:
         return [str(err)]
     for lesson, notebook in pairs(root):
-        problems += check_pair(lesson, notebook) + check_reading_time(lesson) + check_hosted(lesson, repo)
+        problems += (check_pair(lesson, notebook) + check_reading_time(lesson) + check_hosted(lesson, repo)
+                     + check_folded(lesson))
         if notebook.exists():
             problems += check_executed(notebook) + check_outputs_clean(notebook)
     return problems

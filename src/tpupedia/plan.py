@@ -160,17 +160,28 @@ class Plan:
                         f"scoped VMEM, this chip's compiler allows {vmem.vmem_limit / 2**20:.2f} MiB: try smaller "
                         f"blocks, --block-sizes 1024,1024,512 (the attention is {self.attention})")
             need = "did not compile" if s.peak is None else f"needs {s.peak / _GIB:.2f} GiB"
-            smaller = "a smaller frame (generate: --width/--height; plan: --resolution)"
-            vae = smaller if self.vae_tiling else f"--vae-tiling on, or {smaller}"
-            fix = {"text": "--sharding tp (text encoders split over tp) or a mesh with a larger tp",
-                   "denoise": f"--attention splash, --sharding fsdp, fewer frames or {smaller}, or more chips",
-                   "image": vae, "decode": vae}[s.stage]
+            head = f"stage {s.stage} {need} per {self.unit} of {self.hbm / _GIB:.2f} GiB ({self.memory})"
+            if s.weights > self.hbm:  # no frame size, tiling or kernel helps: the weights must be split
+                head += f", of which its weights alone are {s.weights / _GIB:.2f} GiB"
+                fix = (f"more chips: one {self.unit} cannot hold them (a slice splits them over tp)" if self.chips == 1
+                       else "splitting them over more chips (a larger tp, or --sharding fsdp)")
+            else:
+                if s.weights and s.peak:
+                    head += (f", {s.weights / _GIB:.2f} GiB of it weights, which leave "
+                             f"{(self.hbm - s.weights) / _GIB:.2f} GiB for the rest")
+                smaller = "a smaller frame (generate: --width/--height; plan: --resolution)"
+                vae = smaller if self.vae_tiling else f"--vae-tiling on, or {smaller}"
+                splash = "" if self.attention.startswith("splash") else "--attention splash, "
+                fsdp = "--sharding fsdp, " if self.chips > 1 else ""
+                fix = {"text": "--sharding tp (text encoders split over tp) or a mesh with a larger tp",
+                       "denoise": f"{splash}{fsdp}fewer frames or {smaller}, or more chips",
+                       "image": vae, "decode": vae}[s.stage]
             if self.resident:
                 fix += "; or generate one video at a time (a batch keeps every stage's models)"
             if self.on_host and self.chips > 1:
                 fix += ("; or fewer simulated CPU devices (--devices 1: they share this host's memory, and each "
                         "holds its own copy of every replicated weight)")
-            return f"stage {s.stage} {need} per {self.unit} of {self.hbm / _GIB:.2f} GiB ({self.memory}): try {fix}"
+            return f"{head}: try {fix}"
         return ""
 
     @property

@@ -71,9 +71,13 @@ def quiet(downloads: bool = False) -> None:
 def start(name: str | None = None) -> presets.Preset:
     """Read the preset (`$TPUPEDIA_PRESET` unless `name` is given), create its simulated
     devices before JAX initialises, and call `quiet` (the Hub's download bars kept for a preset that
-    downloads its checkpoints). Returns the preset."""
+    downloads its checkpoints). Returns the preset.
+
+    On a host with one TPU chip (Colab, Kaggle, a v5e-1 VM) the tiny preset keeps the chip beside
+    its simulated CPU devices: meshes and models live on the CPU devices, and Pallas kernels can
+    compile on the chip (`devices.kernel_chip`)."""
     preset = presets.get(name) if name else presets.current()
     if preset.simulated_devices:
-        devices.simulate_cpu_devices(preset.simulated_devices)
+        devices.simulate_cpu_devices(preset.simulated_devices, chip=True)
     quiet(downloads=preset.pretrained)
     return preset
