@@ -51,6 +51,25 @@
 # *Reading time: about 10 minutes.*
 
 # %% [markdown]
+# ## Coming from PyTorch
+#
+# Four habits change, and the course returns to each of them:
+#
+# * **A compiled function is pure.** `jax.jit` traces a function once per input shape and
+#   compiles all of it; a Python `if` on a tensor's value cannot be traced (notebook
+#   `hf_model_in_jax`).
+# * **Arrays are immutable.** `x[i] = v` becomes `x = x.at[i].set(v)`, and the compiler makes it
+#   an in-place write where it can.
+# * **Randomness takes a key.** There is no global seed: `jax.random.key(0)` is passed to every
+#   random call, as in section 4 below.
+# * **You place the data; the compiler writes the communication.** DDP, FSDP and tensor
+#   parallelism become a mesh and a `PartitionSpec` per array (section 4, and notebook
+#   `sharding`).
+#
+# The [PyTorch-to-JAX map](../kb/pytorch-to-jax.md) pairs each PyTorch habit with its JAX
+# counterpart and the first errors you will meet, each linked to the notebook cell that shows it.
+
+# %% [markdown]
 # ## 1. One switch: the preset
 #
 # The preset is read once, at the top of every notebook, because it decides how JAX must be set
@@ -337,8 +356,9 @@ assert on_v5e.fits and on_v5e.memory.peak < hardware.chip("v5e").hbm_bytes
 
 # %% [markdown]
 # A program that does not fit is also an answer. Materialising one full attention score matrix
-# for a 131,072-token sequence in float32 needs 64 GiB for the scores alone, twice a v6e's HBM.
-# The TPU compiler refuses, with its own figures; `compile_aot` returns them rather than
+# for a 131,072-token sequence in float32 needs 64 GiB for the scores alone, twice a v6e's HBM,
+# and the softmax writes a second matrix of that size for its result: about 128 GiB of
+# temporaries. The TPU compiler refuses, with its own figures; `compile_aot` returns them rather than
 # crashing. (Notebook `splash_attention` is about never materialising that matrix.) Note the budget it quotes:
 # 31.25 GiB, in the binary units XLA prints, is what a v6e chip's 32 GiB of HBM leaves a program.
 
@@ -359,6 +379,7 @@ print(too_big.summary())
 # %% tags=["check"]
 assert not too_big.fits
 assert too_big.oom_required_bytes > too_big.oom_available_bytes
+assert too_big.oom_required_bytes >= 2 * seq * seq * 4  # the float32 scores and the softmax of them
 assert too_big.oom_available_bytes <= v6e.hbm_bytes * 1.1  # the compiler's budget is one chip's HBM
 
 # %% [markdown]

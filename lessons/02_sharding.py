@@ -346,9 +346,8 @@ plt.show()
 #   none. It sends several times the bytes of `tp`. "TP" is not a layout; the dims are.
 #
 # The checks below are structural, not exact counts: a compiler may combine or split
-# collectives differently on another backend (with this course's earlier Llama table, which
-# split the embedding on its hidden dimension, the CPU compile had 11 all-gathers and the TPU
-# compile of section 5 had 10), but which tensors cross devices follows from the layout.
+# collectives differently on another backend, but which tensors cross devices follows from
+# the layout.
 
 # %%
 nlayers = config.num_hidden_layers

@@ -55,7 +55,9 @@
 # The same first cell as every notebook: quiet, deterministic warnings and logs, then the preset
 # and the simulated devices, before anything touches JAX. torchax itself is always imported
 # through `tpupedia.compat.import_torchax`, which works around a torchax 0.0.13 / PyTorch 2.13
-# incompatibility (notebook `hf_model_in_jax` explains it).
+# incompatibility: torchax names 22 operator overloads that PyTorch 2.13 removed (such as
+# `aten.prod.dim_Dimname`), so a plain `import torchax` fails, and the shim lets exactly those
+# names resolve to inert placeholders (google/torchax fixed it upstream, #102).
 
 # %%
 # %xmode Minimal

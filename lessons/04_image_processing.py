@@ -41,7 +41,7 @@
 # | `tiny` (CPU, CI) | a synthetic 360×640 clip drawn in code | about 1.5 GB of host RAM | about 20 s, measured here on a 2-core CPU |
 # | `full` (TPU v6e-8) | the same clip drawn at 1080×1920 | tens of MB on one chip | seconds (reported upstream for these steps on a v6e-8: well under a second each after compiling; not measured here) |
 #
-# *Reading time: about 15 minutes.*
+# *Reading time: about 16 minutes.*
 
 # %% [markdown]
 # ## 0. Set-up
@@ -635,8 +635,8 @@ for name, err in stage_err.items():
 
 # %% [markdown]
 # * **Coordinates** (the sampling positions of a resize, crop offsets, anything that indexes
-#   pixels) must stay in float32 or integers: in bf16 they cost tens of 8-bit levels on their
-#   own. `F.interpolate` already does this internally (its positions are float32 even for bf16
+#   pixels) must stay in float32 or integers: in bf16 they cost hundreds of 8-bit levels on
+#   their own (2e+02 above). `F.interpolate` already does this internally (its positions are float32 even for bf16
 #   input, on CPU and under torchax); code that builds its own grids, or that runs with
 #   `torch.set_default_dtype(torch.bfloat16)`, has to do it on purpose.
 # * **Resize weights and the blur's accumulation** cost at most about one 8-bit level in bf16,
@@ -748,7 +748,7 @@ assert mean_err["fp32 running sum"] < 2**-8 and mean_err["torch.sum on bf16"] < 
 #
 #    </details>
 #
-# 4. Sampling coordinates in bf16 cost tens of 8-bit levels, bf16 resize weights about one. Why
+# 4. Sampling coordinates in bf16 cost hundreds of 8-bit levels, bf16 resize weights about one. Why
 #    is the gap so large?
 #
 #    <details><summary>Answer</summary>

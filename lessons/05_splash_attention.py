@@ -131,7 +131,7 @@ assert err < 1e-5
 #
 # ### Pallas for Triton users
 #
-# If you have written a Triton kernel, Pallas will look familiar; four differences matter:
+# If you have written a Triton kernel, Pallas will look familiar; five differences matter:
 #
 # | | Triton | Pallas |
 # |---|---|---|

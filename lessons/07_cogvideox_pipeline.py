@@ -53,7 +53,7 @@
 # (linked from its model card on the Hugging Face Hub; the CogVideoX code is Apache-2.0, the
 # weights are not): read it before you run the full preset.
 #
-# *Reading time: about 22 minutes.*
+# *Reading time: about 23 minutes.*
 
 # %%
 # %xmode Minimal
@@ -208,7 +208,7 @@ same = ("spatial", "temporal", "patch", "patch_t")  # the tiny model is only nar
 assert all(getattr(pipe.shapes, k) == getattr(family.DEFAULT_SHAPES, k) for k in same)
 
 # %% [markdown]
-# The tokenizer is where a first full-size run used to fail. CogVideoX's tokenizer folder on the
+# The tokenizer is where a first full-size run can fail. CogVideoX's tokenizer folder on the
 # Hub is a SentencePiece model, `spiece.model`, with no `tokenizer.json`; transformers 5 can read
 # it only with the `sentencepiece` package installed (without it, it falls back to a tiktoken
 # reader and raises). So the tiny checkpoint ships the same files, with a SentencePiece model
@@ -543,6 +543,14 @@ kinds = Counter(op.kind for op in collectives)
 print(f"{t['num_layers']} blocks; collectives in the compiled step:", dict(kinds))
 for op in collectives:
     print(f"  {op.kind:18} over {op.group_size} chips, result {op.shapes}: {op.bytes_sent / 2**10:.1f} KiB sent per chip")
+
+# %% [markdown]
+# The all-reduces over the 4 chips of `tp` are those two per block, each the size of a block's
+# activations. The other three collectives move latent-sized tensors across `dp`: the guidance
+# pair's two halves live on the two `dp` rows, and the guidance formula `uncond + g (cond -
+# uncond)` needs both, so the compiler brings them together (an all-to-all and a
+# collective-permute) and sums a 2-chip all-reduce. They carry a few KiB of latents, not
+# activations; exercise 3 below turns guidance off and watches them go.
 
 # %% tags=["check"]
 assert kinds["all-reduce"] >= 2 * t["num_layers"]  # to_out and ff.net.2 in every block

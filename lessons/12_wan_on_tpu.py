@@ -37,7 +37,7 @@
 #
 # On the full preset, sections 2 to 4 and section 7's run use the tiny sizes (the facts they
 # teach do not depend on the checkpoint), and section 5 loads the release from the Hub: a TPU
-# VM with about 100 GB of disk. *Reading time: about 12 minutes.*
+# VM with about 100 GB of disk. *Reading time: about 13 minutes.*
 
 # %%
 # %xmode Minimal
@@ -187,8 +187,9 @@ assert step._cache_size() == 2  # tables of length 5 are new shapes: one more pr
 # 1000` (0.875 in the release's `model_index.json`), each with its own guidance scale. In one
 # compiled program the switch would be a `lax.cond` over two 14B weight sets; the boundary is a
 # host fact, like the step index, so the pipeline compiles one step per expert and the Python
-# loop calls the right one. Both experts stay resident: 2 x 28.6 GB of bf16 weights, 7.1 GB per
-# chip over 8 chips.
+# loop calls the right one. Both experts stay resident: 2 x 28.6 GB of bf16 weights, split over
+# the 4 chips of `tp` and copied on both rows of `dp`, so about 14 GB per chip (the recorded
+# v6e-8 plan's denoise stage holds 13.97 GiB of weights per chip).
 #
 # Where the switch falls depends on the schedule: the flow shift bends the timesteps towards
 # high noise, so a larger shift gives the high-noise expert more of the steps. Over 40 steps:

@@ -365,8 +365,9 @@ for name, r in plans.items():
 # slices (multislice) talk over DCN. The v6e-8 plan is compute-bound: its ICI floor is under
 # half its compute floor. The v6e-16 plan is not: its compute floor halved, its bytes did not,
 # and its ICI floor is now a little above its compute floor. So it is **communication-bound**,
-# and 16 chips make the floor 1.8x lower, not 2x. (At the 800 GB/s headline figure both plans
-# looked compute-bound, and earlier versions of this notebook said so.)
+# and 16 chips make the floor 1.8x lower, not 2x. (Priced at the 800 GB/s headline figure, the
+# bandwidth of all of a chip's links together, both plans would look compute-bound: one
+# collective never gets all of it.)
 
 # %%
 one, two, eight = plans["v6e:2x4"], plans["v6e:4x4"], plans["v6e:8x8"]
