@@ -338,6 +338,40 @@ for out in (static_logits, no_cache, as_tuple):
     assert llm.compare_logits(out, reference_logits, preset.dtype).ok
 
 # %% [markdown]
+# The opposite mistake is a PyTorch habit: keeping an intermediate for later, in a dict or on
+# `self`. Inside `jax.jit` that intermediate is a tracer, which means nothing once tracing ends,
+# so using it afterwards raises `UnexpectedTracerError` (a *leaked* tracer). The fix is to return
+# what you need.
+
+# %%
+from jax.errors import UnexpectedTracerError
+
+kept = {}
+
+
+@jax.jit
+def keeps_a_tracer(x):
+    kept["double"] = x * 2  # stored outside the function: a tracer escapes the trace
+    return x + 1
+
+
+keeps_a_tracer(jax.numpy.arange(3.0))
+leak = expect(lambda: kept["double"] + 1, UnexpectedTracerError, max_lines=1)
+
+
+@jax.jit
+def returns_it(x):
+    return x + 1, x * 2  # an output, not a side effect
+
+
+_, double = returns_it(jax.numpy.arange(3.0))
+print("returned instead:", double)
+
+# %% tags=["check"]
+assert isinstance(leak, UnexpectedTracerError)
+assert double.tolist() == [0.0, 2.0, 4.0]
+
+# %% [markdown]
 # ### Exercise 1: count the traces, static against traced
 #
 # A static argument lets Python branch on it and costs one program per distinct value. Jit a

@@ -510,6 +510,22 @@ ours = common.to_torch(x).to(dtype)
 print("latents", tuple(ours.shape), ours.dtype, "| compiled", step._cache_size(), "program(s) for", request.steps, "steps")
 
 # %% [markdown]
+# Donation has one rule: once a call has taken an input, the input is gone, and only the output
+# may be read. The loop above never touches `x` or `old_x0` after passing them; it rebinds both
+# to what `step` returns. Where PyTorch would let you read a tensor that an in-place update had
+# overwritten, JAX refuses, as a one-line donating function shows:
+
+# %%
+add_one = jax.jit(lambda a: a + 1, donate_argnums=0)
+before = jax.device_put(jnp.zeros(4), replicated)
+after = add_one(before)
+deleted = expect(lambda: before + 0, RuntimeError, max_lines=1)
+print("read the output instead:", after.tolist())
+
+# %% tags=["check"]
+assert before.is_deleted() and "deleted" in str(deleted) and after.tolist() == [1.0] * 4
+
+# %% [markdown]
 # The pipeline module runs the same step (`pipeline.CogVideoX.denoise`, which also loads and
 # frees the transformer and times each call). Our copy of the transformer goes first, so the
 # chips hold one at a time; then the module's result against ours, bit for bit:
