@@ -121,7 +121,8 @@ def _mesh_table() -> str:
 
 def _plans_table(chip: str = "") -> str:
     """Every recorded plan, or only those for one chip generation (`chip="v5e"`)."""
-    records = [r for r in (results.load(_PLANS) if _PLANS.exists() else []) if r["topology"].startswith(chip)]
+    records = [r for r in (results.load(_PLANS) if _PLANS.exists() else [])
+               if not chip or r["topology"].split(":")[0] == chip]
     if not records:
         return "*No plan has been recorded yet.*"
     gib = 2**30
@@ -277,7 +278,7 @@ def on_page_markdown(markdown, page, config, files):  # noqa: ARG001 - mkdocs ho
     tables = {"families_table": _families_table, "hardware_table": _hardware_table, "bench_table": _bench_table,
               "results_table": _results_table, "deepcache_table": _deepcache_table,
               "pipeline_table": _pipeline_table, "mesh_table": _mesh_table, "plans_table": _plans_table,
-              "v5e_plans_table": lambda: _plans_table("v5e:"),
+              "v5e_plans_table": lambda: _plans_table("v5e"),
               "results_chart": _results_chart, "zh_terms": _zh_terms}
     for name, render in tables.items():
         if "{{ " + name + " }}" in markdown:

@@ -207,10 +207,10 @@ def flash_kernel(q_ref, k_ref, v_ref, o_ref, *, block_kv, exp):
     o_ref[...] = (o / l).astype(o_ref.dtype)
 
 
-def toy_flash(q, k, v, block_q=128, block_kv=128, exp=jnp.exp, interpret=interpret):
+def toy_flash(q, k, v, block_q=128, block_kv=128, exp=jnp.exp, interpret=interpret, kernel=flash_kernel):
     s, d = q.shape
     return pl.pallas_call(
-        functools.partial(flash_kernel, block_kv=block_kv, exp=exp),
+        functools.partial(kernel, block_kv=block_kv, exp=exp),
         grid=(s // block_q,),
         in_specs=[pl.BlockSpec((block_q, d), lambda i: (i, 0)),
                   pl.BlockSpec(k.shape, lambda i: (0, 0)),
@@ -264,12 +264,13 @@ assert (err_chip < 1e-5) if chip is not None else toy_v5e.fits
 # Make the toy kernel causal: query `i` may attend keys `0..i` only. Inside a program, the rows of
 # its block are queries `program_id(0) * block_q + 0, 1, ...`, and in loop step `j` the columns are
 # keys `j * block_kv + 0, 1, ...`; `jax.lax.broadcasted_iota` builds such index grids. Set the
-# masked scores to `-inf` before the running max. **Predict** first: why can no row's running max
+# masked scores to `-inf` before the running max, and hand the kernel to `toy_flash` (its
+# `kernel` argument). **Predict** first: why can no row's running max
 # stay `-inf` after the first key block, and what would the output be for such a row if one did?
 # Then run the solution, which checks it against a NumPy causal reference.
 
 # %% tags=["solution"]
-def causal_flash_kernel(q_ref, k_ref, v_ref, o_ref, *, block_kv):
+def causal_flash_kernel(q_ref, k_ref, v_ref, o_ref, *, block_kv, exp):
     q = q_ref[...]
     rows = pl.program_id(0) * q.shape[0] + jax.lax.broadcasted_iota(jnp.int32, (q.shape[0], block_kv), 0)
     m = jnp.full((q.shape[0], 1), -jnp.inf, jnp.float32)
@@ -283,26 +284,12 @@ def causal_flash_kernel(q_ref, k_ref, v_ref, o_ref, *, block_kv):
         cols = j * block_kv + jax.lax.broadcasted_iota(jnp.int32, (q.shape[0], block_kv), 1)
         s = jnp.where(cols <= rows, q @ kb.T, -jnp.inf)  # a key after the query: never attended
         m_new = jnp.maximum(m, s.max(-1, keepdims=True))
-        correction = jnp.exp(m - m_new)
-        p = jnp.exp(s - m_new)
+        correction = exp(m - m_new)
+        p = exp(s - m_new)
         return m_new, l * correction + p.sum(-1, keepdims=True), o * correction + p @ vb
 
     m, l, o = jax.lax.fori_loop(0, k_ref.shape[0] // block_kv, body, (m, l, o))
     o_ref[...] = (o / l).astype(o_ref.dtype)
-
-
-def causal_toy_flash(q, k, v, block_q=128, block_kv=128):
-    s, d = q.shape
-    return pl.pallas_call(
-        functools.partial(causal_flash_kernel, block_kv=block_kv),
-        grid=(s // block_q,),
-        in_specs=[pl.BlockSpec((block_q, d), lambda i: (i, 0)),
-                  pl.BlockSpec(k.shape, lambda i: (0, 0)),
-                  pl.BlockSpec(v.shape, lambda i: (0, 0))],
-        out_specs=pl.BlockSpec((block_q, d), lambda i: (i, 0)),
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        interpret=interpret,
-    )(q, k, v)
 
 
 def causal_reference(q, k, v, scale):
@@ -311,7 +298,8 @@ def causal_reference(q, k, v, scale):
     return (p / p.sum(-1, keepdims=True)) @ v
 
 
-causal_out = jax.jit(causal_toy_flash)(jnp.asarray(q * scale), jnp.asarray(k), jnp.asarray(v))
+causal_out = jax.jit(functools.partial(toy_flash, kernel=causal_flash_kernel))(
+    jnp.asarray(q * scale), jnp.asarray(k), jnp.asarray(v))
 err_causal = np.abs(np.asarray(causal_out) - causal_reference(q, k, v, scale)).max()
 print("causal toy kernel vs NumPy: max abs diff", below(err_causal), "| first row equals v[0]:",
       np.allclose(np.asarray(causal_out)[0], v[0], atol=1e-6))
