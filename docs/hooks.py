@@ -2,6 +2,7 @@
 
 `{{ hardware_table }}` in a page becomes the chip table from `tpupedia.hardware`;
 `{{ figure:NAME }}` becomes one named number from its source (`tpupedia.figures`);
+`{{ diagram:NAME }}` the picture a notebook draws of one core idea (`tpupedia.diagrams`);
 `{{ zh_terms }}` becomes the Chinese edition's glossary from `docs/zh/terms.yml`;
 `{{ plans_table }}` every recorded plan, `{{ v5e_plans_table }}` those for v5e slices and one chip.
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from tpupedia import figures, hardware, results
+from tpupedia import diagrams, figures, hardware, results
 
 _RESULTS = Path(__file__).parent / "results" / "benchmarks.json"
 _DRYRUNS = Path(__file__).parent / "results" / "dryruns.json"
@@ -283,7 +284,8 @@ def on_page_markdown(markdown, page, config, files):  # noqa: ARG001 - mkdocs ho
     for name, render in tables.items():
         if "{{ " + name + " }}" in markdown:
             markdown = markdown.replace("{{ " + name + " }}", render())
-    return figures.render(markdown, Path(__file__).resolve().parents[1])
+    root = Path(__file__).resolve().parents[1]
+    return diagrams.render(figures.render(markdown, root), root)
 
 
 FOLDED = {"solution": "Solution (run it, then compare with your answer)", "check": "Check: the asserts behind this claim"}
