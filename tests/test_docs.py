@@ -1,5 +1,6 @@
 """`mkdocs build --strict` succeeds and the site shows what the notebooks stored."""
 
+import base64
 import json
 import re
 from collections import Counter
@@ -51,6 +52,24 @@ def test_strict_docs_build_renders_stored_notebook_outputs(docs_build):
         missing = Counter(numbered_lists(notebook)) - Counter(ordered_list_lengths(rendered))
         assert not missing, (f"{notebook.name}: numbered lists of these lengths (length: count) do not render as "
                              f"one <ol> each: {dict(missing)}")
+
+
+def test_the_knowledge_base_shows_the_notebooks_diagrams_in_both_editions(docs_build):
+    """Every `{{ diagram:NAME }}` on a kb page, English or Chinese, is on the built page as the
+    picture its notebook stores (`tpupedia.diagrams`), not as the placeholder."""
+    from tpupedia import diagrams
+
+    placed = 0
+    for page in sorted((ROOT / "docs").glob("**/kb/*.md")):
+        names = re.findall(r"\{\{ diagram:([\w-]+)", page.read_text(encoding="utf-8"))
+        rel = page.relative_to(ROOT / "docs").with_suffix("")
+        built = (docs_build.site / rel / "index.html").read_text()
+        for name in names:
+            png = base64.b64encode(diagrams.png(name, ROOT)).decode("ascii")
+            assert f'id="diagram-{name}"' in built and png in built, f"{rel}: diagram {name} not rendered"
+            placed += 1
+        assert "{{ diagram:" not in built, rel
+    assert placed >= 2 * len(diagrams.DIAGRAMS)
 
 
 def test_the_site_folds_every_solution_and_check_cell(docs_build):

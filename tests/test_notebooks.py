@@ -135,14 +135,16 @@ def test_nbval_strict_fails_when_a_stored_output_is_changed(tmp_path):
     assert "1 failed" in result.stdout
 
 
-def test_reading_time_is_computed_from_the_prose_and_a_wrong_one_is_caught(tmp_path):
+def test_reading_time_is_computed_from_the_prose_and_the_code_and_a_wrong_one_is_caught(tmp_path):
     lesson = tmp_path / "00_x.py"
     prose = " ".join(["word"] * 401)
-    lesson.write_text(f"# %% [markdown]\n# {prose}\n#\n# *Reading time: about 3 minutes.*\n\n# %%\nx = 1\n")
-    assert notebooks.reading_minutes(lesson) == 3  # 406 words / 200, rounded up; code not counted
+    code = "\n".join(f"x{i} = {i}" for i in range(45))
+    lesson.write_text(f"# %% [markdown]\n# {prose}\n#\n# *Reading time: about 4 minutes.*\n\n# %%\n{code}\n\n\n# %%\n\ny = 1\n")
+    # 406 words / 200 + 46 code lines / 30 = 2.03 + 1.53, rounded up; blank lines are not counted
+    assert notebooks.reading_minutes(lesson) == 4
     assert notebooks.check_reading_time(lesson) == []
-    lesson.write_text(lesson.read_text().replace("about 3 minutes", "about 30 minutes"))
-    assert "about 3 minutes" in notebooks.check_reading_time(lesson)[0]
+    lesson.write_text(lesson.read_text().replace("about 4 minutes", "about 3 minutes"))
+    assert "about 4 minutes" in notebooks.check_reading_time(lesson)[0]
 
 
 @pytest.mark.parametrize("page", ["learning-path.md", "zh/learning-path.md"])

@@ -172,7 +172,7 @@ def _lesson_figure(kind: str, n: int) -> Figure:
         return Figure(f"run.{n:02d}", lambda root: notebook_seconds(next((root / "notebooks").glob(f"{n:02d}_*.ipynb"))),
                       duration_text, f"notebooks/{n:02d}_*.ipynb: stored cell execution times (measured here, 2-core CPU)")
     return Figure(f"reading.{n:02d}", lambda root: _reading(root, n), lambda v: f"{v:.0f} min",
-                  f"lessons/{n:02d}_*.py: its prose words / 200 words per minute, rounded up")
+                  f"lessons/{n:02d}_*.py: its prose words / 200 a minute plus its code lines / 30 a minute, rounded up")
 
 
 def _core_figure(kind: str) -> Figure:
@@ -186,7 +186,7 @@ def _core_figure(kind: str) -> Figure:
     def total(root: Path) -> float:
         return sum(_lesson_figure(kind, n).value(root) for n in numbers(root))
 
-    what = "stored cell execution times (measured here, 2-core CPU)" if kind == "run" else "prose words / 200 per minute"
+    what = "stored cell execution times (measured here, 2-core CPU)" if kind == "run" else "prose words / 200 plus code lines / 30 per minute"
     return Figure(f"{kind}.core", total, duration_text if kind == "run" else (lambda v: f"{v:.0f} min"),
                   f"the core path's notebooks (tpupedia.notebooks.CORE): the sum of their {what}")
 

@@ -18,6 +18,7 @@ Usage: `python -m tpupedia.notebooks execute lessons/00_start_here.py`,
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import sys
@@ -35,6 +36,7 @@ __all__ = [
     "check_executed",
     "check_outputs_clean",
     "WORDS_PER_MINUTE",
+    "CODE_LINES_PER_MINUTE",
     "reading_minutes",
     "check_reading_time",
     "check_all",
@@ -309,6 +311,10 @@ def check_outputs_clean(notebook: Path) -> list[str]:
 
 
 WORDS_PER_MINUTE = 200
+"""Prose, read closely: technical English at 200 words a minute."""
+CODE_LINES_PER_MINUTE = 30
+"""Code, read to follow it (not to type it): 30 non-blank lines a minute, two seconds a line.
+Every code cell counts, an exercise's solution and check included."""
 _READING = re.compile(r"\*Reading time: about (\d+) minutes\.\*")
 
 
@@ -319,23 +325,31 @@ def _prose_words(lesson: Path) -> list[str]:
     return [w for c in jupytext.read(lesson).cells if c.cell_type == "markdown" for w in "".join(c.source).split()]
 
 
+def _code_lines(lesson: Path) -> int:
+    """The non-blank lines of a lesson's code cells."""
+    import jupytext
+
+    return sum(1 for c in jupytext.read(lesson).cells if c.cell_type == "code"
+               for line in "".join(c.source).splitlines() if line.strip())
+
+
 def reading_minutes(lesson: Path) -> int:
-    """Minutes to read a lesson's prose: its markdown cells' words / `WORDS_PER_MINUTE`, rounded
-    up. Code is not counted (the learning path says so)."""
-    return _minutes(_prose_words(lesson))
+    """Minutes to read a lesson, prose and code, by one rule: its markdown words /
+    `WORDS_PER_MINUTE` plus its code cells' non-blank lines / `CODE_LINES_PER_MINUTE`, rounded up
+    (the learning path states it)."""
+    return _minutes(len(_prose_words(lesson)), _code_lines(lesson))
 
 
-def _minutes(words: list[str]) -> int:
-    return -(-len(words) // WORDS_PER_MINUTE)
+def _minutes(words: int, code_lines: int) -> int:
+    return math.ceil(words / WORDS_PER_MINUTE + code_lines / CODE_LINES_PER_MINUTE)
 
 
 def check_reading_time(lesson: Path) -> list[str]:
     """The header states `*Reading time: about N minutes.*` with N = `reading_minutes`."""
-    words = _prose_words(lesson)
-    stated = _READING.findall(" ".join(words))
-    computed = _minutes(words)
+    stated = _READING.findall(" ".join(_prose_words(lesson)))
+    computed = reading_minutes(lesson)
     if stated != [str(computed)]:
-        return [f"{Path(lesson).name}: header states reading time {stated or 'nowhere'}; its prose implies "
+        return [f"{Path(lesson).name}: header states reading time {stated or 'nowhere'}; its prose and code imply "
                 f"*Reading time: about {computed} minutes.*"]
     return []
 
