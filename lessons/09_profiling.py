@@ -378,6 +378,15 @@ for name, size in timeline:
 print(f"of which the transformer's shard while it steps: {run_pipe.plans['transformer'].bytes_per_device / 2**20:.2f} MiB "
       "(the rest: latents, the text pair, the rotary tables)")
 
+# %% [markdown]
+# Drawn over the run, the shape to look for is a plateau: memory rises when the denoise stage
+# places the transformer's shard, stays flat over the steps (a rise from step to step would be
+# something kept alive by each step, the leak this timeline exists to catch), and falls back when
+# the stage frees its model, before the decode. The text and decode stages show nothing: the
+# timeline samples after each of them, when its model is already freed (sample inside a stage,
+# as `on_step` does for the denoise, to see its peak). On a TPU VM with the full preset the same
+# picture is in GiB, and the plateau is the number to compare with the plan's weights per chip.
+
 # %%
 import matplotlib.pyplot as plt
 

@@ -59,7 +59,7 @@ NOT_TWINS = ["terms.md"]  # the glossary page itself: written in Chinese, transl
 _FRONT = re.compile(r"\A---\n(.*?)\n---\n", re.S)
 _FENCE = re.compile(r"(?ms)^ *(```|~~~).*?^ *\1")
 _NUMBER = re.compile(r"(?<![A-Za-z0-9_.\-])(\d+(?:[.,]\d+)+|\d{3,})")
-_PLACEHOLDER = re.compile(r"\{\{ *[\w:.-]+ *\}\}")
+_PLACEHOLDER = re.compile(r"\{\{ *([\w:.-]+) *(?:\|[^}]*)?\}\}")  # a diagram's caption after `|` is the page's own
 
 
 def front_matter(path: Path) -> dict:
