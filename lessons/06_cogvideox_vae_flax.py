@@ -38,7 +38,7 @@
 # | `tiny` (2-core CPU, CI) | a random VAE 8 channels wide (65,195 parameters), written once with `save_pretrained` | about 1.7 GB of host RAM (peak, measured here) | about 1 minute for the whole notebook (62 s; up to 3.4 minutes while other jobs shared the cores), measured here on a 2-core CPU |
 # | `full` (TPU v6e-8) | `zai-org/CogVideoX1.5-5B`, subfolder `vae`: 215.6 M parameters, 431 MB in bf16 (section 8) | one 768×1360 frame batch in bf16: 0.23 GiB of decoder weights and input, 22 GiB of temporaries on one chip (AOT, section 8); the float32 parity sections: not measured here (no TPU) | not measured here (no TPU) |
 #
-# *Reading time: about 17 minutes.*
+# *Reading time: about 19 minutes.*
 
 # %% [markdown]
 # Two settings come first. The preset (notebook `start_here`) decides what the VAE is loaded from. The
@@ -243,9 +243,16 @@ assert moments.shape == (1, 2 * C, 3, 4, 5) and decoded.shape == (1, 3, 16, 32, 
 assert enc_err <= TOL and dec_err <= TOL
 
 # %% [markdown]
-# The same comparison as pictures: three decoded frames from diffusers and from the port (random
-# latents, so the content is noise; values mapped from [-1, 1] to [0, 1]), and the per-pixel
-# error map, the largest difference over the three colour channels:
+# The same comparison as pictures. There is nothing to see in the frames themselves: random
+# latents through a VAE with random weights decode to coloured noise, blocky because every latent
+# pixel becomes an 8×8 patch (values mapped from [-1, 1] to [0, 1]). Look at them only to see that
+# the top row (diffusers) and the middle row (the port) are the same picture, frame for frame. The
+# bottom row is what the figure is for: the per-pixel error, the largest difference over the three
+# colour channels, on a colour scale whose top is the largest error of the clip, below `TOL` (the
+# check after the figure). It is float32 rounding, and rounding is relative to the value rounded,
+# so the error is largest where the decoded values are largest (the brightest, most saturated
+# patches above it) and has no other shape. A porting bug would leave one: a missing conv cache,
+# for example, lights up every frame after the first frame batch (section 4).
 
 # %%
 import matplotlib.pyplot as plt
@@ -269,6 +276,9 @@ plt.show()
 
 # %% tags=["check"]
 assert error_map.max() <= TOL  # the colour scale above tops out at float32 rounding noise
+magnitude = np.abs(ref_video)[0].max(axis=0)  # the largest decoded value per pixel, as the error map
+brightest = magnitude > np.quantile(magnitude, 0.9)
+assert error_map[brightest].mean() > error_map[~brightest].mean()  # rounding is relative: larger where values are
 
 # %% [markdown]
 # Four latent frames decoded to 16 video frames, not 13. CogVideoX's frame rule
@@ -350,11 +360,63 @@ assert first.name == "decoder.mid_block.resnets.0.conv1" and first.call == 0
 del bad_layout
 
 # %% [markdown]
-# **A wrong GroupNorm grouping.** PyTorch puts channel `c` of `C` in group `c // (C/G)`:
-# contiguous blocks. Reshaping the channel axis to `(C/G, G)` instead of `(G, C/G)` interleaves the
-# groups (channel `c` lands in group `c % G`). The statistics are then taken over the wrong
-# channels. The upstream guide blamed its GroupNorm error on the channels-last *layout*; the
-# layout is harmless (our GroupNorm is channels-last and matches to rounding), the *grouping* is not.
+# **A wrong GroupNorm grouping.** First the right one, the layer the upstream port got wrong.
+# `torch.nn.GroupNorm(G, C)` splits a sample's C channels into G groups, normalises each group
+# over its channels and every position (for video: time, height and width) with the group's mean
+# and biased variance, then applies a per-channel scale and bias. PyTorch puts channel `c` in
+# group `c // (C/G)`: contiguous blocks. Here is the port's GroupNorm, channels-last, written out
+# on this page. It takes the weights of the diffusers layer
+# `decoder.up_blocks.0.resnets.0.norm1.norm_layer` (1-D, so no transpose) and runs next to that
+# layer and next to the port's own copy of it, `tpupedia.models.cogvideox_vae.GroupNorm` at
+# `flax_vae.decoder.up_blocks[0].resnets[0].norm1.norm_layer`:
+
+# %%
+from tpupedia.models.cogvideox_vae import to_channels_first, to_channels_last
+
+
+class MyGroupNorm(nnx.Module):
+    def __init__(self, num_channels, num_groups, eps):
+        self.num_groups, self.eps = num_groups, eps
+        self.scale = nnx.Param(jnp.ones((num_channels,), jnp.float32))  # torch: .weight
+        self.bias = nnx.Param(jnp.zeros((num_channels,), jnp.float32))
+
+    def __call__(self, x):  # x: (B, ..., C), channels last
+        c, g = x.shape[-1], self.num_groups
+        # (..., C) -> (..., G, C/G): group i holds channels i*C/G to (i+1)*C/G - 1, as in PyTorch
+        xg = x.astype(jnp.float32).reshape(*x.shape[:-1], g, c // g)
+        axes = tuple(range(1, xg.ndim - 2)) + (xg.ndim - 1,)  # every axis but batch and group
+        mean = jnp.mean(xg, axis=axes, keepdims=True)
+        var = jnp.mean(jnp.square(xg - mean), axis=axes, keepdims=True)  # biased, as PyTorch's
+        y = ((xg - mean) * jax.lax.rsqrt(var + self.eps)).reshape(x.shape)
+        return (y * self.scale[...] + self.bias[...]).astype(x.dtype)
+
+
+torch_norm = torch_vae.decoder.up_blocks[0].resnets[0].norm1.norm_layer
+port_norm = flax_vae.decoder.up_blocks[0].resnets[0].norm1.norm_layer
+my_norm = MyGroupNorm(torch_norm.num_channels, torch_norm.num_groups, torch_norm.eps)
+my_norm.scale[...] = jnp.asarray(torch_norm.weight.detach().numpy())
+my_norm.bias[...] = jnp.asarray(torch_norm.bias.detach().numpy())
+
+feature = torch.randn(1, torch_norm.num_channels, 3, 6, 5, generator=torch.Generator().manual_seed(7))
+feature_cl = to_channels_last(jnp.asarray(feature.numpy()))
+with torch.no_grad():
+    norm_ref = torch_norm(feature).numpy()
+norm_out = my_norm(feature_cl)
+norm_err = float(np.abs(np.asarray(to_channels_first(norm_out)) - norm_ref).max())
+report(f"my GroupNorm ({torch_norm.num_groups} groups of {torch_norm.num_channels} channels) vs torch.nn.GroupNorm",
+       norm_err)
+
+# %% tags=["check"]
+assert norm_err <= TOL and my_norm.scale[...].shape == tuple(torch_norm.weight.shape)
+np.testing.assert_array_equal(np.asarray(norm_out), np.asarray(port_norm(feature_cl)))  # the port's layer, bit for bit
+
+# %% [markdown]
+# The mistake is one reshape. Reshaping the channel axis to `(C/G, G)` instead of `(G, C/G)`
+# interleaves the groups (channel `c` lands in group `c % G`), and the statistics are taken over
+# the wrong channels. The upstream guide blamed its GroupNorm error on the channels-last *layout*;
+# the layout is harmless (the GroupNorm above is channels-last and matches to rounding), the
+# *grouping* is not. The planted bug subclasses the port's own GroupNorm, so that `compare_layers`
+# still records it under its diffusers name:
 
 # %%
 from tpupedia.models.cogvideox_vae import GroupNorm
@@ -383,54 +445,36 @@ assert first.name == "decoder.up_blocks.0.resnets.0.norm1.norm_layer"
 del bad_norm
 
 # %% [markdown]
-# ### Exercise 1: port a GroupNorm yourself and diff it
+# ### Exercise 1: two GroupNorm slips that load without an error
 #
-# Port one layer from scratch: a channels-last GroupNorm in Flax NNX with `scale` and `bias`
-# parameters, statistics in float32 over every axis but batch and group. Load the weights of the
-# diffusers layer `decoder.up_blocks.0.resnets.0.norm1.norm_layer` (a `torch.nn.GroupNorm`) into
-# it, compare it with that layer on a random video, then swap it into a copy of the port and
-# decode. **Predict** first: what layout change do a GroupNorm's weights need (compare the rules
-# table of section 1), and which reshape of the channel axis gives PyTorch's groups? The check
-# holds both comparisons to `TOL`.
+# Build two more `MyGroupNorm`s with `torch_norm`'s weights: one with `num_groups=1` (statistics
+# over all channels at once), one with `eps=1e-5` (`torch.nn.GroupNorm`'s default; diffusers'
+# VAE passes 1e-6). Compare each with `torch_norm` on `feature` and on `feature * 1e-3`, an
+# activation with a small spread. **Predict** first which of the four comparisons stay within
+# `TOL`, and so which slip a parity test on unit-scale random input cannot see. Then open the
+# solution, run it, and compare.
 
 # %% tags=["solution"]
-class MyGroupNorm(nnx.Module):
-    def __init__(self, num_channels, num_groups, eps):
-        self.num_groups, self.eps = num_groups, eps
-        self.scale = nnx.Param(jnp.ones((num_channels,), jnp.float32))
-        self.bias = nnx.Param(jnp.zeros((num_channels,), jnp.float32))
-
-    def __call__(self, x):  # x: (B, ..., C), channels last
-        c, g = x.shape[-1], self.num_groups
-        xg = x.astype(jnp.float32).reshape(*x.shape[:-1], g, c // g)  # (G, C/G): contiguous groups
-        axes = tuple(range(1, xg.ndim - 2)) + (xg.ndim - 1,)  # all but batch and group
-        mean = xg.mean(axis=axes, keepdims=True)
-        var = jnp.square(xg - mean).mean(axis=axes, keepdims=True)
-        y = ((xg - mean) / jnp.sqrt(var + self.eps)).reshape(x.shape)
-        return (y * self.scale[...] + self.bias[...]).astype(x.dtype)
+def slipped(num_groups, eps):
+    norm = MyGroupNorm(torch_norm.num_channels, num_groups, eps)
+    norm.scale[...], norm.bias[...] = my_norm.scale[...], my_norm.bias[...]
+    return norm
 
 
-torch_norm = torch_vae.decoder.up_blocks[0].resnets[0].norm1.norm_layer
-my_norm = MyGroupNorm(torch_norm.num_channels, torch_norm.num_groups, torch_norm.eps)
-my_norm.scale[...] = jnp.asarray(torch_norm.weight.detach().numpy())  # 1-D: no transpose
-my_norm.bias[...] = jnp.asarray(torch_norm.bias.detach().numpy())
-feature = torch.randn(1, torch_norm.num_channels, 3, 6, 5, generator=torch.Generator().manual_seed(7))
-with torch.no_grad():
-    norm_ref = torch_norm(feature).numpy()
-norm_out = np.asarray(jnp.moveaxis(my_norm(jnp.moveaxis(jnp.asarray(feature.numpy()), 1, -1)), -1, 1))
-norm_err = float(np.abs(norm_out - norm_ref).max())
-
-with_mine = copy.deepcopy(flax_vae)
-with_mine.decoder.up_blocks[0].resnets[0].norm1.norm_layer = my_norm
-swapped_err = float(np.abs(np.asarray(with_mine.decode(jnp.asarray(latents.numpy()))) - ref_video).max())
-del with_mine
-report("my GroupNorm vs torch.nn.GroupNorm", norm_err)
-report("decode with my GroupNorm swapped in, vs diffusers", swapped_err)
+slips = {"num_groups=1": slipped(1, torch_norm.eps), "eps=1e-5": slipped(torch_norm.num_groups, 1e-5)}
+slip_err = {}
+for name, norm in slips.items():
+    for spread in (1.0, 1e-3):
+        with torch.no_grad():
+            ref = torch_norm(feature * spread).numpy()
+        out = to_channels_first(norm(to_channels_last(jnp.asarray((feature * spread).numpy()))))
+        slip_err[name, spread] = float(np.abs(np.asarray(out) - ref).max())
+        report(f"{name}, input x {spread:g}", slip_err[name, spread])
 
 # %% tags=["check"]
-assert norm_out.shape == norm_ref.shape
-assert norm_err <= TOL and swapped_err <= TOL
-assert my_norm.scale[...].shape == tuple(torch_norm.weight.shape)  # the same layout on both sides
+assert slip_err["num_groups=1", 1.0] > TOL and slip_err["num_groups=1", 1e-3] > TOL  # wrong channels, any scale
+assert slip_err["eps=1e-5", 1.0] <= TOL  # eps is tiny next to a variance of about 1: invisible
+assert slip_err["eps=1e-5", 1e-3] > TOL  # variance about 1e-6: eps now rivals it
 
 # %% [markdown]
 # ## 4. The causal conv cache across frame batches
@@ -443,10 +487,76 @@ assert my_norm.scale[...].shape == tuple(torch_norm.weight.shape)  # the same la
 # cache. The loop is diffusers' own:
 
 # %%
-from tpupedia.models.cogvideox_vae import frame_batches, to_channels_first, to_channels_last
+from tpupedia.models.cogvideox_vae import frame_batches
 
 print("13 latent frames in batches of 2:", frame_batches(13, 2))
 print("4 latent frames in batches of 2: ", frame_batches(4, 2))
+
+# %% [markdown]
+# The picture is drawn from the decoder's own batches of this notebook's four latent frames
+# (`flax_vae.num_latent_frames_batch_size`, 2) and from its first causal conv, `decoder.conv_in`,
+# whose kernel spans `kernel_t = 3` frames (read from the kernel's shape). Read it top to bottom.
+# Each slot of a batch's padded input sits under the frame it holds. Batch 0 is padded on the
+# left with two copies of frame 0 (grey). Batch 1 is padded with batch 0's cache, the last two
+# slots of batch 0's padded input, carried straight down (the arrows). The boxed kernel window
+# shows what output frame 2, batch 1's first, sees: frames 0, 1 and 2, exactly what it would see if
+# the whole clip went through the conv at once. That is why the cache makes frame batching exact.
+
+# %% tags=["diagram-conv-cache"]
+from tpupedia.diagrams import conv_cache
+
+fig = conv_cache.draw(latents.shape[2], flax_vae.num_latent_frames_batch_size, flax_vae.decoder.conv_in)
+
+# %% [markdown]
+# The layer itself, as the port writes it (`tpupedia.models.cogvideox_vae.CausalConv3d`), on this
+# page: pad time on the left with `kernel_t − 1` copies of frame 0 or with the cache, pad height
+# and width by one with zeros, convolve, and hand back the last `kernel_t − 1` frames of the padded
+# input as the new cache. It takes `decoder.conv_in`'s weights (the conv rule of section 1) and
+# runs on the four latent frames at once, then batch by batch as in the picture, next to
+# diffusers' `CogVideoXCausalConv3d` (which returns its cache too) and the port's own
+# `flax_vae.decoder.conv_in`:
+
+# %%
+class MyCausalConv3d(nnx.Module):
+    def __init__(self, kernel, bias):  # kernel (kT, kH, kW, I, O), channels last
+        self.kernel, self.bias = nnx.Param(kernel), nnx.Param(bias)
+
+    def __call__(self, x, cache=None):  # x: (B, T, H, W, C); cache: (B, kT - 1, H, W, C) or None
+        k_t = self.kernel.shape[0]
+        # the past: copies of frame 0 at the start of a clip, else the previous batch's last inputs
+        pad = cache if cache is not None else jnp.repeat(x[:, :1], k_t - 1, axis=1)
+        x = jnp.concatenate([pad, x], axis=1)  # time padded on the left only: causal
+        p = (self.kernel.shape[1] - 1) // 2  # height and width: zero padding, output the input's size
+        y = jax.lax.conv_general_dilated(x, self.kernel[...], (1, 1, 1), [(0, 0), (p, p), (p, p)],
+                                         dimension_numbers=("NTHWC", "THWIO", "NTHWC"))  # F.conv3d, channels last
+        return y + self.bias[...], x[:, -(k_t - 1):]  # new cache: the last kT - 1 frames of the padded input
+
+
+torch_conv, port_conv = torch_vae.decoder.conv_in, flax_vae.decoder.conv_in
+my_conv = MyCausalConv3d(jnp.asarray(torch_conv.conv.weight.detach().numpy().transpose(2, 3, 4, 1, 0)),
+                         jnp.asarray(torch_conv.conv.bias.detach().numpy()))
+z_cl = to_channels_last(jnp.asarray(latents.numpy()))  # the four latent frames of the picture
+with torch.no_grad():
+    conv_ref, conv_ref_cache = (t.numpy() for t in torch_conv(latents))
+whole_out, whole_cache = my_conv(z_cl)
+parts, batch_cache = [], None
+for start, end in frame_batches(z_cl.shape[1], flax_vae.num_latent_frames_batch_size):
+    part, batch_cache = my_conv(z_cl[:, start:end], batch_cache)
+    parts.append(part)
+conv_err = float(np.abs(np.asarray(to_channels_first(whole_out)) - conv_ref).max())
+parts_err = float(np.abs(np.asarray(to_channels_first(jnp.concatenate(parts, axis=1))) - conv_ref).max())
+print("frames out:", whole_out.shape[1], "at once,", " + ".join(str(p.shape[1]) for p in parts), "in batches",
+      "| cache (B, kT - 1, H, W, C):", tuple(batch_cache.shape))
+report("my causal conv, all frames at once, vs diffusers", conv_err)
+report("my causal conv, frame batches with the cache, vs diffusers", parts_err)
+
+# %% tags=["check"]
+assert conv_err <= TOL and parts_err <= TOL
+assert batch_cache.shape == (1, my_conv.kernel.shape[0] - 1, *z_cl.shape[2:])
+np.testing.assert_array_equal(np.asarray(to_channels_first(batch_cache)), conv_ref_cache)  # a copy, not a sum
+port_out, port_cache = port_conv(z_cl)  # the port's own layer, same weights: bit for bit
+np.testing.assert_array_equal(np.asarray(whole_out), np.asarray(port_out))
+np.testing.assert_array_equal(np.asarray(whole_cache), np.asarray(port_cache))
 
 # %% [markdown]
 # `decode_chunk(z, cache) -> (frames, new_cache)` is one batch, channels-last, with the cache as
@@ -456,7 +566,6 @@ print("4 latent frames in batches of 2: ", frame_batches(4, 2))
 # means a max abs error above 1e-2, a hundred times `TOL`.
 
 # %%
-z_cl = to_channels_last(jnp.asarray(latents.numpy()))
 decode_chunk = nnx.jit(lambda m, z, c: m.decode_chunk(z, c))
 outs, cache, fresh = [], None, []
 for start, end in frame_batches(z_cl.shape[1], 2):
@@ -485,52 +594,46 @@ assert later_err > DAMAGED
 # costs two frames of activations per layer, not a whole clip.
 
 # %% [markdown]
-# ### Exercise 2: a causal conv with its cache, ported and diffed
+# ### Exercise 2: frame batches of one and of three
 #
-# Port diffusers' `CogVideoXCausalConv3d` as the decoder's first layer, `decoder.conv_in`, uses
-# it: pad time on the left with `kernel_t − 1` copies of frame 0 (or with the cache), pad height
-# and width by one with zeros, convolve, and return the last `kernel_t − 1` frames of the padded
-# input as the new cache. Load the torch kernel with the conv rule of section 1. Run it on four
-# frames at once, and on frames 0–1 then 2–3 passing the cache. **Predict** how many frames each
-# call returns and the cache's shape; the check compares both runs and the cache with torch.
+# The frame batch is an attribute on both sides, `num_latent_frames_batch_size` (2 by default).
+# Decode `latents` in batches of 1 and of 3: on the port with the loop above (`decode_chunk`,
+# `frame_batches(..., b)`), on diffusers by setting its attribute to `b` for the call. **Predict**
+# first, for each size: the batches; the shape of `conv_in`'s cache after each batch (`cache` is
+# a dict of every layer's cache; `conv_cache.layout` says what it holds); how many video frames
+# come back; whether the port still equals diffusers set the same way; and whether it equals the
+# default decode `ref_video`. Then open the solution, run it, and compare.
 
 # %% tags=["solution"]
-class MyCausalConv3d(nnx.Module):
-    def __init__(self, kernel, bias):  # kernel (kT, kH, kW, I, O), channels last
-        self.kernel, self.bias = nnx.Param(kernel), nnx.Param(bias)
-
-    def __call__(self, x, cache=None):  # x: (B, T, H, W, C)
-        k_t = self.kernel.shape[0]
-        pad = cache if cache is not None else jnp.repeat(x[:, :1], k_t - 1, axis=1)
-        x = jnp.concatenate([pad, x], axis=1)
-        p = (self.kernel.shape[1] - 1) // 2
-        y = jax.lax.conv_general_dilated(x, self.kernel[...], (1, 1, 1), [(0, 0), (p, p), (p, p)],
-                                         dimension_numbers=("NTHWC", "THWIO", "NTHWC"))
-        return y + self.bias[...], x[:, -(k_t - 1):]
-
-
-torch_conv = torch_vae.decoder.conv_in
-my_conv = MyCausalConv3d(jnp.asarray(torch_conv.conv.weight.detach().numpy().transpose(2, 3, 4, 1, 0)),
-                         jnp.asarray(torch_conv.conv.bias.detach().numpy()))
-z_conv = torch.randn(1, C, 4, 5, 6, generator=torch.Generator().manual_seed(8))
-with torch.no_grad():
-    conv_ref, conv_ref_cache = torch_conv(z_conv)
-conv_ref, conv_ref_cache = conv_ref.numpy(), conv_ref_cache.numpy()
-z_conv_cl = to_channels_last(jnp.asarray(z_conv.numpy()))
-whole_out, whole_cache = my_conv(z_conv_cl)
-part1, cache1 = my_conv(z_conv_cl[:, :2])
-part2, cache2 = my_conv(z_conv_cl[:, 2:], cache1)
-parts_out = np.asarray(to_channels_first(jnp.concatenate([part1, part2], axis=1)))
-whole_out = np.asarray(to_channels_first(whole_out))
-print("frames out: whole", whole_out.shape[2], "| batches", part1.shape[1], "+", part2.shape[1],
-      "| cache (B, T, H, W, C):", tuple(cache2.shape))
-report("my causal conv, four frames at once, vs torch", float(np.abs(whole_out - conv_ref).max()))
-report("my causal conv, two batches with the cache, vs torch", float(np.abs(parts_out - conv_ref).max()))
+k_t = conv_cache.kernel_t(flax_vae.decoder.conv_in)
+runs = {}
+for b in (1, 3):
+    outs, cache, cache_shapes = [], None, []
+    for start, end in frame_batches(z_cl.shape[1], b):
+        out, cache = decode_chunk(flax_vae, z_cl[:, start:end], cache)
+        outs.append(out)
+        cache_shapes.append(tuple(cache["conv_in"].shape))
+    video_b = np.asarray(to_channels_first(jnp.concatenate(outs, axis=1)))
+    torch_vae.num_latent_frames_batch_size = b
+    with torch.no_grad():
+        torch_b = torch_vae.decode(latents).sample.numpy()
+    torch_vae.num_latent_frames_batch_size = 2
+    same = float(np.abs(video_b - torch_b).max())
+    default = float(np.abs(video_b - ref_video).max()) if video_b.shape == ref_video.shape else None
+    runs[b] = dict(batches=frame_batches(z_cl.shape[1], b), caches=cache_shapes, frames=video_b.shape[2],
+                   same=same, default=default)
+    print(f"batches of {b}: {runs[b]['batches']}, conv_in cache {cache_shapes[0]} after each, "
+          f"{video_b.shape[2]} frames")
+    report(f"  vs diffusers in batches of {b}", same)
+    print("  vs the default decode:", "shapes differ" if default is None else f"max abs err {default:.1e}")
+print("frames in conv_in's cache, batches of 1:", [r.cache for r in conv_cache.layout(z_cl.shape[1], 1, k_t).rows])
 
 # %% tags=["check"]
-assert whole_out.shape == conv_ref.shape and tuple(cache2.shape) == (1, 2, 5, 6, C)
-assert np.abs(whole_out - conv_ref).max() <= TOL and np.abs(parts_out - conv_ref).max() <= TOL
-np.testing.assert_array_equal(np.asarray(to_channels_first(cache2)), conv_ref_cache)  # a copy, not a sum
+assert runs[1]["batches"] == [(0, 1), (1, 2), (2, 3), (3, 4)] and runs[3]["batches"] == [(0, 4)]
+assert runs[1]["caches"] == [(1, k_t - 1, *z_cl.shape[2:])] * 4  # kT - 1 frames even from a one-frame batch
+assert runs[1]["same"] <= TOL and runs[3]["same"] <= TOL  # the port follows diffusers at any batch size
+assert runs[1]["frames"] == 4 and runs[1]["default"] is None  # one frame at a time: nothing to upsample in time
+assert runs[3]["frames"] == 16 and runs[3]["default"] > DAMAGED  # GroupNorm's statistics span a batch's frames
 
 # %% [markdown]
 # ## 5. Jit the frame batch, not the frame loop
