@@ -44,7 +44,7 @@
 # CPU processes would run the real CogVideoX1.5-5B checkpoint on the CPU. Sections 4 and 5 run
 # as on the tiny preset.
 #
-# *Reading time: about 15 minutes.*
+# *Reading time: about 16 minutes.*
 
 # %%
 # %xmode Minimal
@@ -379,6 +379,25 @@ assert one.bound == "compute" and one.floors["communication"] < 0.5 * one.floors
 assert two.bound == "communication" and two.floors["compute"] < two.floors["communication"] < 1.2 * two.floors["compute"]
 for r in plans.values():  # bytes sent over a one-axis ring: 2 ports x 100 GB/s, not the 800 GB/s total
     assert abs(r.floors["communication"] - sum(r.collective_bytes.values()) / 200e9) < 1e-12
+
+# %% [markdown]
+# Where those 16 chips are. libtpu's description of the slice gives each chip an `id`, the
+# `process_index` of the host that drives it (one process per host, as in section 1) and its
+# `coords` in the torus; the mesh gives it an index along `dp` and `tp`. The picture draws the
+# v6e-16's `dp=2, tp=8` mesh twice from those attributes: above as the program indexes it,
+# below grouped by host, coloured by host in both. Each `tp` group of 8 chips spans two 4-chip
+# hosts, and so does each `dp` pair: both axes' collectives cross hosts. They still run over ICI,
+# because the four hosts are one slice.
+
+# %% tags=["diagram-hosts"]
+from tpupedia.diagrams import hosts as hosts_diagram
+
+slice_16 = devices.topology_mesh("v6e:4x4", (two.mesh["dp"], two.mesh["tp"]), ("dp", "tp"))
+hosts_diagram.draw(slice_16)
+
+# %% tags=["check"]
+assert {axis.name: axis.hosts_per_group for axis in hosts_diagram.layout(slice_16).axes} == {"dp": 2, "tp": 2}
+assert len({chip.process_index for chip in slice_16.devices.flat}) == 4 and slice_16.devices.size == 16
 
 # %% [markdown]
 # The v6e-64 (8x8, 16 hosts) is the counter-example. With `dp=2` the `tp` axis has 32 chips, and
