@@ -43,7 +43,7 @@
 # | `tiny` (CPU, CI) | random arrays; a tiny Llama and CogVideoX transformer in section 8 | about 2.3 GB of host RAM (the TPU compiles in section 7) | 70–100 s, measured here on a 2-core CPU |
 # | `full` (TPU v6e-8) | the same, kernels compiled by Mosaic; section 7 also compiles the 4096-block case live (about a minute on the host) | section 7's CogVideoX-size kernels: about 940 MiB per chip (AOT here, printed there) | a few minutes, mostly host compiles (not measured on a TPU VM) |
 #
-# *Reading time: about 16 minutes.*
+# *Reading time: about 17 minutes.*
 
 # %% [markdown]
 # ## 1. Online softmax
@@ -105,7 +105,10 @@ def softmax_attention(q, k, v, scale):
     return (p / p.sum(-1, keepdims=True)) @ v
 
 
-def online_softmax_attention(q, k, v, scale, block=64):
+KV_BLOCK = 64  # keys per block: the loop reads K in S // KV_BLOCK = 4 blocks
+
+
+def online_softmax_attention(q, k, v, scale, block=KV_BLOCK):
     m = np.full((q.shape[0], 1), -np.inf, np.float32)  # running max
     l = np.zeros((q.shape[0], 1), np.float32)  # running sum of exp(s - m)
     o = np.zeros((q.shape[0], v.shape[1]), np.float32)  # running unnormalised output
@@ -125,6 +128,33 @@ print("online vs direct softmax attention: max abs diff", below(err))
 
 # %% tags=["check"]
 assert err < 1e-5
+
+# %% [markdown]
+# Why does one pass suffice? The picture below runs the same loop for one query, query 14 of `q`,
+# against the same four key blocks of `k` (this query's maximum rises at blocks 1 and 3 but not
+# at 2, so both cases show). On top: each block's scores and the running max `m`. In the middle:
+# the running sum `l` at each block. The dashed outline is `l` before the block, the grey part
+# what is left of it after multiplying by `c = exp(m_old - m_new)`, the coloured part what the
+# block adds. Block 2 does not raise the max, so `c = 1` and nothing shrinks; block 3 raises it
+# by more than one, so the earlier sum shrinks to about a quarter. Multiplying by `c` turns every
+# term `exp(s - m_old)` into `exp(s - m_new)`, so after each block, `l` is the sum over all keys
+# so far measured against the current max, and `o` likewise. After the last block, that is the
+# final max, so the bottom panel's `exp(s - m) / l` is the full softmax, with no second pass
+# over the keys.
+
+# %% tags=["diagram-online-softmax"]
+from tpupedia.diagrams import online_softmax as online_softmax_diagram
+
+QUERY = 14
+drawn = online_softmax_diagram.layout(q[QUERY], k, KV_BLOCK, scale, v)  # the values the picture shows
+online_softmax_diagram.draw(q[QUERY], k, KV_BLOCK, scale, v,
+                            title=f"Online softmax of query {QUERY} over {S // KV_BLOCK} key blocks of {KV_BLOCK}")
+
+# %% tags=["check"]
+assert [st.raised for st in drawn.steps] == [True, True, False, True]  # the first block always sets m
+assert drawn.steps[2].rescale == 1.0 and drawn.steps[3].rescale < 0.3
+np.testing.assert_allclose(drawn.weights, drawn.softmax, rtol=1e-5, atol=1e-7)
+np.testing.assert_allclose(drawn.output, online_softmax_attention(q, k, v, scale)[QUERY], rtol=1e-5, atol=1e-6)
 
 # %% [markdown]
 # ## 2. A toy flash-attention kernel in Pallas
@@ -763,16 +793,58 @@ assert not big_record["compiles"] and big_record["vmem_required_bytes"] > big_re
 # %% [markdown]
 # ## 8. Sharding the kernel, and installing it as PyTorch's SDPA
 #
-# The kernel runs on one device. To spread it over a mesh we use `shard_map`: each device gets
-# whole heads (self-attention is independent per head) and a slice of the batch, and runs the
-# kernel on its piece with no communication. `splash_attention(..., mesh=mesh)` does this; with
-# `layout="sequence"` it splits the *queries* along the sequence instead and gives every device
-# all keys, the layout for cross-attention with few heads. When the heads do not divide the mesh
-# axis it falls back to that layout by itself and warns once.
+# The kernel runs on one device. To spread it over a mesh we use `jax.shard_map` (notebook
+# `sharding`): each device gets whole heads (self-attention is independent per head) and a slice
+# of the batch, and runs the kernel on its piece with no communication, so the function it runs
+# holds no `psum` or `all_gather`. Written out for causal self-attention on a `(dp=2, tp=4)` mesh,
+# batch 2, 4 heads, 200 tokens: `in_specs` and `out_specs` put the batch on `dp` and the heads on
+# `tp`, and the kernel is built inside the function, from the shapes one device sees (one batch
+# element, one head). The sequence is padded to a block multiple with zeros; with a causal mask
+# that is exact, because a padded key comes after every real query and no real query sees it.
 
 # %%
 mesh = devices.make_mesh((2, 4), ("dp", "tp"))
 qb, kb, vb = (jnp.asarray(rng.standard_normal((2, 4, 200, 32)), jnp.float32) for _ in range(3))
+SEQ_BLOCK = 256  # 200 tokens padded to a multiple of 128: one block, the size tpupedia.attention picks here
+
+
+def causal_splash_on_one_device(q, k, v):
+    # q, k, v are this device's blocks, (batch / dp, heads / tp, padded seq, head_dim).
+    _, heads, seq, _ = q.shape
+    mask = sa.MultiHeadMask([sa.CausalMask((seq, seq))] * heads)  # one mask per head this device holds
+    kernel = sa.make_splash_mha(mask, head_shards=1, q_seq_shards=1, interpret=interpret,
+                                block_sizes=sa.BlockSizes(SEQ_BLOCK, SEQ_BLOCK, SEQ_BLOCK))
+    return jax.vmap(kernel)(q, k, v)  # the kernel takes one batch element (section 3)
+
+
+heads_over_tp = P("dp", "tp", None, None)  # batch over dp, heads over tp; sequence and head_dim whole
+sharded_causal_splash = jax.shard_map(
+    causal_splash_on_one_device, mesh=mesh,
+    in_specs=(heads_over_tp, heads_over_tp, heads_over_tp), out_specs=heads_over_tp,
+    check_vma=False)  # a Pallas kernel's output does not declare which mesh axes it varies over
+
+
+@jax.jit
+def causal_splash_by_hand(q, k, v):
+    n = q.shape[2]
+    pad = ((0, 0), (0, 0), (0, attention.round_up(n, SEQ_BLOCK) - n), (0, 0))
+    q, k, v = (jnp.pad(x, pad) for x in (q * q.shape[-1] ** -0.5, k, v))  # splash does not scale q
+    return sharded_causal_splash(q, k, v)[:, :, :n]
+
+
+by_hand = causal_splash_by_hand(qb, kb, vb)
+print("each device's block of q:", NamedSharding(mesh, heads_over_tp).shard_shape((2, 4, SEQ_BLOCK, 32)),
+      "| output sharding:", by_hand.sharding.spec)
+
+# %% [markdown]
+# `splash_attention(..., mesh=mesh)` is this wrapping, with padding done by segment ids (section 4)
+# so that it is exact for any mask, and with the layout chosen for you: `layout="sequence"`
+# splits the *queries* along the sequence instead and gives every device all keys, the layout for
+# cross-attention with few heads. When the heads do not divide the mesh axis it falls back to
+# that layout by itself and warns once. The package's head-parallel result must equal the one
+# written above to the bit: the same kernel on the same blocks.
+
+# %%
 head_parallel = jax.jit(lambda q, k, v: attention.splash_attention(q, k, v, is_causal=True, mesh=mesh))(qb, kb, vb)
 kv_text = (jnp.asarray(rng.standard_normal((2, 4, 40, 32)), jnp.float32) for _ in range(2))
 kt, vt = kv_text
@@ -781,9 +853,13 @@ err_heads = float(jnp.abs(head_parallel - jax_reference(qb, kb, vb, is_causal=Tr
 err_seq = float(jnp.abs(seq_parallel - jax_reference(qb, kt, vt)).max())
 print("head-parallel causal self-attention: max abs diff", below(err_heads))
 print("sequence-parallel cross-attention:   max abs diff", below(err_seq))
+print("written-out shard_map vs the package's head-parallel splash: max abs diff",
+      float(jnp.abs(by_hand - head_parallel).max()))
 
 # %% tags=["check"]
 assert err_heads < 1e-5 and err_seq < 1e-5
+np.testing.assert_array_equal(np.asarray(by_hand), np.asarray(head_parallel))
+assert by_hand.sharding.spec == head_parallel.sharding.spec
 
 # %% [markdown]
 # Now the whole thing as torchax's `F.scaled_dot_product_attention`. `install_attention` registers
