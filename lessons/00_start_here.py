@@ -48,7 +48,7 @@
 # | `full` (TPU v6e-8) | nothing: the same arrays on the chips | a few MB per chip | seconds (not measured here: no TPU) |
 #
 # The AOT compile in section 5 runs on the host CPU in both cases.
-# *Reading time: about 10 minutes.*
+# *Reading time: about 11 minutes.*
 
 # %% [markdown]
 # ## Coming from PyTorch
@@ -301,25 +301,68 @@ np.testing.assert_allclose(np.asarray(y_both), reference, atol=1e-5)
 # on any host, and the real TPU compiler will compile for it. We get back what each chip would
 # hold. Here is the same up-projection at the size of a CogVideoX-5B MLP (hidden 3072, MLP
 # 12288) over 32,768 tokens, in bf16, on a `v6e:2x4` slice.
+#
+# The trick takes four steps, each one call. First, `get_topology_desc` asks libtpu to describe
+# the slice: a list of TPU devices with their ids and coordinates, which a compile can target and
+# nothing can run on. They are not among `jax.devices()`, and nothing is placed on them. A `Mesh`
+# over them works like any other; `mesh_utils.create_device_mesh` orders them so that
+# neighbouring chips are neighbours along each mesh axis.
 
 # %%
-tpu_mesh = devices.topology_mesh("v6e:2x4", (2, 4), ("data", "model"))
+from jax.experimental import mesh_utils, topologies
+from jax.sharding import AxisType, Mesh
+
+devices.quiet_libtpu()  # on a host without a TPU, keep libtpu from probing for one (and printing warnings)
+slice_devices = topologies.get_topology_desc(platform="tpu", topology_name="v6e:2x4").devices
+print(len(slice_devices), "devices, kind", repr(slice_devices[0].device_kind), "| first:", slice_devices[0])
+tpu_mesh = Mesh(mesh_utils.create_device_mesh((2, 4), devices=slice_devices), ("data", "model"),
+                axis_types=(AxisType.Auto,) * 2)
+print("device ids on the mesh:", np.vectorize(lambda d: d.id)(tpu_mesh.devices).tolist())
+
+# %% [markdown]
+# Second, the arguments: a `jax.ShapeDtypeStruct` is a shape, a dtype and a sharding, with no
+# data (`aot.abstract` builds one in a call). Third, `lower` and `compile`, as for any jitted
+# function; the compiler is libtpu's, running on this CPU.
+
+# %%
 tokens, hidden, mlp = 32_768, 3_072, 12_288
-x_abstract = aot.abstract((tokens, hidden), jnp.bfloat16, NamedSharding(tpu_mesh, P("data", None)))
-w_abstract = aot.abstract((hidden, mlp), jnp.bfloat16, NamedSharding(tpu_mesh, P(None, "model")))
-print(tpu_mesh.devices[0, 0].device_kind, "x", tpu_mesh.devices.size)
+x_abstract = jax.ShapeDtypeStruct((tokens, hidden), jnp.bfloat16, sharding=NamedSharding(tpu_mesh, P("data", None)))
+w_abstract = jax.ShapeDtypeStruct((hidden, mlp), jnp.bfloat16, sharding=NamedSharding(tpu_mesh, P(None, "model")))
+print(x_abstract.shape, x_abstract.dtype, x_abstract.sharding.spec)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 import time
 
 start = time.perf_counter()
-result = aot.compile_aot(up_proj, x_abstract, w_abstract)
+compiled = jax.jit(up_proj).lower(x_abstract, w_abstract).compile()
 print(f"AOT compile for v6e:2x4 on this host: {time.perf_counter() - start:.2f} s")
 
+# %% [markdown]
+# Fourth, the answer: `memory_analysis()` of the compiled program, per chip.
+
 # %%
+stats = compiled.memory_analysis()
+for what in ("argument", "output", "temp"):
+    print(f"{what:9} {aot.format_bytes(getattr(stats, f'{what}_size_in_bytes'))} per chip")
+
+# %% [markdown]
+# The rest of the course calls `aot.compile_aot`, which does these same steps and three things
+# more: it counts the collectives in the compiled program, returns an out-of-memory refusal as a
+# result instead of an exception (below), and keeps each answer on disk, because JAX's own
+# compilation cache cannot store a program compiled for chips this host does not have. For the
+# same program it reports the same figures, and `devices.topology_mesh` builds the same mesh:
+
+# %%
+result = aot.compile_aot(up_proj, x_abstract, w_abstract)
 print(result.summary())
 print("collectives:", result.collectives or "none")
+
+# %% tags=["check"]
+assert (result.memory.arguments, result.memory.outputs, result.memory.temporaries) == (
+    stats.argument_size_in_bytes, stats.output_size_in_bytes, stats.temp_size_in_bytes)
+assert [d.id for d in tpu_mesh.devices.flat] == [
+    d.id for d in devices.topology_mesh("v6e:2x4", (2, 4), ("data", "model")).devices.flat]
 
 # %% [markdown]
 # The argument bytes are exactly what the shardings predict: half the tokens and a quarter of
@@ -390,8 +433,9 @@ assert too_big.oom_available_bytes <= v6e.hbm_bytes * 1.1  # the compiler's budg
 #   the device count before JAX starts.
 # * Where you split a matmul decides whether chips must talk: splitting output features needs no
 #   collective, splitting the contracting dimension needs an all-reduce.
-# * With `libtpu` installed, any host can compile for a `v6e:2x4` slice and read per-chip memory.
-#   "Will it fit, and how is it sharded?" becomes a question CI can answer.
+# * With `libtpu` installed, any host can compile for a `v6e:2x4` slice and read per-chip memory:
+#   `get_topology_desc`, a mesh over its devices, `ShapeDtypeStruct` arguments, `lower().compile()`,
+#   `memory_analysis()`. "Will it fit, and how is it sharded?" becomes a question CI can answer.
 #
 # Next: notebook `hf_model_in_jax`, a Hugging Face model in JAX with torchax (see the learning path).
 

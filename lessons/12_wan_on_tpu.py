@@ -37,7 +37,7 @@
 #
 # On the full preset, sections 2 to 4 and section 7's run use the tiny sizes (the facts they
 # teach do not depend on the checkpoint), and section 5 loads the release from the Hub: a TPU
-# VM with about 100 GB of disk. *Reading time: about 13 minutes.*
+# VM with about 100 GB of disk. *Reading time: about 14 minutes.*
 
 # %%
 # %xmode Minimal
@@ -105,8 +105,7 @@ assert 14.0e9 < n_params < 14.5e9 and flops["tokens"] == 21 * 45 * 80
 #
 # None of those decisions depends on the data, only on the step index. So
 # `schedulers.unipc_tables` makes them once, on the host, with the stock code's own arithmetic,
-# and stores the coefficients per step; `unipc_step` is then a few multiply-adds, and its state
-# is an argument: the corrected sample and the last two predictions.
+# and stores the coefficients per step, one column per coefficient:
 
 # %%
 import jax
@@ -125,34 +124,70 @@ print("predictor second order:", host_tables["p_two"].astype(int).tolist())
 print("corrector runs:         ", host_tables["c_on"].astype(int).tolist())
 
 # %% [markdown]
-# The proof is step by step: feed the stock scheduler and the pure step the same random model
-# outputs and compare every sample. One compiled step serves all eight.
+# The step is then a few multiply-adds, and the history the stock scheduler keeps on `self`
+# becomes an argument and a result: `state = (last, m1, m2)`, the corrected sample of the step
+# before and the last two model outputs converted to predictions of the clean sample (x0). Where
+# diffusers writes `if order == 2:` or `if use_corrector:`, the pure step computes both sides and
+# picks one with `jnp.where` on a table value: the step index is traced, so the branch cannot be
+# Python. Here it is in full; `schedulers.unipc_step`, which the pipeline runs, is the same
+# function.
 
 # %%
-step = jax.jit(schedulers.unipc_step)
+def unipc_step(tables, i, sample, model_output, state):
+    """`UniPCMultistepScheduler.step(model_output, timesteps[i], sample)` as a pure function of the
+    step index `i`: returns `(next sample, next state)`. In float32, as the stock step on float32 latents."""
+    c = {k: v[i] for k, v in tables.items() if k != "sigmas"}  # step i's row of each column (i is traced)
+    last, m1, m2 = state  # zeros before the first step; the tables never read them there
+    sample = sample.astype(jnp.float32)
+    sigma = tables["sigmas"][i]
+    # the model predicts a flow (velocity); x0 = sample - sigma * flow, the product in the output's dtype as in torch
+    m = sample - (sigma.astype(model_output.dtype) * model_output).astype(jnp.float32)
+    # UniC, the corrector: redo the previous step's update from `last`, now that this step's m is known
+    corr_res = jnp.where(c["c_rho0"] != 0, c["c_rho0"] * ((m2 - m1) / c["c_rk"]), 0.0)  # second-order term
+    corrected = (c["c_x"] * last - c["c_m0"] * m1) - c["c_q"] * (corr_res + c["c_rho1"] * (m - m1))
+    x = jnp.where(c["c_on"] > 0, corrected, sample)  # step 0 has nothing to correct
+    # UniP, the predictor: from x to the next sigma, second order with the previous prediction m1
+    pred_res = jnp.where(c["p_two"] > 0, 0.5 * ((m1 - m) / c["p_rk"]), 0.0)
+    new = (c["p_x"] * x - c["p_m0"] * m) - c["p_q"] * pred_res
+    return new, (x, m, m1)  # the history shifts: x is the next `last`, m the next m1, m1 the next m2
+
+
+# %% [markdown]
+# The proof is step by step: feed the stock scheduler, this step and the package's the same
+# random model outputs, and compare every sample. One compiled step serves all eight.
+
+# %%
+step, package_step = jax.jit(unipc_step), jax.jit(schedulers.unipc_step)
 
 
 def step_by_step(stock, seed):
-    """Run `stock` and the pure `step` on the same random model outputs; the max difference per step."""
+    """Run `stock`, the page's `step` and the package's on the same random model outputs: the max
+    difference from the stock sample per step, and the largest difference from the package's step."""
     tables = {k: jnp.asarray(v) for k, v in schedulers.unipc_tables(stock).items()}
     g = torch.Generator().manual_seed(seed)
     sample = torch.randn(1, 4, 3, 8, 8, generator=g)
     ours, state = jnp.asarray(sample.numpy()), schedulers.unipc_state(tuple(sample.shape))
-    errors = []
+    theirs, their_state = ours, state
+    errors, from_package = [], 0.0
     for i, t in enumerate(stock.timesteps):
         output = torch.randn(sample.shape, generator=g)
         sample = stock.step(output, t, sample, return_dict=False)[0]
         ours, state = step(tables, i, ours, jnp.asarray(output.numpy()), state)
+        theirs, their_state = package_step(tables, i, theirs, jnp.asarray(output.numpy()), their_state)
         errors.append(float(np.abs(np.asarray(ours) - sample.numpy()).max()))
-    return errors
+        for a, b in zip((ours, *state), (theirs, *their_state)):
+            from_package = max(from_package, float(np.abs(np.asarray(a) - np.asarray(b)).max()))
+    return errors, from_package
 
 
-unipc_errors = step_by_step(stock, seed=0)
-print("max abs difference per step:", " ".join(f"{e:.0e}" for e in unipc_errors))
+unipc_errors, unipc_from_package = step_by_step(stock, seed=0)
+print("max abs difference from stock diffusers per step:", " ".join(f"{e:.0e}" for e in unipc_errors))
+print("max abs difference from schedulers.unipc_step (samples and state):", unipc_from_package)
 print("compiled once:", step._cache_size() == 1)
 
 # %% tags=["check"]
 assert max(unipc_errors) < 1e-5 and step._cache_size() == 1
+assert unipc_from_package == 0.0  # the page's step and the package's give the same bits
 
 # %% [markdown]
 # ### Exercise 1: predict UniPC's tables for 5 steps, and what the compiled step does with them
@@ -167,7 +202,7 @@ assert max(unipc_errors) < 1e-5 and step._cache_size() == 1
 stock_5 = UniPCMultistepScheduler(**family.SCHEDULER_CONFIG)
 stock_5.set_timesteps(5)
 tables_5 = schedulers.unipc_tables(stock_5)
-errors_5 = step_by_step(stock_5, seed=1)
+errors_5, from_package_5 = step_by_step(stock_5, seed=1)
 print("predictor second order:", np.asarray(tables_5["p_two"]).astype(int).tolist())
 print("corrector runs:        ", np.asarray(tables_5["c_on"]).astype(int).tolist())
 print("max abs difference from the stock scheduler:", results.error_text(max(errors_5)))
@@ -176,7 +211,7 @@ print("programs compiled by `step` (8 steps, then 5):", step._cache_size())
 # %% tags=["check"]
 assert np.asarray(tables_5["p_two"]).astype(int).tolist() == [0, 1, 1, 1, 0]  # first order first and last
 assert np.asarray(tables_5["c_on"]).astype(int).tolist() == [0, 1, 1, 1, 1]  # no corrector before any output
-assert max(errors_5) < 1e-5
+assert max(errors_5) < 1e-5 and from_package_5 == 0.0
 assert step._cache_size() == 2  # tables of length 5 are new shapes: one more program, then reused for all 5 steps
 
 # %% [markdown]
@@ -244,6 +279,63 @@ print("5 latent frames ->", tuple(decoded["frames"].shape), "frames; decoder pro
 
 # %% tags=["check"]
 assert tuple(decoded["frames"].shape) == (17, 64, 64, 3) and pipe.traces["decode"] == 3
+
+# %% [markdown]
+# The split itself is two list comprehensions. Here they are, run in eager PyTorch on the host
+# with the same checkpoint's VAE over the first three latent frames: `join_cache` builds the
+# list the modules expect, the decoder writes into it, `split_cache` takes it apart again. The
+# printout is the markers (`T` tensor, `N` `None`, `R` `"Rep"`) and how many frames the cached
+# tensors hold.
+
+# %%
+from diffusers import AutoencoderKLWan
+
+
+def split_cache(cache):
+    """feat_cache -> (markers, tensors): a hashable tuple (a static argument) and the tensors (traced)."""
+    markers = tuple("T" if torch.is_tensor(c) else ("N" if c is None else "R") for c in cache)
+    return markers, [c for c in cache if torch.is_tensor(c)]
+
+
+def join_cache(markers, tensors):
+    """(markers, tensors) -> the feat_cache list the VAE's modules read and write."""
+    tensors = iter(tensors)
+    return [next(tensors) if m == "T" else (None if m == "N" else "Rep") for m in markers]
+
+
+host_vae = AutoencoderKLWan.from_pretrained(checkpoint_22, subfolder="vae")
+markers, tensors = ("N",) * host_vae._cached_conv_counts["decoder"], []  # empty: one None per causal conv
+with torch.no_grad():
+    for k in range(3):
+        cache = join_cache(markers, tensors)
+        host_vae.decoder(host_vae.post_quant_conv(latents[:, :, k:k + 1]), feat_cache=cache, feat_idx=[0],
+                         first_chunk=k == 0)  # writes into `cache`
+        markers, tensors = split_cache(cache)
+        print(f"after frame {k}: {''.join(markers)}; cached frames {sorted({t.shape[2] for t in tensors})}")
+        if k == 0:
+            first_cache, first_markers, first_tensors = cache, markers, tensors
+
+# %% [markdown]
+# After the first frame two upsamplers have left `"Rep"` and the cached tensors hold one frame;
+# after the second, the markers and the shapes no longer change. That is the three programs. The
+# package does the same inside `pipelines.wan._frame`, the function its compiled program traces;
+# run eagerly on the first frame, it leaves the same markers and the same tensors:
+
+# %%
+package_layouts = {}
+with torch.no_grad():
+    _, package_tensors = pipeline._frame(host_vae, latents[:, :, :1], [], ("N",) * len(first_markers), True,
+                                         package_layouts)
+package_markers = package_layouts[("N",) * len(first_markers), True]
+print("same markers as the package:", package_markers == first_markers, "|", len(package_tensors), "tensors")
+
+# %% tags=["check"]
+rebuilt = join_cache(*split_cache(first_cache))  # the round trip gives back the very list the decoder wrote
+assert len(rebuilt) == len(first_cache) and all(a is b or a == b for a, b in zip(rebuilt, first_cache))
+assert package_markers == first_markers and "R" in first_markers and "N" in first_markers
+assert len(package_tensors) == len(first_tensors)
+for ours_t, package_t in zip(first_tensors, package_tensors):
+    np.testing.assert_array_equal(ours_t.numpy(), package_t.numpy())
 
 # %% [markdown]
 # Wan 2.2 TI2V-5B takes the same code path with two differences, both read from its configs:
@@ -400,7 +492,13 @@ print(f"mask for {request.frames} frames (channel x latent frame):\n{mask.int().
 # §9). Its file holds the condition (mask and picture latents) and the CLIP features, and its
 # settings hold the picture's SHA-256, so another picture at the same path reruns it. The VAE's
 # encoder runs as its decoder does in section 4: the first frame, then 4 frames at a time, the
-# causal cache carried between three compiled programs. A 96x64 picture, for a 64x64 video:
+# causal cache carried between three compiled programs. A 96x64 picture (a yellow disc on blue),
+# for a 64x64 video.
+#
+# What to expect in the figure: the picture on the left, then five of the 17 frames, which are
+# coloured noise and look nothing like the picture. The tiny checkpoint's weights are random, so
+# its transformer and its VAE decoder draw nothing; the figure shows only that the run made 17
+# frames of 64x64. Whether they are the right frames is what the comparison after it settles.
 
 # %%
 from PIL import Image, ImageDraw
@@ -430,10 +528,9 @@ video.show_frames(i2v_frames, f"tiny Wan 2.1 I2V: a 96x64 picture -> {request.fr
                   picture=np.asarray(picture))
 
 # %% [markdown]
-# The weights are random, so the frames are noise around the picture's colours; what counts is
-# that they are the stock pipeline's. The stock `WanImageToVideoPipeline`, same checkpoint,
-# picture, prompt and seed (`pipeline.stock` builds it and its call; on the full preset the host
-# cannot run the whole video):
+# What counts is that these frames are the stock pipeline's. The stock
+# `WanImageToVideoPipeline`, same checkpoint, picture, prompt and seed (`pipeline.stock` builds
+# it and its call; on the full preset the host cannot run the whole video):
 
 # %%
 if preset.host_runs_whole_models:
