@@ -24,7 +24,8 @@
 # 2. **rule tables as data**: regex → `PartitionSpec`, applied to a torchax module with
 #    `tpupedia.sharding`;
 # 3. **Megatron TP vs FSDP vs replicated** on a tiny Llama: same logits, different collectives
-#    and different bytes per device, all measured;
+#    and different bytes per device, all measured; then an MLP written **by hand with
+#    `shard_map`**, its all-reduce a `psum` in the code;
 # 4. a **KV cache sharded on heads**;
 # 5. the same forward **compiled ahead of time for a TPU v6e-8** (`v6e:2x4`), with per-chip memory
 #    predicted from the rule table and confirmed by the TPU compiler.
@@ -35,7 +36,7 @@
 # | `full` (TPU v6e-8) | the same tiny Llama; section 5 compiles a 2-layer, 2,048-wide Llama for the chips | about 175 MiB per chip for the section-5 program (AOT here: 122.5 arguments + 31.3 outputs + 20.1 temporaries) | about the same: the section-5 compile runs on the host CPU (not measured on a TPU VM) |
 #
 # The sharding lessons need eight devices: on a machine with fewer (one GPU, say), run this
-# notebook with `tiny`, which simulates eight. *Reading time: about 15 minutes.*
+# notebook with `tiny`, which simulates eight. *Reading time: about 18 minutes.*
 
 # %%
 # %xmode Minimal
@@ -88,6 +89,19 @@ jax.debug.visualize_array_sharding(x_sharded)
 # %%
 x_cols = jax.device_put(x, NamedSharding(mesh, P(None, "tp")))
 jax.debug.visualize_array_sharding(x_cols)
+
+# %% [markdown]
+# Both placements as one picture, drawn from `mesh` and from the two arrays' shardings
+# (`sharding.devices_indices_map(shape)` gives the block of the array each device holds). On the
+# left, the mesh: its axis names and sizes, and each device's id where the mesh puts it, coloured
+# by the block it holds. On the right, the array cut into those blocks. Under `P(None, "tp")` the
+# two devices of each mesh column share a colour: one block, held twice.
+
+# %% tags=["diagram-mesh"]
+from tpupedia.diagrams import mesh as mesh_diagram
+
+fig = mesh_diagram.draw(mesh, {"x_sharded": x_sharded, "x_cols": x_cols},
+                        title="One mesh, two PartitionSpecs: which block of x each device holds")
 
 # %% tags=["check"]
 assert x_sharded.sharding.shard_shape(x.shape) == (4, 2)
@@ -397,6 +411,44 @@ assert mlp_only_ops == {"all-reduce": nlayers}, mlp_only_ops
 np.testing.assert_allclose(np.asarray(mlp_logits), reference_logits, atol=1e-5, rtol=0)
 
 # %% [markdown]
+# ### Megatron's MLP pair, in plain JAX
+#
+# Exercise 1's table compiled to one all-reduce per MLP. Out of the model, the pair is two matmuls,
+# with the weights in torch's `(out, in)` layout: `fc1` of `(F, D)` split on dim 0
+# (column-parallel), `fc2` of `(D, F)` split on dim 1 (row-parallel), and the batch of `x` split
+# over `dp`. `jax.jit` compiles it and places the communication; `aot.collective_ops` reads it
+# back from the compiled program, as `run` did for the Llama.
+
+# %%
+B, S, D, F = 8, 16, 64, 256
+x_act = jax.device_put(jax.random.normal(jax.random.key(0), (B, S, D)), NamedSharding(mesh, P("dp")))
+fc1 = jax.device_put(jax.random.normal(jax.random.key(1), (F, D)) / np.sqrt(D),
+                     NamedSharding(mesh, P("tp", None)))  # column-parallel: dim 0, the output features
+fc2 = jax.device_put(jax.random.normal(jax.random.key(2), (D, F)) / np.sqrt(F),
+                     NamedSharding(mesh, P(None, "tp")))  # row-parallel: dim 1, the input features
+mlp = jax.jit(lambda x, w1, w2: jax.nn.gelu(x @ w1.T) @ w2.T, out_shardings=NamedSharding(mesh, P("dp")))
+with jax.default_matmul_precision("highest"):  # compared with hand-written versions below
+    y_compiler = mlp(x_act, fc1, fc2)
+    mlp_ops = aot.collective_ops(mlp.lower(x_act, fc1, fc2).compile().as_text(), 8)
+for op in mlp_ops:
+    print(f"{op.kind} of {op.shapes[0]} over {op.group_size} devices")
+
+# %% [markdown]
+# The picture below is drawn from `x_act`, `fc1` and `fc2` (their shardings say which features
+# each device holds) and from `mlp_ops`. Read it left to right, one lane per position along `tp`
+# (each lane is two devices, one per `dp` row). Every device has all the features of its `x`, so
+# with its rows of `fc1` it computes its quarter of the hidden features without talking to anyone.
+# Its columns of `fc2` are the matching quarter of `fc2`'s inputs, so it can go on alone to a
+# partial output of full size, `(4, 16, 64)`, that holds only its quarter of the sum over the
+# hidden features. The one all-reduce that the compiled program holds adds the four partials.
+
+# %% tags=["diagram-mlp-split"]
+from tpupedia.diagrams import mlp_split
+
+fig = mlp_split.draw(x_act, fc1, fc2, mlp_ops,
+                     title="Megatron's MLP over tp: column-parallel fc1, row-parallel fc2")
+
+# %% [markdown]
 # **A variant from upstream: a replicated second layer.** The upstream HunyuanVideo-1.5 scripts
 # (notebook `hunyuan_video` runs that model) keep Megatron's column-parallel first layer but replicate the second (`fc2`,
 # the `tp_fc2_replicated` table), described as having "no row-parallel all-reduce". The
@@ -404,19 +456,15 @@ np.testing.assert_allclose(np.asarray(mlp_logits), reference_logits, atol=1e-5, 
 # `fc2` needs all of it: either the activations are all-gathered first, or each device
 # multiplies its quarter by the matching columns of its (whole) `fc2` and the partial outputs
 # are all-reduced, which is the row-parallel all-reduce again. Which one does the compiler
-# choose? An MLP pair in plain JAX, on the same mesh:
+# choose? The pair above, compiled with each `fc2` layout:
 
 # %%
-B, S, D, F = 8, 16, 64, 256
-x_act = jax.device_put(jnp.ones((B, S, D)), NamedSharding(mesh, P("dp")))
-fc1 = jax.device_put(jnp.ones((F, D)), NamedSharding(mesh, P("tp", None)))  # column-parallel
-mlp = jax.jit(lambda x, w1, w2: jax.nn.gelu(x @ w1.T) @ w2.T, out_shardings=NamedSharding(mesh, P("dp")))
 fc2_layouts = {"tp (row-parallel fc2)": P(None, "tp"), "tp_fc2_replicated": P()}
 fc2_ops = {}
 for name, spec in fc2_layouts.items():
-    fc2 = jax.device_put(jnp.ones((D, F)), NamedSharding(mesh, spec))
-    fc2_ops[name] = aot.collective_ops(mlp.lower(x_act, fc1, fc2).compile().as_text(), 8)
-    fc2_bytes = int(np.prod(fc2.sharding.shard_shape(fc2.shape))) * 4
+    fc2_placed = jax.device_put(fc2, NamedSharding(mesh, spec))
+    fc2_ops[name] = aot.collective_ops(mlp.lower(x_act, fc1, fc2_placed).compile().as_text(), 8)
+    fc2_bytes = int(np.prod(fc2_placed.sharding.shard_shape(fc2_placed.shape))) * 4
     print(f"{name:>22}: fc2 {fc2_bytes:,} bytes per device; "
           + ", ".join(f"{op.kind} of {op.shapes[0]} over {op.group_size} devices" for op in fc2_ops[name]))
 
@@ -457,42 +505,113 @@ assert hy_fc2["collectives"]["all-reduce"] < hy_tp["collectives"]["all-reduce"]
 assert hy_fc2["arguments_bytes"] > hy_tp["arguments_bytes"]
 
 # %% [markdown]
-# ### Exercise 2: the row-parallel layer by hand, with `shard_map`
+# ### The MLP by hand, with `shard_map`
 #
-# So far the compiler placed every collective. `jax.shard_map(f, mesh=..., in_specs=...,
-# out_specs=...)` turns that around: `f` runs once per device on that device's block, as named by
-# `in_specs`, and communicates only where you write it, for example `jax.lax.psum(v, "tp")`, the sum
-# of `v` over the `tp` axis (an all-reduce). Write `fc2` of the MLP above as a row-parallel layer
-# this way: the hidden activations `(B, S, F)` split on `F` over `tp`, the weight `(D, F)` split on
-# `F` too, each device multiplying its blocks and one `psum` adding the partial outputs. **Predict**
-# first: which collectives does the compiled program hold, and what would the result be without
-# the `psum`? Then run the solution.
+# So far the compiler placed every collective. In PyTorch, Megatron's layers do it by hand: each
+# rank multiplies its shard and calls `dist.all_reduce` on the tensor-parallel group.
+# `jax.shard_map(f, mesh=..., in_specs=..., out_specs=...)` is that style in JAX: `f` runs once
+# per device on that device's block of each argument, as `in_specs` names it, and communicates
+# only where you write a collective. `jax.lax.psum(v, "tp")` is the all-reduce: the sum of `v`
+# over the devices along `tp`, left on each of them. `out_specs` says how the per-device results
+# form the global output: `P("dp")` stacks the `dp` blocks and claims the result is the same on
+# every `tp` device, which `shard_map` checks (after a `psum` it is).
+#
+# Here is the pair above, written per device. The functions see local shapes: `x` is
+# `(B/2, S, D)`, `w1` is `(F/4, D)`, `w2` is `(D, F/4)`.
 
-# %% tags=["solution"]
-hidden = jax.random.normal(jax.random.key(2), (B, S, F))
-w2 = jax.random.normal(jax.random.key(3), (D, F)) / np.sqrt(F)
-
-
-def row_parallel(h_block, w_block):  # this device's F / 4 columns of h and of w2
-    partial = h_block @ w_block.T  # (B / 2, S, D): this device's share of the sum over F
-    return jax.lax.psum(partial, "tp")
+# %%
+def fc1_column(x, w1):  # w1: this device's F/4 rows of fc1
+    return jax.nn.gelu(x @ w1.T)  # (B/2, S, F/4): a quarter of the hidden features, no communication
 
 
-fc2_by_hand = jax.jit(jax.shard_map(row_parallel, mesh=mesh, in_specs=(P("dp", None, "tp"), P(None, "tp")),
-                                    out_specs=P("dp")))
-h_in = jax.device_put(hidden, NamedSharding(mesh, P("dp", None, "tp")))
-w_in = jax.device_put(w2, NamedSharding(mesh, P(None, "tp")))
+def fc2_row(h, w2):  # w2: the matching F/4 columns of fc2
+    return h @ w2.T  # (B/2, S, D): full size, but only this device's share of the sum over F
+
+
+def mlp_by_hand(x, w1, w2):
+    return jax.lax.psum(fc2_row(fc1_column(x, w1), w2), "tp")  # the all-reduce, written by us
+
+
+mlp_specs = (P("dp"), P("tp", None), P(None, "tp"))  # the blocks of x, fc1, fc2 that each device gets
+mlp_shard_map = jax.jit(jax.shard_map(mlp_by_hand, mesh=mesh, in_specs=mlp_specs, out_specs=P("dp")))
 with jax.default_matmul_precision("highest"):
-    by_hand = fc2_by_hand(h_in, w_in)
-    by_compiler = jnp.einsum("bsf,df->bsd", hidden, w2)
-by_hand_ops = aot.collective_counts(fc2_by_hand.lower(h_in, w_in).compile().as_text())
-print("collectives:", by_hand_ops, "| output sharding:", by_hand.sharding.spec,
-      "| max diff from the unsharded product", results_.error_text(np.abs(by_hand - by_compiler).max()))
+    y_by_hand = mlp_shard_map(x_act, fc1, fc2)
+    by_hand_ops = aot.collective_counts(mlp_shard_map.lower(x_act, fc1, fc2).compile().as_text())
+print("collectives:", by_hand_ops, "| output sharding:", y_by_hand.sharding.spec,
+      "| max diff from the compiler's version", results_.error_text(np.abs(y_by_hand - y_compiler).max()))
+
+# %% [markdown]
+# By hand we can also take the other road the variant above described: gather the hidden
+# features and give every device the whole of `fc2` (replicated, `P()`). `jax.lax.all_gather(h,
+# "tp", axis=2, tiled=True)` concatenates the four devices' `(B/2, S, F/4)` slices along the
+# features into `(B/2, S, F)`, on every device; `to="invarying"` tells `shard_map` that the result
+# is the same on every `tp` device, so `out_specs` may again leave `tp` out. The compiler did not
+# choose this here; written by hand, it is what runs.
+
+# %%
+def mlp_gathered(x, w1, w2_whole):
+    h_whole = jax.lax.all_gather(fc1_column(x, w1), "tp", axis=2, tiled=True, to="invarying")  # (B/2, S, F)
+    return h_whole @ w2_whole.T  # each device computes all of fc2 itself: (B/2, S, D), no sum needed
+
+
+fc2_whole = jax.device_put(fc2, NamedSharding(mesh, P()))
+mlp_gather_map = jax.jit(jax.shard_map(mlp_gathered, mesh=mesh, in_specs=(P("dp"), P("tp", None), P()),
+                                       out_specs=P("dp")))
+with jax.default_matmul_precision("highest"):
+    y_gathered = mlp_gather_map(x_act, fc1, fc2_whole)
+    gathered_ops = aot.collective_ops(mlp_gather_map.lower(x_act, fc1, fc2_whole).compile().as_text(), 8)
+print("collectives:", ", ".join(f"{op.kind} of {op.shapes[0]} over {op.group_size} devices" for op in gathered_ops),
+      "| max diff from the compiler's version", results_.error_text(np.abs(y_gathered - y_compiler).max()))
+
+# %% [markdown]
+# Both compute what `jit` computed, to float32 rounding (the sums run in another order), and
+# each compiled program holds exactly the collective we wrote: one all-reduce, or one
+# all-gather of the `(4, 16, 256)` hidden activations, a tensor four times the size of the
+# all-reduce's `(4, 16, 64)`. By the ring estimates of the table above each device sends twice
+# the bytes (an all-gather sends each byte once, an all-reduce twice). That is the price of a
+# replicated `fc2`, on top of holding all of it.
 
 # %% tags=["check"]
-# The one collective is the psum we wrote; without it each device would return a quarter-sum.
-assert by_hand_ops == {"all-reduce": 1}
-np.testing.assert_allclose(np.asarray(by_hand), np.asarray(by_compiler), atol=1e-4, rtol=0)
+assert [op.kind for op in mlp_ops] == ["all-reduce"]  # what jit placed for this layout
+assert by_hand_ops == {"all-reduce": 1}  # the psum we wrote, and nothing else
+assert [(op.kind, op.shapes) for op in gathered_ops] == [("all-gather", ((B // 2, S, F),))]  # the all_gather
+assert gathered_ops[0].bytes_sent == 2 * mlp_ops[0].bytes_sent
+np.testing.assert_allclose(np.asarray(y_by_hand), np.asarray(y_compiler), atol=1e-5, rtol=0)
+np.testing.assert_allclose(np.asarray(y_gathered), np.asarray(y_compiler), atol=1e-5, rtol=0)
+assert y_by_hand.sharding.is_equivalent_to(y_compiler.sharding, y_compiler.ndim)
+
+# %% [markdown]
+# ### Exercise 2: sum and split in one collective
+#
+# After `psum`, all four `tp` devices hold the same `(B/2, S, D)` output: four copies. When the
+# next layer wants that output split over `tp` anyway, one collective can add the partials and
+# hand each device only its part of the sum: `jax.lax.psum_scatter(v, "tp",
+# scatter_dimension=2, tiled=True)`, where device `i` along `tp` keeps the `i`-th quarter of
+# dimension 2 of the sum. Replace the `psum` of `mlp_by_hand` with it, reusing `fc1_column` and
+# `fc2_row`. **Predict** first: the shape each device returns, the `out_specs` that puts the
+# blocks back together into the `(B, S, D)` output, and which collective the compiled program
+# holds. Then run the solution.
+
+# %% tags=["solution"]
+def mlp_scattered(x, w1, w2):
+    partial = fc2_row(fc1_column(x, w1), w2)  # (B/2, S, D), this device's share of the sum
+    return jax.lax.psum_scatter(partial, "tp", scatter_dimension=2, tiled=True)  # (B/2, S, D/4), summed
+
+
+mlp_scatter_map = jax.jit(jax.shard_map(mlp_scattered, mesh=mesh, in_specs=mlp_specs,
+                                        out_specs=P("dp", None, "tp")))  # D is now split over tp
+with jax.default_matmul_precision("highest"):
+    y_scattered = mlp_scatter_map(x_act, fc1, fc2)
+    scattered_ops = aot.collective_counts(mlp_scatter_map.lower(x_act, fc1, fc2).compile().as_text())
+print("per device", y_scattered.sharding.shard_shape(y_scattered.shape), "| out_specs", y_scattered.sharding.spec,
+      "| collectives", scattered_ops)
+
+# %% tags=["check"]
+# A reduce-scatter: each device keeps a quarter of the summed features, and the blocks form the same y.
+assert y_scattered.sharding.shard_shape(y_scattered.shape) == (B // 2, S, D // 4)
+assert {s.data.shape for s in y_scattered.addressable_shards} == {(B // 2, S, D // 4)}
+assert scattered_ops == {"reduce-scatter": 1}
+np.testing.assert_allclose(np.asarray(y_scattered), np.asarray(y_compiler), atol=1e-5, rtol=0)
 
 # %% [markdown]
 # And the memory claim, per tensor: every sharded tensor holds exactly `1 / axis size` of its
