@@ -571,9 +571,6 @@ for op in collectives:
 # collective-permute) and sums a 2-chip all-reduce. They carry a few KiB of latents, not
 # activations; exercise 3 below turns guidance off and watches them go.
 
-# %% tags=["check"]
-assert kinds["all-reduce"] >= 2 * t["num_layers"]  # to_out and ff.net.2 in every block
-
 # %% [markdown]
 # Where the transformer's weights went (the first block; the other blocks repeat it):
 
@@ -584,8 +581,11 @@ plan = pipe.plans["transformer"]
 Markdown(plan.table(r"^transformer_blocks\.0\.(attn1\.to_(q|out\.0)|ff\.net\.(0\.proj|2))\.weight$"))
 
 # %% tags=["check"]
+# the tp split, as placed and as compiled: column-parallel q, row-parallel ff.net.2, and the
+# row-parallel layers' all-reduces (to_out and ff.net.2 in every block)
 assert plan["transformer_blocks.0.attn1.to_q.weight"].spec == jax.sharding.PartitionSpec("tp", None)
 assert plan["transformer_blocks.0.ff.net.2.weight"].spec == jax.sharding.PartitionSpec(None, "tp")
+assert kinds["all-reduce"] >= 2 * t["num_layers"]
 
 # %% [markdown]
 # The timings of the first call (trace and compile) and of the later steps (the program alone).
