@@ -227,10 +227,6 @@ leaves, treedef = jax.tree_util.tree_flatten(CausalLMOutputWithPast(logits=torch
 by_name = jax.tree_util.tree_unflatten(treedef, leaves)
 print("loss:", by_name.loss, "| logits:", by_name.logits)
 
-# %% tags=["check"]
-assert rebuilt.loss is not None and rebuilt.logits is None  # the lossy recipe moved the field
-assert by_name.loss is None and torch.equal(by_name.logits, torch.ones(2))
-
 # %% [markdown]
 # With the output class registered (`register_common_outputs` does it for every class this
 # course meets), the jitted forward works. The first call traces and compiles; later calls with
@@ -264,6 +260,10 @@ plt.tight_layout()
 plt.show()
 
 # %% tags=["check"]
+# registering by position moves a field; registering by name keeps every field where it was
+assert rebuilt.loss is not None and rebuilt.logits is None  # the lossy recipe moved the field
+assert by_name.loss is None and torch.equal(by_name.logits, torch.ones(2))
+# eager and jitted torchax stay within the bound at every prompt position
 assert max(eager_agreement.per_position + jit_agreement.per_position) <= jit_agreement.bound
 
 # %% [markdown]
@@ -332,11 +332,6 @@ print("compiled variants:", jm.compiled_variants)
 for name, out in (("static_argnums", static_logits), ("JitModule", no_cache), ("JitModule, tuple", as_tuple)):
     print(f"{name:17s}", llm.compare_logits(out, reference_logits, preset.dtype))
 
-# %% tags=["check"]
-assert jm.compiled_variants == 2  # one per distinct set of static keyword values
-for out in (static_logits, no_cache, as_tuple):
-    assert llm.compare_logits(out, reference_logits, preset.dtype).ok
-
 # %% [markdown]
 # The opposite mistake is a PyTorch habit: keeping an intermediate for later, in a dict or on
 # `self`. Inside `jax.jit` that intermediate is a tracer, which means nothing once tracing ends,
@@ -368,6 +363,11 @@ _, double = returns_it(jax.numpy.arange(3.0))
 print("returned instead:", double)
 
 # %% tags=["check"]
+# a static flag compiles: one program per distinct set of static values, each matching PyTorch
+assert jm.compiled_variants == 2  # one per distinct set of static keyword values
+for out in (static_logits, no_cache, as_tuple):
+    assert llm.compare_logits(out, reference_logits, preset.dtype).ok
+# a stored tracer fails once the trace ends; the returned value is a real array
 assert isinstance(leak, UnexpectedTracerError)
 assert double.tolist() == [0.0, 2.0, 4.0]
 

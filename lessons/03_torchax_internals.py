@@ -24,9 +24,11 @@
 # routes from PyTorch to a TPU beside this one.
 #
 # Along the way we hit, on purpose, the failures that everyone meets when porting a model. Each
-# one gets a `### Pitfall` heading, the real error text, the cause, the fix, and an `assert`
-# proving the fix. The [torchax pitfalls](../kb/torchax-pitfalls.md) page of the knowledge base
-# indexes them.
+# one gets a `### Pitfall` heading, the real error text, the cause, the fix, and asserts proving
+# the fix (section 4's five pitfalls share one check cell at the end of the section). Where the
+# fix is a helper of `tpupedia.torchax_utils`, the few lines that do it are written out on the
+# page and checked equal to the helper. The [torchax pitfalls](../kb/torchax-pitfalls.md) page of
+# the knowledge base indexes them.
 #
 # | section | idea | pitfalls met |
 # |---|---|---|
@@ -47,7 +49,7 @@
 # | `tiny` (CPU, CI) | tiny random GPT-2, Llama and CogVideoX models built in code | about 1.2 GB of host RAM | about 20 s, measured here on a 2-core CPU |
 # | `full` (TPU v6e-8) | the same tiny models | a few MB per chip | under a minute, mostly compiling (not measured here: no TPU) |
 #
-# *Reading time: about 19 minutes.*
+# *Reading time: about 20 minutes.*
 
 # %% [markdown]
 # ## 0. Set-up
@@ -263,21 +265,43 @@ print("torchax, row 3:", got.torch()[0, 0, 3, :4].tolist())
 # the NaN does not stay put: the next attention multiplies it by a zero weight, and `0 * NaN`
 # is NaN, so the whole output becomes NaN (that is how HunyuanVideo-1.5 fails under torchax).
 #
-# **Fix.** `tu.masked_row_safe_sdpa` calls torchax's reference SDPA and then zeroes the rows
-# whose mask is all `False`; `tu.install_masked_row_safe_sdpa(env)` registers it for both the
-# functional and the `aten` operator. The override stays installed in this environment for the
-# rest of the notebook; it changes nothing for rows that can attend to something.
+# **Fix.** Run torchax's own reference SDPA, then zero the rows whose mask is all `False`, and
+# register that function for both entry points attention reaches torchax through: the
+# functional `F.scaled_dot_product_attention` and the `aten` operator it lowers to. Those are
+# the few lines below; `tu.masked_row_safe_sdpa` is the same function in the package, and
+# `tu.install_masked_row_safe_sdpa(env)` registers it the same way. The override stays installed
+# in this environment for the rest of the notebook; it changes nothing for rows that can attend
+# to something.
 
 # %%
-tu.install_masked_row_safe_sdpa(env)
+from torchax.ops.jtorch import _sdpa_reference  # what torchax 0.0.13 runs for SDPA
+
+
+def sdpa_zeroing_empty_rows(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                            enable_gqa=False):
+    out = _sdpa_reference(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        can_attend = attn_mask.any(-1, keepdim=True)  # False for a query row that may attend to nothing
+        out = torch.where(can_attend, out, torch.zeros_like(out))  # PyTorch's answer for that row: zeros
+    return out
+
+
+sdpa_ops = (F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention)
+for op in sdpa_ops:
+    env.override_op_definition(op, sdpa_zeroing_empty_rows)
 with env:
     fixed = F.scaled_dot_product_attention(q.to("jax"), k.to("jax"), v.to("jax"), attn_mask=mask.to("jax"))
+    from_package = tu.masked_row_safe_sdpa(q.to("jax"), k.to("jax"), v.to("jax"), attn_mask=mask.to("jax"))
 print("torchax with the override, row 3:", fixed.torch()[0, 0, 3, :4].tolist())
 
 # %% tags=["check"]
+# torchax's stock SDPA gives NaN; the override removes it and matches PyTorch
 assert torch.isnan(got.torch()).any()
 assert not torch.isnan(fixed.torch()).any()
 torch.testing.assert_close(fixed.torch(), expected, rtol=0, atol=1e-5)
+# the override above is the package's: same result, bit for bit, registered for the same operators
+np.testing.assert_array_equal(fixed.torch().numpy(), from_package.torch().numpy())
+assert sdpa_ops == tu.SDPA_OPS
 
 # %% [markdown]
 # ## 4. Compiling a whole forward
@@ -306,9 +330,6 @@ with env:
     logits_eager = gpt2(ids_j, use_cache=False).logits
 print("eager logits:", kind(logits_eager), tuple(logits_eager.shape))
 
-# %% tags=["check"]
-torch.testing.assert_close(logits_eager.torch(), logits_cpu, rtol=0, atol=1e-5)
-
 # %% [markdown]
 # Now compile it. The failures below come one after the other: each fix uncovers the next.
 #
@@ -330,14 +351,42 @@ except TypeError as err:
 
 # %% [markdown]
 # **Cause.** The output class is unknown to `jax.tree_util`. **Fix.** Register it by field
-# name, `tu.register_output_pytree(cls)` (or `tu.register_common_outputs()` for every output
-# class this course meets); notebook `hf_model_in_jax` (section 3) shows why by name and not by
-# position.
+# name: flattening gives the values of the fields that are set, with their names as static data,
+# and unflattening rebuilds the class by keyword (notebook `hf_model_in_jax`, section 3, shows
+# why by name and not by position). That is `tu.register_output_pytree(cls)` in the package, and
+# `tu.register_common_outputs()` registers every output class this course meets. Here it is
+# written out, and registered for GPT-2's output class:
 
 # %%
 from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
 
-tu.register_output_pytree(CausalLMOutputWithCrossAttentions)
+
+def register_by_field_name(cls):
+    def flatten(out):
+        names = tuple(out.keys())  # a ModelOutput's keys are its fields that are not None
+        return tuple(out[name] for name in names), names  # children, static aux data
+
+    def unflatten(names, values):
+        return cls(**dict(zip(names, values)))  # by keyword: no field can shift into another
+
+    jax.tree_util.register_pytree_node(cls, flatten, unflatten)
+    return cls
+
+
+register_by_field_name(CausalLMOutputWithCrossAttentions)
+
+
+class ByPackage(CausalLMOutputWithCrossAttentions):
+    """The same fields, registered by the package's helper, to compare the two."""
+
+
+tu.register_output_pytree(ByPackage)
+output_fields = dict(logits=torch.arange(4.0), hidden_states=(torch.ones(2),))  # loss and the rest left None
+page_leaves, page_tree = jax.tree_util.tree_flatten(CausalLMOutputWithCrossAttentions(**output_fields))
+package_leaves, package_tree = jax.tree_util.tree_flatten(ByPackage(**output_fields))
+round_trip = jax.tree_util.tree_unflatten(page_tree, page_leaves)
+print("aux data, page:", page_tree.node_data()[1], "| package:", package_tree.node_data()[1])
+print("round trip: loss", round_trip.loss, "| logits", round_trip.logits.tolist())
 
 # %% [markdown]
 # ### Pitfall 5: a cache in the outputs
@@ -377,8 +426,35 @@ except jax.errors.ConcretizationTypeError as err:
 
 # %% [markdown]
 # **Cause.** `return_dict`, `use_cache` and friends are configuration, not data, and must be
-# *static*. **Fix.** `tu.JitModule`, as there: one program per distinct set of static values
-# (and input shapes), reused, and still an instance of the model's class:
+# *static*. **Fix.** Split the keywords: tensors stay arguments of the jitted function, and
+# everything else is closed over, so the trace sees plain Python values. Each distinct set of
+# such values is its own program, compiled on first use and kept in a dict:
+
+# %%
+programs = {}  # one jitted program per distinct set of static keyword values
+
+
+def call_with_static_keywords(jm, *args, **kwargs):
+    static = {name: val for name, val in kwargs.items() if not isinstance(val, torch.Tensor)}  # flags
+    tensors = {name: val for name, val in kwargs.items() if name not in static}  # data: traced
+    key = repr(sorted(static.items()))
+    if key not in programs:
+        programs[key] = jax_jit(  # `static` is closed over: `if use_cache:` sees a Python bool
+            lambda params, buffers, *a, **kw: jm.functional_call("forward", params, buffers, *a, **kw, **static)
+        )
+    return programs[key](jm.params, jm.buffers, *args, **tensors)
+
+
+with env:
+    page_a = call_with_static_keywords(jm, ids_j, use_cache=False)
+    page_b = call_with_static_keywords(jm, ids_j, use_cache=False, return_dict=False)
+    page_c = call_with_static_keywords(jm, ids_j, use_cache=False)  # same flags as page_a: no new program
+print(type(page_a).__name__, type(page_b).__name__, "| programs:", len(programs))
+
+# %% [markdown]
+# `tu.JitModule` is the same mechanism (it also looks for tensors inside lists and tuples, and
+# compiles other methods on request, section 5), wrapped as a module that stays an instance of
+# the model's class and forwards attribute access to it, which is what a pipeline needs:
 
 # %%
 gpt2_jit = tu.JitModule(gpt2)
@@ -387,12 +463,6 @@ with env:
     out_b = gpt2_jit(ids_j, use_cache=False, return_dict=False)
     out_c = gpt2_jit(ids_j, use_cache=False)  # same static values as out_a: no new program
 print(type(out_a).__name__, type(out_b).__name__, "| compiled programs:", gpt2_jit.compiled_variants)
-
-# %% tags=["check"]
-assert gpt2_jit.compiled_variants == 2
-assert isinstance(gpt2_jit, transformers.GPT2LMHeadModel)  # pipelines' isinstance checks still pass
-for logits in (out_a.logits, out_b[0], out_c.logits):
-    torch.testing.assert_close(logits.torch(), logits_cpu, rtol=0, atol=1e-5)
 
 # %% [markdown]
 # Other ways out, when you control the call: set `model.config.use_cache = False`, or close over
@@ -436,9 +506,6 @@ with env:
     jitted_sum = jax_jit(positive_sum_static)(v)
 print("jitted:", round(float(jitted_sum.torch()), 4))
 
-# %% tags=["check"]
-torch.testing.assert_close(jitted_sum.torch(), eager_sum.torch(), rtol=0, atol=1e-6)
-
 # %% [markdown]
 # ### Pitfall 8: the eager-dispatch slowdown
 #
@@ -467,7 +534,26 @@ with env:
 print(f"measured here (tiny GPT-2, 2-core CPU in CI): eager {eager_s * 1e3:.1f} ms, "
       f"jitted {jit_s * 1e3:.2f} ms, eager/jit = {eager_s / jit_s:.0f}x")
 
+# %% [markdown]
+# The asserts for the whole section, one group per claim:
+
 # %% tags=["check"]
+# eager torchax runs GPT-2 as PyTorch does
+torch.testing.assert_close(logits_eager.torch(), logits_cpu, rtol=0, atol=1e-5)
+# pitfall 4: the field-name registration above is the package's (same leaves, same names) and keeps None fields None
+assert page_tree.node_data()[1] == package_tree.node_data()[1] == ("logits", "hidden_states")
+assert all(torch.equal(a, b) for a, b in zip(page_leaves, package_leaves, strict=True))
+assert round_trip.loss is None and torch.equal(round_trip.logits, torch.arange(4.0))
+# pitfall 6: static keywords, one program per set of flags; the page's mechanism gives tu.JitModule's results
+assert len(programs) == gpt2_jit.compiled_variants == 2
+assert isinstance(gpt2_jit, transformers.GPT2LMHeadModel)  # pipelines' isinstance checks still pass
+for logits in (out_a.logits, out_b[0], out_c.logits):
+    torch.testing.assert_close(logits.torch(), logits_cpu, rtol=0, atol=1e-5)
+for page, package in ((page_a.logits, out_a.logits), (page_b[0], out_b[0]), (page_c.logits, out_c.logits)):
+    np.testing.assert_array_equal(page.torch().numpy(), package.torch().numpy())
+# pitfall 7: the fixed-shape rewrite compiles and gives the eager answer
+torch.testing.assert_close(jitted_sum.torch(), eager_sum.torch(), rtol=0, atol=1e-6)
+# pitfall 8: the compiled forward is faster than eager dispatch
 assert eager_s > jit_s
 
 # %% [markdown]
@@ -585,21 +671,41 @@ with env:
 # **Cause.** `alphas_cumprod[t]` indexes a plain CPU tensor with a torchax tensor. torchax's
 # indexing implementation expects every tensor involved to be its own and looks for the
 # environment attribute (`_env`) that only torchax tensors carry. It is Pitfall 2 again, wearing
-# a different message. **Fix.** Move the scheduler's tensors inside the environment:
-# `tu.move_tensors(scheduler)` walks its attributes and moves every tensor it finds. (The
-# float64 tables arrive as float32: JAX runs without 64-bit types unless `jax_enable_x64` is on,
-# which is also what the "Explicitly requested dtype" warnings we filter are about.)
+# a different message. **Fix.** Move the scheduler's tensors inside the environment: walk its
+# attributes and move every tensor found there, the few lines of `move_tensor_attributes`
+# below (`tu.move_tensors(scheduler)` in the package). We move this scheduler with the page's
+# function and a second, identical one with the package's, and compare. (The float64 tables
+# arrive as float32: JAX runs without 64-bit types unless `jax_enable_x64` is on, which is also
+# what the "Explicitly requested dtype" warnings we filter are about.)
 
 # %%
+def move_tensor_attributes(obj):
+    for name, value in list(vars(obj).items()):  # every attribute: a scheduler has no parameters or buffers
+        if isinstance(value, torch.Tensor):
+            setattr(obj, name, value.to("jax"))
+    return obj
+
+
+twin = CogVideoXDDIMScheduler()
+twin.set_timesteps(4)
 with env:
-    tu.move_tensors(scheduler)
+    move_tensor_attributes(scheduler)
+    tu.move_tensors(twin)
     step_jax = scheduler.step(noise_pred.to("jax"), t, sample_cpu.to("jax")).prev_sample
+    step_twin = twin.step(noise_pred.to("jax"), t, sample_cpu.to("jax")).prev_sample
 moved = sorted(n for n, val in vars(scheduler).items() if isinstance(val, torchax.tensor.Tensor))
+moved_twin = sorted(n for n, val in vars(twin).items() if isinstance(val, torchax.tensor.Tensor))
 print("moved:", moved)
 
 # %% tags=["check"]
+# the moved scheduler steps as the CPU one does
 assert "alphas_cumprod" in moved
 torch.testing.assert_close(step_jax.torch(), step_cpu, rtol=0, atol=1e-5)
+# the page's function moves what tu.move_tensors moves, to the same values and the same step
+assert moved == moved_twin
+for name in moved:
+    np.testing.assert_array_equal(getattr(scheduler, name).torch().numpy(), getattr(twin, name).torch().numpy())
+np.testing.assert_array_equal(step_jax.torch().numpy(), step_twin.torch().numpy())
 
 # %% [markdown]
 # ### Exercise 2: a lookup table outside any module
@@ -831,13 +937,13 @@ torch.testing.assert_close(batch_logits[:1], reference_logits, rtol=0, atol=1e-5
 # |---|---|---|
 # | [1](#pitfall-1-math-outside-the-environment) | `AssertionError: torchax Tensors can only do math within the torchax environment` | `with env:` |
 # | [2](#pitfall-2-mixed-torch-and-torchax-math) | `AssertionError: Expect a Tensor or a View but got <class 'torch.Tensor'>` | `.to("jax")` the stray tensor |
-# | [3](#pitfall-3-nan-from-fully-masked-attention-rows) | NaN rows from SDPA | `tu.install_masked_row_safe_sdpa(env)` |
-# | [4](#pitfall-4-not-a-valid-jax-type) | `... which is not a valid JAX type` | `tu.register_output_pytree` |
+# | [3](#pitfall-3-nan-from-fully-masked-attention-rows) | NaN rows from SDPA | zero the rows that attend to nothing, as an SDPA override: `tu.install_masked_row_safe_sdpa(env)` |
+# | [4](#pitfall-4-not-a-valid-jax-type) | `... which is not a valid JAX type` | register the class as a pytree by field name: `tu.register_output_pytree` |
 # | [5](#pitfall-5-a-cache-in-the-outputs) | `DynamicCache ... not a valid JAX type` | `use_cache=False`, static |
-# | [6](#pitfall-6-concretizationtypeerror-from-a-python-flag) | `ConcretizationTypeError ... kwargs['use_cache']` | `tu.JitModule` (static keywords) |
+# | [6](#pitfall-6-concretizationtypeerror-from-a-python-flag) | `ConcretizationTypeError ... kwargs['use_cache']` | close over the non-tensor keywords, one program per set: `tu.JitModule` |
 # | [7](#pitfall-7-data-dependent-shapes) | `NonConcreteBooleanIndexError` | fixed shapes: `torch.where` |
 # | [8](#pitfall-8-the-eager-dispatch-slowdown) | correct but slow | compile the whole forward |
-# | [9](#pitfall-9-scheduler-tensors-left-on-the-cpu) | `'Tensor' object has no attribute '_env'` | `tu.move_tensors(scheduler)` |
+# | [9](#pitfall-9-scheduler-tensors-left-on-the-cpu) | `'Tensor' object has no attribute '_env'` | move every tensor attribute: `tu.move_tensors(scheduler)` |
 #
 # The [torchax pitfalls](../kb/torchax-pitfalls.md) page keeps the same list with the full error
 # texts, for searching.

@@ -147,10 +147,6 @@ bound = 50 / (len(full_steps) + (50 - len(full_steps)) / family.FULL_LAYERS)
 print(f"upper bound on the speed-up: {bound:.2f}x (the upstream project reports 1.93-1.96x in theory, "
       f"1.72x measured at 121 frames and 1.83x at 49 frames on a TPU v6e-8)")
 
-# %% tags=["check"]
-assert len(full_steps) == 25 and full_steps[:11] == list(range(11)) and full_steps[-5:] == list(range(45, 50))
-assert 1.9 < bound < 2.0
-
 # %% [markdown]
 # Two properties are tested rather than assumed. With `interval = 1` every step is full, and the
 # result is the plain pipeline's bit for bit (the full program computes the same ops and also
@@ -163,10 +159,6 @@ exact_request = dataclasses.replace(request, deepcache=deepcache.Schedule(0, req
 latents_every, timings_every = pipe.denoise(exact_request, embeds)
 print("interval 1 equals the plain pipeline bit for bit:", torch.equal(latents_every["latents"], latents["latents"]),
       f"({timings_every['full_steps']} full steps, traced full {pipe.traces['full']}x)")
-
-# %% tags=["check"]
-assert torch.equal(latents_every["latents"], latents["latents"])
-assert timings_every["full_steps"] == request.steps
 
 # %% [markdown]
 # And its cost on this model: `bench_deepcache` runs the pipeline twice from the same seed, with
@@ -183,10 +175,6 @@ trade = bench.bench_deepcache(family.SPEC.name, preset, trade_request, pipeline.
 n_full, n_cached = trade["full_steps"], trade["steps"] - trade["full_steps"]
 print(f"{trade_request.deepcache} over {trade['steps']} steps: {n_full} full, {n_cached} cached")
 print(f"quality against the uncached video: PSNR {trade['psnr_db']:.1f} dB, 1 - SSIM = {1 - trade['ssim']:.1e}")
-
-# %% tags=["check"]
-assert trade["full_steps"] == len(trade_request.deepcache.full_steps(10)) == 6
-assert 0 < trade["ssim"] < 1 and np.isfinite(trade["psnr_db"])
 
 # %% [markdown]
 # How much faster can it be here? Counting blocks, a cached step runs 1 of the tiny model's 2,
@@ -211,10 +199,6 @@ print(f"FLOPs per step: full {step_flops['full']:.3g}, cached {step_flops['cache
 print(f"speed-up bound: {block_bound:.2f}x counting blocks (1/{tiny_blocks} per cached step), "
       f"{flop_bound:.2f}x counting FLOPs")
 
-# %% tags=["check"]
-assert len(step_programs) == 2 and 0 < cached_share < 1 / tiny_blocks  # less than its share of the blocks
-assert flop_bound > block_bound
-
 # %% [markdown]
 # The measured speed-up on this CPU, next to that bound. It is a timing, so its printed value
 # varies from run to run, and it should stay under the bound: FLOPs are what the programs must do,
@@ -224,6 +208,20 @@ assert flop_bound > block_bound
 # NBVAL_IGNORE_OUTPUT
 print(f"denoising, compile steps left out: {trade['plain_s']:.2f} s without, {trade['cached_s']:.2f} s with "
       f"DeepCache: {trade['speedup']:.2f}x measured on this CPU, of a {flop_bound:.2f}x bound from FLOPs")
+
+# %% tags=["check"]
+# the upstream schedule: 25 full steps of 50, so a speed-up bound just under 2x
+assert len(full_steps) == 25 and full_steps[:11] == list(range(11)) and full_steps[-5:] == list(range(45, 50))
+assert 1.9 < bound < 2.0
+# interval 1 runs every step in full and equals the plain pipeline bit for bit
+assert torch.equal(latents_every["latents"], latents["latents"])
+assert timings_every["full_steps"] == request.steps
+# the measured trade: the schedule's 6 full steps of 10, a video close to but not equal to the uncached one
+assert trade["full_steps"] == len(trade_request.deepcache.full_steps(10)) == 6
+assert 0 < trade["ssim"] < 1 and np.isfinite(trade["psnr_db"])
+# counted in FLOPs, a cached step costs less than its share of the blocks, so the bound rises
+assert len(step_programs) == 2 and 0 < cached_share < 1 / tiny_blocks  # less than its share of the blocks
+assert flop_bound > block_bound
 
 # %% [markdown]
 # ### Exercise 1: write a DeepCache schedule and predict its speed-up bound
@@ -511,19 +509,20 @@ print(f"image slot: {family.image_tokens(release)} SigLIP tokens of width {relea
 print("kind from model_index.json:", {name: family.image_to_video(c) for name, c in
                                       (("720p_t2v", family.full_configs()), ("720p_i2v", release))})
 
-# %% tags=["check"]
-assert family.video_size(1920, 1080, release) == (1280, 720)
-assert family.image_tokens(release) == family.TEXT_SLOTS["image"][0] == 729
-assert release["transformer"]["in_channels"] == family.full_configs()["transformer"]["in_channels"] == 65
-assert family.image_to_video(release) and not family.image_to_video(family.full_configs())
-
 # %% [markdown]
 # The pipeline adds an `image` stage between text and denoise, as CogVideoX's does (notebook `cogvideox_pipeline`
 # §9): its file holds `image_latents` and `image_embeds`, and its settings hold the picture's
 # SHA-256, so another picture at the same path reruns it and every stage after it. SigLIP runs as
 # one compiled program with a copy on every chip (one picture, 0.4B parameters); the VAE's
 # encoder is one program on the picture's single frame. A 96x64 picture, on the tiny
-# image-to-video checkpoint (its buckets are around 64 pixels):
+# image-to-video checkpoint (its buckets are around 64 pixels).
+#
+# What to look for in the strip below: the picture first, then five frames spread over the
+# video. The tiny checkpoint's weights are random on every preset, so the frames are noise,
+# coloured static with neither the picture's blue and yellow nor a sun rising over the sea in
+# it. What matters is their count and size (the request's 9 frames at the size the picture's
+# aspect chose, both in the title) and, in the next cell, that they equal the stock pipeline's
+# frames.
 
 # %%
 import tempfile
@@ -556,10 +555,8 @@ video.show_frames(i2v_frames, f"tiny HunyuanVideo-1.5 i2v: a 96x64 picture -> {i
                   f"{sized.width}x{sized.height}", picture=np.asarray(picture))
 
 # %% [markdown]
-# The weights are random, so the frames are noise around the picture's colours; what counts is
-# that they are the stock pipeline's. The stock `HunyuanVideo15ImageToVideoPipeline`, same
-# checkpoint, picture, prompt and seed (`pipeline.stock` builds it and its call, with the picture
-# and no size):
+# The stock `HunyuanVideo15ImageToVideoPipeline`, same checkpoint, picture, prompt and seed
+# (`pipeline.stock` builds it and its call, with the picture and no size):
 
 # %%
 if preset.host_runs_whole_models:
@@ -569,14 +566,6 @@ if preset.host_runs_whole_models:
     i2v_error = float(np.abs(i2v_frames - expected_i2v).max())
     print("image-to-video frames: max abs difference from stock diffusers", results.error_text(i2v_error, 1e-4))
     del stock_i2v
-
-# %% tags=["check"]
-assert [r.stage for r in i2v_reports] == ["text", "image", "denoise", "decode"]
-assert (sized.width, sized.height) == family.video_size(96, 64, i2v_configs) == (64, 48)
-assert i2v_frames.shape == (i2v_request.frames, sized.height, sized.width, 3)
-assert image_stage["image_embeds"].shape[1] == family.image_tokens(i2v_configs)
-if preset.host_runs_whole_models:
-    assert expected_i2v.shape == i2v_frames.shape and i2v_error <= 1e-4
 
 # %% [markdown]
 # At full size the image stage is SigLIP at 384 px and the VAE's encoder on one 720p-class frame,
@@ -600,6 +589,19 @@ for stage in i2v_plan["stages"]:
 print("binding stage:", i2v_plan["binding"], "| fits:", i2v_plan["fits"])
 
 # %% tags=["check"]
+# the release's i2v facts: the picture picks the size, 729 image slots, the same 65 input channels
+assert family.video_size(1920, 1080, release) == (1280, 720)
+assert family.image_tokens(release) == family.TEXT_SLOTS["image"][0] == 729
+assert release["transformer"]["in_channels"] == family.full_configs()["transformer"]["in_channels"] == 65
+assert family.image_to_video(release) and not family.image_to_video(family.full_configs())
+# the tiny run: an image stage, the picture's size, and frames equal to the stock pipeline's
+assert [r.stage for r in i2v_reports] == ["text", "image", "denoise", "decode"]
+assert (sized.width, sized.height) == family.video_size(96, 64, i2v_configs) == (64, 48)
+assert i2v_frames.shape == (i2v_request.frames, sized.height, sized.width, 3)
+assert image_stage["image_embeds"].shape[1] == family.image_tokens(i2v_configs)
+if preset.host_runs_whole_models:
+    assert expected_i2v.shape == i2v_frames.shape and i2v_error <= 1e-4
+# at full size the image and denoise stages fit a v6e-8
 assert i2v_plan["fits"] and [s["stage"] for s in i2v_plan["stages"]] == ["image", "denoise"]
 
 # %% [markdown]
