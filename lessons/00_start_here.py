@@ -48,7 +48,7 @@
 # | `full` (TPU v6e-8) | nothing: the same arrays on the chips | a few MB per chip | seconds (not measured here: no TPU) |
 #
 # The AOT compile in section 5 runs on the host CPU in both cases.
-# *Reading time: about 11 minutes.*
+# *Reading time: about 16 minutes.*
 
 # %% [markdown]
 # ## Coming from PyTorch

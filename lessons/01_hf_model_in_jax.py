@@ -31,7 +31,7 @@
 # | `tiny` (2-core CPU, CI) | a random two-layer Llama (115,008 parameters, float32) that the notebook writes with `save_pretrained` and reads back | 0.46 MB of weights; about 1.1 GB of host RAM at peak for PyTorch, JAX with its 8 simulated devices and the compiled programs (measured here) | about 25 s for all cells (30 s with the kernel start), measured here on a 2-core CPU |
 # | `full` (TPU v6e-8) | `meta-llama/Llama-2-7b-hf` (gated: accept the licence on the Hub and set `HF_TOKEN`): 6.74 B parameters, 13.5 GB in bfloat16 | the 13.5 GB of weights on **one** chip (32 GB HBM; the other seven stay idle), plus 1.33 GB for section 5's two-layer slice and 1.33 GB more while its captured-constant program exists, plus 0.5 MB per cached token in section 7 (2 × 32 layers × 32 heads × 128 × 2 bytes), a few MB for this short prompt; host RAM holds the 13.5 GB checkpoint for the PyTorch reference. Computed from the shapes, not measured here (no TPU) | not measured here (no TPU) |
 #
-# *Reading time: about 17 minutes.*
+# *Reading time: about 27 minutes.*
 
 # %% [markdown]
 # The first cell does what notebook `start_here` did step by step: read the preset, create the simulated

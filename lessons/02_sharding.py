@@ -36,7 +36,7 @@
 # | `full` (TPU v6e-8) | the same tiny Llama; section 5 compiles a 2-layer, 2,048-wide Llama for the chips | about 175 MiB per chip for the section-5 program (AOT here: 122.5 arguments + 31.3 outputs + 20.1 temporaries) | about the same: the section-5 compile runs on the host CPU (not measured on a TPU VM) |
 #
 # The sharding lessons need eight devices: on a machine with fewer (one GPU, say), run this
-# notebook with `tiny`, which simulates eight. *Reading time: about 18 minutes.*
+# notebook with `tiny`, which simulates eight. *Reading time: about 29 minutes.*
 
 # %%
 # %xmode Minimal

@@ -49,7 +49,7 @@
 # | `tiny` (CPU, CI) | tiny random GPT-2, Llama and CogVideoX models built in code | about 1.2 GB of host RAM | about 20 s, measured here on a 2-core CPU |
 # | `full` (TPU v6e-8) | the same tiny models | a few MB per chip | under a minute, mostly compiling (not measured here: no TPU) |
 #
-# *Reading time: about 20 minutes.*
+# *Reading time: about 34 minutes.*
 
 # %% [markdown]
 # ## 0. Set-up

@@ -41,7 +41,7 @@
 # | `tiny` (CPU, CI) | a synthetic 360×640 clip drawn in code | about 1.5 GB of host RAM | about 20 s, measured here on a 2-core CPU |
 # | `full` (TPU v6e-8) | the same clip drawn at 1080×1920 | tens of MB on one chip | seconds (reported upstream for these steps on a v6e-8: well under a second each after compiling; not measured here) |
 #
-# *Reading time: about 16 minutes.*
+# *Reading time: about 26 minutes.*
 
 # %% [markdown]
 # ## 0. Set-up

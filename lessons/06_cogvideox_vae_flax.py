@@ -38,7 +38,7 @@
 # | `tiny` (2-core CPU, CI) | a random VAE 8 channels wide (65,195 parameters), written once with `save_pretrained` | about 1.7 GB of host RAM (peak, measured here) | about 1 minute for the whole notebook (62 s; up to 3.4 minutes while other jobs shared the cores), measured here on a 2-core CPU |
 # | `full` (TPU v6e-8) | `zai-org/CogVideoX1.5-5B`, subfolder `vae`: 215.6 M parameters, 431 MB in bf16 (section 8) | one 768×1360 frame batch in bf16: 0.23 GiB of decoder weights and input, 22 GiB of temporaries on one chip (AOT, section 8); the float32 parity sections: not measured here (no TPU) | not measured here (no TPU) |
 #
-# *Reading time: about 19 minutes.*
+# *Reading time: about 32 minutes.*
 
 # %% [markdown]
 # Two settings come first. The preset (notebook `start_here`) decides what the VAE is loaded from. The
@@ -505,7 +505,7 @@ print("4 latent frames in batches of 2: ", frame_batches(4, 2))
 # %% tags=["diagram-conv-cache"]
 from tpupedia.diagrams import conv_cache
 
-fig = conv_cache.draw(latents.shape[2], flax_vae.num_latent_frames_batch_size, flax_vae.decoder.conv_in)
+fig = conv_cache.draw(frame_batches(latents.shape[2], flax_vae.num_latent_frames_batch_size), flax_vae.decoder.conv_in)
 
 # %% [markdown]
 # The layer itself, as the port writes it (`tpupedia.models.cogvideox_vae.CausalConv3d`), on this
@@ -626,7 +626,7 @@ for b in (1, 3):
           f"{video_b.shape[2]} frames")
     report(f"  vs diffusers in batches of {b}", same)
     print("  vs the default decode:", "shapes differ" if default is None else f"max abs err {default:.1e}")
-print("frames in conv_in's cache, batches of 1:", [r.cache for r in conv_cache.layout(z_cl.shape[1], 1, k_t).rows])
+print("frames in conv_in's cache, batches of 1:", [r.cache for r in conv_cache.layout(frame_batches(z_cl.shape[1], 1), k_t).rows])
 
 # %% tags=["check"]
 assert runs[1]["batches"] == [(0, 1), (1, 2), (2, 3), (3, 4)] and runs[3]["batches"] == [(0, 4)]

@@ -53,7 +53,7 @@
 # (linked from its model card on the Hugging Face Hub; the CogVideoX code is Apache-2.0, the
 # weights are not): read it before you run the full preset.
 #
-# *Reading time: about 25 minutes.*
+# *Reading time: about 40 minutes.*
 
 # %%
 # %xmode Minimal

@@ -35,7 +35,7 @@
 # | `tiny` (CPU, CI) | notebook `cogvideox_pipeline`'s random 2-layer CogVideoX checkpoint, 8 simulated devices | about 1 GB of host RAM | about 60 s, measured here on a 2-core CPU |
 # | `full` (TPU v6e-8) | `zai-org/CogVideoX1.5-5B`, the text encoder and the transformer | per chip as notebook `cogvideox_pipeline`'s stages (T5-XXL 2.2 GiB, the step 5.6 GiB at 1360x768, AOT here) | two denoising steps traced, plus three short processes that compile the step (the third for Exercise 2): minutes, most of it the first compile |
 #
-# *Reading time: about 10 minutes.*
+# *Reading time: about 18 minutes.*
 
 # %%
 # %xmode Minimal

@@ -37,7 +37,7 @@
 #
 # On the full preset, sections 2 to 4 and section 7's run use the tiny sizes (the facts they
 # teach do not depend on the checkpoint), and section 5 loads the release from the Hub: a TPU
-# VM with about 100 GB of disk. *Reading time: about 14 minutes.*
+# VM with about 100 GB of disk. *Reading time: about 23 minutes.*
 
 # %%
 # %xmode Minimal

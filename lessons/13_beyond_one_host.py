@@ -44,7 +44,7 @@
 # CPU processes would run the real CogVideoX1.5-5B checkpoint on the CPU. Sections 4 and 5 run
 # as on the tiny preset.
 #
-# *Reading time: about 16 minutes.*
+# *Reading time: about 25 minutes.*
 
 # %%
 # %xmode Minimal

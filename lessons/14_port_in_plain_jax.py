@@ -37,7 +37,7 @@
 # | `tiny` (CPU, CI) | a random 2-layer CogVideoX checkpoint in the 1.0 layout with the DDIM scheduler, 8 simulated devices | under 1 GB of host RAM | about 30 s, measured here on a 2-core CPU |
 # | `full` (TPU v6e-8) | `zai-org/CogVideoX-2b` (the 1.0 layout, DDIM): a 1.7B-parameter transformer, T5-XXL run once on the host, the VAE | per chip: the transformer's shard and one step's activations at 720x480, 49 frames (not compiled here) | not measured here: this notebook's full path has not been run on a TPU |
 #
-# *Reading time: about 8 minutes.*
+# *Reading time: about 13 minutes.*
 
 # %%
 # %xmode Minimal

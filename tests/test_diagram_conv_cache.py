@@ -18,7 +18,7 @@ def _conv(k: int) -> CausalConv3d:
 
 
 def test_the_notebooks_case_two_batches_of_two_with_a_kernel_of_three():
-    lay = conv_cache.layout(4, 2, 3)
+    lay = conv_cache.layout(frame_batches(4, 2), 3)
     first, second = lay.rows
     assert (first.start, first.end, first.slots, first.pad, first.cached) == (0, 2, (0, 0, 0, 1), (0, 0), False)
     assert first.cache == (0, 1)  # the last two slots of its padded input
@@ -29,8 +29,8 @@ def test_the_notebooks_case_two_batches_of_two_with_a_kernel_of_three():
 
 def test_the_batches_are_the_decoders_own():
     for n, b in [(13, 2), (4, 3), (7, 2), (5, 1)]:
-        assert [(r.start, r.end) for r in conv_cache.layout(n, b, 3).rows] == frame_batches(n, b)
-    assert conv_cache.layout(13, 2, 3).rows[0].slots == (0, 0, 0, 1, 2)  # the odd frame rides with batch 0
+        assert [(r.start, r.end) for r in conv_cache.layout(frame_batches(n, b), 3).rows] == frame_batches(n, b)
+    assert conv_cache.layout(frame_batches(13, 2), 3).rows[0].slots == (0, 0, 0, 1, 2)  # the odd frame rides with batch 0
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 5])
@@ -38,7 +38,7 @@ def test_the_batches_are_the_decoders_own():
 def test_with_the_cache_every_batch_sees_what_one_unbatched_causal_conv_sees(n, b, k):
     """Slot at column c holds frame max(c, 0): the cache makes batching exact, even for a batch
     shorter than the kernel (its cache then still holds padding)."""
-    lay = conv_cache.layout(n, b, k)
+    lay = conv_cache.layout(frame_batches(n, b), k)
     for r in lay.rows:
         assert len(r.pad) == k - 1 and len(r.cache) == k - 1
         assert r.slots == tuple(max(c, 0) for c in range(r.first, r.end))
@@ -47,7 +47,7 @@ def test_with_the_cache_every_batch_sees_what_one_unbatched_causal_conv_sees(n, 
 
 
 def test_a_batch_of_one_hands_on_padding_in_its_cache():
-    rows = conv_cache.layout(4, 1, 3).rows
+    rows = conv_cache.layout(frame_batches(4, 1), 3).rows
     assert [r.cache for r in rows] == [(0, 0), (0, 1), (1, 2), (2, 3)]
 
 
@@ -63,7 +63,7 @@ def _texts(fig) -> list[str]:
 def test_the_drawing_follows_the_conv_and_the_batches():
     import matplotlib.pyplot as plt
 
-    k3, k1, b1 = conv_cache.draw(4, 2, _conv(3)), conv_cache.draw(4, 2, _conv(1)), conv_cache.draw(4, 1, _conv(3))
+    k3, k1, b1 = conv_cache.draw(frame_batches(4, 2), _conv(3)), conv_cache.draw(frame_batches(4, 2), _conv(1)), conv_cache.draw(frame_batches(4, 1), _conv(3))
     try:
         assert "batch 0 input (frames 0–1),\npadded with 2 copies of frame 0" in _texts(k3)
         assert "conv output\n(output 2 sees frames 0, 1, 2)" in _texts(k3)
@@ -79,3 +79,9 @@ def test_the_drawing_follows_the_conv_and_the_batches():
     finally:
         for fig in (k3, k1, b1):
             plt.close(fig)
+
+
+def test_batches_that_skip_or_reorder_frames_are_refused():
+    for bad in ([], [(1, 3)], [(0, 2), (3, 4)], [(0, 2), (2, 2)]):
+        with pytest.raises(ValueError, match="batches that cover frames 0.. in order"):
+            conv_cache.layout(bad, 3)

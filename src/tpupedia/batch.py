@@ -1,8 +1,10 @@
 """Batch generation that survives failures: prompts file in, one checked output per prompt out.
 
 A batch is a prompts file (one prompt a line, or JSONL with `prompt` and optional `seed`,
-`frames`, `height`, `width`, `negative_prompt`, and `image`: image-to-video's picture, a path
-relative to the JSONL file) and an output folder. Each prompt becomes
+`frames`, `height`, `width`, `negative_prompt`, `image`: image-to-video's picture, a path
+relative to the JSONL file, and `lora`: a list of `PATH[:SCALE][@COMPONENT]` adapters, paths
+relative to the JSONL file, in place of the command line's `--lora` for that line) and an output
+folder. Each prompt becomes
 `OUTDIR/NNNN-slug.mp4` and its JSON record; both are written atomically (temporary file, then
 rename; the JSON last), and a prompt counts as done only when its JSON parses, names this
 prompt's settings fingerprint and the mp4's checksum matches. So a job killed at any moment
@@ -32,14 +34,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from tpupedia import files
+from tpupedia import files, lora
 from tpupedia.errors import TpupediaError
 
 __all__ = ["BatchError", "Item", "read_prompts", "slug", "share", "item_request", "is_done", "record", "relist",
            "manifest", "manifest_file", "gather_manifest"]
 
 _FIELDS = {"prompt": str, "negative_prompt": str, "seed": int, "frames": int, "height": int, "width": int,
-           "image": str}
+           "image": str, "lora": list}
 MANIFEST = "index.jsonl"
 
 
@@ -96,6 +98,11 @@ def read_prompts(path: str | os.PathLike) -> list[Item]:
                 raise BatchError(f"{path.name} line {number}: {key}={value!r} must be {_FIELDS[key].__name__}")
         if "image" in entry:
             entry["image"] = str(path.parent / entry["image"])
+        if "lora" in entry:  # adapters as `tpupedia.lora.Adapter`s, their files relative to this file
+            where = f"{path.name} line {number}: lora"
+            if not all(isinstance(a, str) for a in entry["lora"]):
+                raise BatchError(f"{where} {entry['lora']!r} must be a list of \"{lora.FORMAT}\" strings")
+            entry["lora"] = tuple(a._replace(path=str(path.parent / a.path)) for a in lora.parse_all(entry["lora"], where))
         overrides = tuple(sorted((k, v) for k, v in entry.items() if k != "prompt"))
         items.append(Item(len(items), entry["prompt"].strip(), overrides))
     if not items:

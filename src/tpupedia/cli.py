@@ -120,7 +120,7 @@ def _plan(args: argparse.Namespace) -> int:
         from tpupedia import dryrun
 
         fields["width"], fields["height"] = dryrun.parse_resolution(args.resolution, 16)
-    request = pipeline.Request(prompt=args.prompt, image=getattr(args, "image", None), **fields,
+    request = pipeline.Request(prompt=args.prompt, image=getattr(args, "image", None), lora=_adapters(args), **fields,
                                **_family_values(args, pipeline))
     pipeline.PIPELINE.check_size_given(request, ["--resolution"] if args.resolution else [])
     options = common.Options(mesh=common.parse_mesh(args.mesh) if args.mesh else None, sharding=args.sharding,
@@ -135,6 +135,22 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"  recorded in {plan.record(result, args.record, command='tpupedia ' + ' '.join(args.argv))}")
     result.check()  # a run that will not fit: PlanError, one line naming the stage and the fix, exit 2
     return 0
+
+
+def _adapters(args: argparse.Namespace) -> tuple:
+    """`--lora` values (repeatable) as `tpupedia.lora.Adapter`s (`LoraError`: one line, exit 2)."""
+    from tpupedia import lora
+
+    return lora.parse_all(getattr(args, "lora", None))
+
+
+def _add_lora_flag(parser: argparse.ArgumentParser, family: str) -> None:
+    from tpupedia import lora
+
+    parser.add_argument("--lora", action="append", default=None, metavar=lora.FORMAT,
+                        help="fuse a LoRA adapter (.safetensors) into the transformer's weights before they are "
+                             "sharded; repeatable; SCALE default 1.0, COMPONENT default transformer (transformer_2: "
+                             f"a two-expert checkpoint's low-noise expert); the formats diffusers loads for {family}")
 
 
 def _block_sizes(text: str | None) -> tuple[int, int, int] | None:
@@ -203,7 +219,8 @@ def _generate_setup(args: argparse.Namespace):
         ("guidance", args.guidance), ("seed", args.seed), ("fps", args.fps)) if v is not None}
     fields |= _family_values(args, pipeline)
     request = pipeline.Request(prompt=args.prompt or "(from --prompts)", negative_prompt=args.negative_prompt,
-                               vae_tiling=args.vae_tiling == "on", image=getattr(args, "image", None), **fields)
+                               vae_tiling=args.vae_tiling == "on", image=getattr(args, "image", None),
+                               lora=_adapters(args), **fields)
     options = common.Options(mesh=common.parse_mesh(args.mesh) if args.mesh else None, sharding=args.sharding,
                              attention=args.attention, block_sizes=_block_sizes(args.block_sizes), vae=args.vae, quiet=args.quiet,
                              dtype=args.dtype)
@@ -388,9 +405,10 @@ def _add_generate_arguments(p: argparse.ArgumentParser, spec, *, stages: bool) -
         p.add_argument("--workdir", default=None, help=f"where stage files live (default tpupedia-runs/{family})")
         p.add_argument("--out", default=None, help="write the video to this .mp4 (needs the decode stage)")
         p.add_argument("--force", action="store_true", help="rerun stages whose files are up to date")
-        p.add_argument("--prompts", default=None, help="a batch: one prompt a line, or JSONL with prompt/seed/frames/height/width/image "
-                            "(image: a picture, relative to the JSONL file)")
+        p.add_argument("--prompts", default=None, help="a batch: one prompt a line, or JSONL with prompt/seed/frames/height/width/image/lora "
+                            "(image: a picture, lora: a list of adapters, relative to the JSONL file)")
         p.add_argument("--outdir", default=None, help="with --prompts: where NNNN-slug.mp4, its JSON and index.jsonl go")
+        _add_lora_flag(p, family)
     for flag, kind in (("--frames", int), ("--height", int), ("--width", int), ("--steps", int),
                        ("--guidance", float), ("--seed", int), ("--fps", int)):
         p.add_argument(flag, type=kind, default=None,
@@ -495,6 +513,7 @@ def build_parser() -> argparse.ArgumentParser:
                            help="plan image-to-video (the release's image-to-video checkpoint; the picture "
                                 "is only checked, its size does not matter)")
         _add_family_flags(q, _pipeline_module(spec.name))
+        _add_lora_flag(q, name)
         q.add_argument("--json", default=None, help="also write the plan as JSON to this file")
         q.add_argument("--record", default=None, nargs="?", const="docs/results/plans.json",
                        help="merge the plan into a results file (default docs/results/plans.json)")

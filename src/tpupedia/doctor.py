@@ -26,6 +26,7 @@ PACKAGES: dict[str, str] = {
     "flax": "pip install 'flax==0.12.8'",
     "transformers": "pip install 'transformers==5.23.0'",
     "diffusers": "pip install 'diffusers==0.42.1'",
+    "peft": "pip install 'peft==0.21.2'  (diffusers' LoRA loading: generate --lora)",
 }
 
 
@@ -145,6 +146,28 @@ def _probe_disk(report: Report, folder: str = ".") -> None:
         report.add("disk space", False, f"{type(err).__name__}: {err}", "check the install (tpupedia.families)")
 
 
+def _probe_lora_host(report: Report) -> None:
+    """Host memory now against what fusing a LoRA adapter into each family's full-size
+    transformer holds on the host (`tpupedia.lora.fuse_bytes`: the transformer in bfloat16, plus
+    the adapter, not counted here). Fine if at least one family's fits; the rest are named."""
+    try:
+        from tpupedia import families, hardware, lora
+
+        need = {}
+        for spec in families.video():
+            configs = spec.facts.full_configs()
+            need[spec.name] = max(lora.transformer_bytes(spec.facts, configs, c, "bfloat16") for c in lora.components(configs))
+        available = hardware.host_memory_available()
+        short = [n for n, b in need.items() if b > available]
+        report.add("LoRA fuse (host)", len(short) < len(need),
+                   f"{available / 2**30:.1f} GiB of host memory available; --lora fuses on the host, holding the "
+                   "full-size transformer in bfloat16 ("
+                   + ", ".join(f"{n} {b / 2**30:.1f} GiB" for n, b in need.items()) + ") plus twice the adapter's file",
+                   f"--lora with {', '.join(short)} needs a host with more memory (a TPU VM's)" if short else "")
+    except Exception as err:  # noqa: BLE001 - doctor must report, not crash
+        report.add("LoRA fuse (host)", False, f"{type(err).__name__}: {err}", PACKAGES["diffusers"])
+
+
 def run(topology: str = "v6e:2x4") -> Report:
     """Probe this machine. Never raises for a missing optional piece."""
     report = Report()
@@ -156,6 +179,7 @@ def run(topology: str = "v6e:2x4") -> Report:
     _probe_aot(report, topology)
     _probe_video(report)
     _probe_disk(report)
+    _probe_lora_host(report)
     if os.environ.get("JAX_PLATFORMS"):
         report.add("JAX_PLATFORMS", True, os.environ["JAX_PLATFORMS"])
     return report

@@ -136,6 +136,9 @@ class Plan:
     memory available when the plan was made (`memory_budget`)."""
     host_copy: float = 0.0
     """Bytes a run on CPU devices holds on the host besides its devices' share (`memory_budget`)."""
+    fuse_host: float = 0.0
+    """Host bytes fusing the request's LoRA adapters needs, for the transformer that needs most
+    (`tpupedia.lora.fuse_bytes`, an estimate); 0 without adapters."""
 
     def stage(self, name: str) -> StageCost:
         return next(s for s in self.stages if s.stage == name)
@@ -322,6 +325,14 @@ def make(family: str, request: Any, options: Any, *, model: str | None = None, c
                      "for the shallow models (full depth may need more)")
     if pipe.indivisible_note():
         notes.append(pipe.indivisible_note())
+    fuse_host = 0.0
+    if getattr(request, "lora", ()):
+        from tpupedia import lora
+
+        component, fuse_host = max(lora.fuse_bytes(request.lora, module.PIPELINE.family, configs, dtype).items(), key=lambda kv: kv[1])
+        notes.append(f"LoRA: fusing {len(request.lora)} adapter(s) on the host, before the weights are placed, needs "
+                     f"about {fuse_host / _GIB:.2f} GiB of host memory (the {component} in {dtype} plus twice its "
+                     "adapters' files: an estimate)")
     costs = {s: [_cost(p, extra) for p in ps] for s, ps in programs.items()}
 
     def vae_stages(request) -> tuple[dict[str, list[ProgramCost]], bool, list[str]]:
@@ -366,7 +377,7 @@ def make(family: str, request: Any, options: Any, *, model: str | None = None, c
                          "guidance": r.guidance} | ({"image": True} if r.image is not None else {})
                         | ({"vae_dtype": r.vae_dtype} if getattr(r, "vae_dtype", None) else {}),
                 layers=layers, resident=resident, hbm=hbm, stages=planned, vae_tiling=tiling, notes=notes,
-                attention=attention, memory=memory, host_copy=host_copy)
+                attention=attention, memory=memory, host_copy=host_copy, fuse_host=fuse_host)
 
 
 def programs(family: str, request: Any, options: Any, configs: dict[str, dict], mesh: Any, stage: str, *,

@@ -13,10 +13,9 @@ renders it from the real frame count, batch size and conv. Introduced in noteboo
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Sequence
 
 from tpupedia.diagrams import INK, arrow, box, canvas, color
-from tpupedia.models.cogvideox_vae import frame_batches
 
 __all__ = ["Row", "Layout", "layout", "kernel_t", "draw"]
 
@@ -55,7 +54,6 @@ class Layout:
     """Every frame batch's padded input (`rows`, in batch order) for one causal conv."""
 
     num_frames: int
-    batch: int
     kernel_t: int
     rows: tuple[Row, ...]
 
@@ -67,24 +65,26 @@ class Layout:
         return row.batch, cols, tuple(row.slots[c - row.first] for c in cols)
 
 
-def layout(num_frames: int, batch: int, kernel_t: int) -> Layout:
+def layout(batches: Sequence[tuple[int, int]], kernel_t: int) -> Layout:
     """Which frame every slot of every frame batch's padded conv input holds.
 
-    The batches are `frame_batches(num_frames, batch)`, the decoder's own. Batch 0 is padded
-    with `kernel_t - 1` copies of frame 0; batch i > 0 with batch i-1's cache, the last
-    `kernel_t - 1` slots of its padded input (which, for a batch shorter than the kernel,
-    still include padding)."""
-    if num_frames < 1 or batch < 1 or kernel_t < 1:
-        raise ValueError(f"need num_frames, batch, kernel_t >= 1, got {num_frames}, {batch}, {kernel_t}")
+    `batches` are the decoder's own `(start, end)` frame batches, in order and without gaps
+    (the VAE's `frame_batches(num_frames, batch)`). Batch 0 is padded with `kernel_t - 1`
+    copies of frame 0; batch i > 0 with batch i-1's cache, the last `kernel_t - 1` slots of its
+    padded input (which, for a batch shorter than the kernel, still include padding)."""
+    batches = [tuple(b) for b in batches]
+    if not batches or kernel_t < 1 or batches[0][0] != 0 or any(
+            e <= s or (i and s != batches[i - 1][1]) for i, (s, e) in enumerate(batches)):
+        raise ValueError(f"need kernel_t >= 1 and batches that cover frames 0.. in order, got {batches}, {kernel_t}")
     k1 = kernel_t - 1
     rows: list[Row] = []
-    for i, (start, end) in enumerate(frame_batches(num_frames, batch)):
+    for i, (start, end) in enumerate(batches):
         if i == 0:
             pad = (start,) * k1  # copies of frame 0
         else:
             pad = rows[-1].cache
         rows.append(Row(i, start, end, start - k1, pad + tuple(range(start, end)), cached=i > 0 and k1 > 0))
-    return Layout(num_frames, batch, kernel_t, tuple(rows))
+    return Layout(batches[-1][1], kernel_t, tuple(rows))
 
 
 def kernel_t(conv: Any) -> int:
@@ -97,14 +97,17 @@ def _range(a: int, b: int) -> str:
     return f"frame {a}" if a == b else f"frames {a}–{b}"
 
 
-def draw(num_frames: int, batch: int, conv: Any, *, focus: int | None = None, title: str | None = None):
-    """The frame batches of `num_frames` latent frames, each batch's padded input to `conv`
+def draw(batches: Sequence[tuple[int, int]], conv: Any, *, focus: int | None = None, title: str | None = None):
+    """The decoder's frame `batches` of latent frames, each batch's padded input to `conv`
     (a causal conv; its kernel's time extent sets the padding), the cache handed from batch to
     batch, and the input slots output frame `focus` sees (default: the first frame of the
     second batch, the first whose window reaches into a cache)."""
     from matplotlib.patches import Rectangle
 
-    lay = layout(num_frames, batch, kernel_t(conv))
+    lay = layout(batches, kernel_t(conv))
+    num_frames = lay.num_frames
+    sizes = sorted({r.end - r.start for r in lay.rows})
+    batch = "/".join(map(str, sizes))
     k1 = lay.kernel_t - 1
     if focus is None:
         focus = lay.rows[1].start if len(lay.rows) > 1 else num_frames - 1

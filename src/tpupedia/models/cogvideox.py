@@ -51,6 +51,10 @@ TEXT_TOKENS = 226  # the T5 text length of the released checkpoints (transformer
 CFG_BATCH = 2  # classifier-free guidance: the negative and the positive prompt in one batch
 TEXT_ENCODERS = {"text_encoder": "t5"}
 """Each text encoder of the checkpoint and its `tpupedia.sharding` rule family (T5-XXL: 9.5 GB)."""
+TRANSFORMER_CLASS = "CogVideoXTransformer3DModel"
+"""The diffusers class of the transformer(s) the pipeline loads (`tpupedia.lora` builds it on `meta` to check an adapter)."""
+LORA_LOADER = "CogVideoXLoraLoaderMixin"
+"""diffusers' LoRA loader for this family's pipelines (`tpupedia.lora`: how `--lora` reads an adapter)."""
 SPLASH_BLOCK_SIZES = (3328, 2816, 256)
 """Splash `(block_q, block_kv, block_kv_compute)` for the transformer's joint attention: upstream's
 tuned sizes (yangwhale/gpu-tpu-pedia at 3fa9ce1, `tpu/CogVideoX/generate_diffusers_torchax_staged/utils.py`,

@@ -76,6 +76,11 @@ ENV_MODEL = "TPUPEDIA_HUNYUAN"
 TEXT_ENCODERS = {"text_encoder": "qwen2", "text_encoder_2": "t5"}
 """Each text encoder and its `tpupedia.sharding` rule family (Qwen2.5-VL's text model, 15.2 GB,
 in Llama naming; ByT5 for quoted glyph text)."""
+TRANSFORMER_CLASS = "HunyuanVideo15Transformer3DModel"
+"""The diffusers class of the transformer(s) the pipeline loads (`tpupedia.lora` builds it on `meta` to check an adapter)."""
+LORA_LOADER = None
+"""diffusers' HunyuanVideo-1.5 pipelines expose no LoRA loader: `--lora` goes through the transformer's own
+`load_lora_adapter` (`tpupedia.lora`)."""
 TEXT_SLOTS = {"qwen": (1000, 3584), "byt5": (256, 1472), "image": (729, 1152)}
 """Tokens and width of each conditioning slot of a step (text-to-video passes a zero image)."""
 SPLASH_BLOCK_SIZES = (3072, 2048, 1024)

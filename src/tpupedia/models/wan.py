@@ -80,6 +80,11 @@ ENV_MODEL = "TPUPEDIA_WAN"
 """Environment variable naming a checkpoint (hub id or directory) to use instead of the preset's."""
 TEXT_ENCODERS = {"text_encoder": "t5"}
 """The text encoder and its `tpupedia.sharding` architecture table (umT5 uses T5's names; 11 GB in bf16)."""
+TRANSFORMER_CLASS = "WanTransformer3DModel"
+"""The diffusers class of the transformer(s) the pipeline loads (`tpupedia.lora` builds it on `meta` to check an adapter)."""
+LORA_LOADER = "WanLoraLoaderMixin"
+"""diffusers' LoRA loader for this family's pipelines (`tpupedia.lora`: how `--lora` reads an adapter, the
+community layouts it converts included)."""
 SPLASH_BLOCK_SIZES = (2048, 2048, 512)
 """Splash `(block_q, block_kv, block_kv_compute)` for the video self-attention: a starting point,
 not tuned on a TPU (the cross-attention's 512 text keys cap the KV blocks at 512); `tpupedia plan

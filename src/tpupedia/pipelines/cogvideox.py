@@ -36,6 +36,7 @@ import functools
 import time
 from typing import Any, Callable
 
+from tpupedia import lora
 from tpupedia.models import checkpoints
 from tpupedia.models import cogvideox as family
 from tpupedia.pipelines import common, decoding
@@ -78,6 +79,7 @@ def settings(stage: str, source_label: str, configs: dict[str, dict], request: R
                 "scheduler": common.config_fingerprint(configs["scheduler"]),
                 "frames": request.frames, "height": request.height, "width": request.width,
                 "steps": request.steps, "guidance": request.guidance, "seed": request.seed}
+        out |= lora.settings(request.lora)  # each adapter's file, scale and component (none: no key)
     if stage == "decode":
         out |= {"vae_config": common.config_fingerprint(configs["vae"]), "vae": vae}
         if request.vae_tiling:  # tiles change pixels; untiled keeps the fingerprints of earlier runs

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar
 
+from tpupedia import lora as lora_adapters
 from tpupedia.devices import default_mesh_shape
 from tpupedia.errors import TpupediaError
 from tpupedia.pipelines import stages
@@ -62,6 +63,9 @@ class Request:
     image: str | None = None
     """Image-to-video: the path of the picture the video starts from (`tpupedia.pictures`), for a
     family and checkpoint that take one; `None` for text-to-video."""
+    lora: tuple[lora_adapters.Adapter, ...] = ()
+    """LoRA adapters fused into the transformers before the denoise stage (`tpupedia.lora`: each
+    file, scale and component; `--lora PATH[:SCALE][@COMPONENT]`), in order."""
 
 
 @dataclass(frozen=True)
@@ -328,6 +332,9 @@ class StagedPipeline:
         self.layers: int | None = None
         """With `abstract`: build transformers and text encoders this many layers deep (a cheaper
         compile; `tpupedia.plan` adds the missing layers' weight shards from their shapes)."""
+        self.adapters: tuple[lora_adapters.Adapter, ...] = ()
+        """The LoRA adapters fused into the transformers the denoise stage holds (`Request.lora`):
+        another set means other weights, so `denoise` releases what that stage holds first."""
 
     def held(self, stage: str, key: Any, build: Callable[[], Any]) -> Any:
         """What `build()` returns (a placed model, a compiled program), built once for `(stage,
@@ -365,6 +372,8 @@ class StagedPipeline:
             raise PipelineError(f"--image {request.image}: image-to-video is not implemented for "
                                 f"{cls.family.FAMILY} yet; its pipeline generates from text only")
         validate(request, options, device_count, vaes=cls.vaes)
+        if request.lora:  # the files; with `configs`, their keys and shapes against the transformers (no weights)
+            lora_adapters.check(request.lora, cls.family, configs)
         if kind and configs is not None and cls.image_to_video:  # the request and the checkpoint agree on a picture
             cls.check_kind(request, configs)
         if shape_rules or configs is not None:
@@ -431,13 +440,16 @@ class StagedPipeline:
     def _load(self, cls, subfolder: str):
         """Component `subfolder` of the checkpoint as a torch module in its dtype
         (`component_dtype`), in eval mode: `cls.from_pretrained` (safetensors only; refused when the
-        checkpoint's weights do not match `cls`, `checkpoints.load_component`), or with `abstract`
-        built on `meta` from its config."""
+        checkpoint's weights do not match `cls`, `checkpoints.load_component`), the `adapters` for
+        it fused in on the host (`tpupedia.lora.fuse`: module names and shapes unchanged, so it is
+        sharded as the stock weights are); or with `abstract` built on `meta` from its config."""
         dtype = self.component_dtype(subfolder)
         if not self.abstract:
             from tpupedia.models import checkpoints
 
-            return checkpoints.load_component(cls, self.source, subfolder, dtype=dtype)
+            module = checkpoints.load_component(cls, self.source, subfolder, dtype=dtype)
+            mine = [a for a in self.adapters if a.component == subfolder]
+            return lora_adapters.fuse(module, mine, self.family) if mine else module
         import torch
 
         config = dict(self.configs[subfolder])
@@ -571,6 +583,9 @@ class StagedPipeline:
     def denoise(self, request: Request, embeds: dict, on_step=None) -> tuple[dict, dict]:
         """Stage 2: the denoised latents from stage 1's embeddings (and the `image` stage's
         condition, for image-to-video), `(tensors, timings)`."""
+        if tuple(request.lora) != self.adapters:  # fused weights: another adapter set is another transformer
+            self.release("denoise", force=True)
+            self.adapters = tuple(request.lora)
         with self._freeing("denoise"):
             return self._denoise(request, embeds, on_step)
 
@@ -921,7 +936,9 @@ def run_batch(pipeline_cls: type[StagedPipeline], prompts: str | Path, base: Req
     process lists what it made in its own `index.<process>.jsonl`; at the end process 0 alone
     writes `index.jsonl` from every process's lines (`batch.gather_manifest`).
     Each process builds one `resident` pipeline, at its first prompt that is not done: the models
-    load once and every prompt of the same shape reuses the compiled step. The log ends with the
+    load once and every prompt of the same shape reuses the compiled step. Lines with LoRA adapters
+    (`Request.lora`) run grouped by adapter set, the sets in order of first use: an adapter is
+    fused into the transformer's weights, so each set loads the transformer once. The log ends with the
     first prompt's time and the mean of the others (what staying resident saves).
     """
     import jax
@@ -952,7 +969,11 @@ def run_batch(pipeline_cls: type[StagedPipeline], prompts: str | Path, base: Req
     process, made, totals, pipe = jax.process_index(), [], [], None
     told: set[str] = set()  # components whose replicated (indivisible) tensors were logged
     processes = jax.process_count()
-    for item in batch.share(items, process, processes):
+    mine = batch.share(items, process, processes)
+    sets: dict[tuple, int] = {}  # adapter sets in order of first use: fused weights mean a reload per set
+    for item in mine:
+        sets.setdefault(tuple(requests[item.index].lora), len(sets))
+    for item in sorted(mine, key=lambda item: sets[tuple(requests[item.index].lora)]):  # stable: file order within a set
         request = requests[item.index]
         fingerprint = stages.fingerprint(decode_settings(request))
         work = outdir / ".stages" / item.name

@@ -54,6 +54,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from tpupedia import lora
 from tpupedia.models import checkpoints
 from tpupedia.models import wan as family
 from tpupedia.pipelines import common, decoding
@@ -117,6 +118,7 @@ def settings(stage: str, source_label: str, configs: dict[str, dict], request: R
                 "frames": request.frames, "height": request.height, "width": request.width,
                 "steps": request.steps, "guidance": request.guidance, "guidance_2": request.guidance_2,
                 "shift": request.shift, "seed": request.seed}
+        out |= lora.settings(request.lora)  # each adapter's file, scale and component (none: no key)
     if stage == "decode":
         out |= {"vae_config": common.config_fingerprint(configs["vae"]), "vae_dtype": family.component_dtype("vae", dtype, request.vae_dtype)}
     return out
