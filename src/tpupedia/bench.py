@@ -33,6 +33,7 @@ __all__ = [
     "bench_generate",
     "stock_steps",
     "bench_deepcache",
+    "step_cache_bound",
 ]
 
 DEFAULT_RESULTS = Path("docs/results/benchmarks.json")
@@ -353,3 +354,22 @@ def bench_deepcache(family: str, preset: Any, request: Any, options: Any, model:
         "measured_at": _dt.date.today().isoformat(),
         "command": f"tpupedia bench deepcache {family} --preset {preset.name} --deepcache {request.deepcache} --steps {request.steps}",
     }
+
+
+def step_cache_bound(family: str, request: Any, options: Any, configs: dict[str, dict], mesh: Any, *,
+                     dtype: str = "float32") -> dict[str, Any]:
+    """The most `request.step_cache` can speed the denoising of `family` up on `mesh`: XLA's FLOPs
+    of its two compiled programs, the full step and the cached step (`tpupedia.plan.programs`,
+    the models on `meta`, nothing run), and `tpupedia.pipelines.stepcache.speedup_bound` for
+    its full steps (every step, for a threshold the calibration run has not picked yet; the
+    first expert's pair for a two-expert checkpoint). Time is what `tpupedia bench deepcache`
+    and `bench generate` measure; this is the ceiling the FLOPs allow."""
+    from tpupedia import plan
+    from tpupedia.pipelines import stepcache
+
+    cache = request.step_cache
+    programs = plan.programs(family, request, options, configs, mesh, "denoise", dtype=dtype)
+    full, cached = programs[0].flops(), programs[1].flops()
+    n_full = request.steps if cache.calibrated else len(cache.full_steps(request.steps))
+    return {"step_cache": str(cache), "steps": request.steps, "full_steps": n_full, "full_flops": full,
+            "cached_flops": cached, "bound": stepcache.speedup_bound(full, cached, request.steps, n_full)}

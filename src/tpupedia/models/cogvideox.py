@@ -21,7 +21,7 @@ from tpupedia.models.shapes import ShapeFacts
 from tpupedia.models.spec import FamilySpec, QuotedFigure
 
 __all__ = [
-    "FAMILY", "FULL_ID", "FULL_ID_I2V", "FULL_LAYERS", "TEMPORAL_COMPRESSION", "SPATIAL_COMPRESSION", "PATCH_SIZE",
+    "FAMILY", "FULL_ID", "FULL_ID_I2V", "FULL_LAYERS", "CACHE_BLOCKS", "CACHE_TEXT_STREAM", "TEMPORAL_COMPRESSION", "SPATIAL_COMPRESSION", "PATCH_SIZE",
     "PATCH_SIZE_T", "LATENT_CHANNELS", "DEFAULT_SHAPES", "shape_facts", "TEXT_TOKENS", "CFG_BATCH", "SPLASH_BLOCK_SIZES",
     "SCHEDULER_CONFIG", "SHARDING", "SPEC", "ModelInputError",
     "full_transformer_config", "tiny_transformer_config", "i2v_transformer_config", "image_to_video",
@@ -55,6 +55,11 @@ TRANSFORMER_CLASS = "CogVideoXTransformer3DModel"
 """The diffusers class of the transformer(s) the pipeline loads (`tpupedia.lora` builds it on `meta` to check an adapter)."""
 LORA_LOADER = "CogVideoXLoraLoaderMixin"
 """diffusers' LoRA loader for this family's pipelines (`tpupedia.lora`: how `--lora` reads an adapter)."""
+CACHE_BLOCKS = "transformer_blocks"
+"""Step caches (`tpupedia.pipelines.stepcache`): the transformer's block list a cached step
+skips, whose first block (FBCache), cut (DeepCache's tail) and last block cache."""
+CACHE_TEXT_STREAM = True
+"""Step caches: a `CogVideoXBlock` returns `(video, text)`: both streams are cached (diffusers registers it for FirstBlockCache and MagCache with `return_encoder_hidden_states_index=1`)."""
 SPLASH_BLOCK_SIZES = (3328, 2816, 256)
 """Splash `(block_q, block_kv, block_kv_compute)` for the transformer's joint attention: upstream's
 tuned sizes (yangwhale/gpu-tpu-pedia at 3fa9ce1, `tpu/CogVideoX/generate_diffusers_torchax_staged/utils.py`,

@@ -53,7 +53,7 @@ __all__ = ["FAMILY", "FULL_ID", "FULL_LAYERS", "TEMPORAL_COMPRESSION", "SPATIAL_
            "tiny_qwen_tokenizer", "default_request", "check_frames", "check_size", "latent_frames", "latent_shape",
            "video_tokens", "step_flops", "build", "step_inputs", "static_forward", "make_static",
            "PaddingAttnProcessor", "make_jit_friendly", "padded_forward", "conditioning", "blocks", "final", "deepcache_full",
-           "deepcache_cached", "KEEP_ALL_TEXT_BELOW", "kept_text_tokens", "mask_elements", "tiny_checkpoint", "model_source", "named_source", "component_configs",
+           "deepcache_cached", "CACHE_BLOCKS", "CACHE_TEXT_STREAM", "KEEP_ALL_TEXT_BELOW", "kept_text_tokens", "mask_elements", "tiny_checkpoint", "model_source", "named_source", "component_configs",
            "FULL_ID_I2V", "image_to_video", "image_tokens", "video_size", "full_image_encoder_config",
            "tiny_image_encoder_config", "tiny_image_processor", "image_condition", "slot_tokens"]
 
@@ -73,6 +73,11 @@ DEFAULT_SHAPES = ShapeFacts(spatial=SPATIAL_COMPRESSION, temporal=TEMPORAL_COMPR
 """The 720p checkpoint's shape facts: the presets' and the dry-run's; a checkpoint's come from `shape_facts`."""
 ENV_MODEL = "TPUPEDIA_HUNYUAN"
 """Environment variable naming a checkpoint (hub id or directory) to use instead of the preset's."""
+CACHE_BLOCKS = "transformer_blocks"
+"""Step caches (`tpupedia.pipelines.stepcache`): the transformer's block list a cached step
+skips, whose first block (FBCache), cut (DeepCache's tail) and last block cache."""
+CACHE_TEXT_STREAM = True
+"""Step caches: a dual-stream `HunyuanVideo15TransformerBlock` returns `(video, text)`: both streams are cached (diffusers 0.42 registers no HunyuanVideo-1.5 block for its caches; these are the same facts for this repository's)."""
 TEXT_ENCODERS = {"text_encoder": "qwen2", "text_encoder_2": "t5"}
 """Each text encoder and its `tpupedia.sharding` rule family (Qwen2.5-VL's text model, 15.2 GB,
 in Llama naming; ByT5 for quoted glyph text)."""

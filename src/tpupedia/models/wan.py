@@ -35,7 +35,7 @@ from tpupedia.models import ModelInputError, checkpoints, tokenizer_files
 from tpupedia.models.shapes import ShapeFacts
 from tpupedia.models.spec import FamilySpec
 
-__all__ = ["FAMILY", "FULL_ID", "FULL_ID_22", "FULL_LAYERS", "DEFAULT_SHAPES", "TEXT_TOKENS", "TEXT_DIM",
+__all__ = ["FAMILY", "FULL_ID", "FULL_ID_22", "CACHE_BLOCKS", "CACHE_TEXT_STREAM", "FULL_LAYERS", "DEFAULT_SHAPES", "TEXT_TOKENS", "TEXT_DIM",
            "SPLASH_BLOCK_SIZES", "SCHEDULER_CONFIG", "SHARDING", "SPEC", "ENV_MODEL", "ModelInputError",
            "full_transformer_config", "full_configs", "tiny_transformer_config", "tiny_vae_config",
            "tiny_text_encoder_config", "TI2V_VAE", "default_request", "shape_facts", "check_frames", "check_size",
@@ -85,6 +85,11 @@ TRANSFORMER_CLASS = "WanTransformer3DModel"
 LORA_LOADER = "WanLoraLoaderMixin"
 """diffusers' LoRA loader for this family's pipelines (`tpupedia.lora`: how `--lora` reads an adapter, the
 community layouts it converts included)."""
+CACHE_BLOCKS = "blocks"
+"""Step caches (`tpupedia.pipelines.stepcache`): the transformer's block list a cached step
+skips, whose first block (FBCache), cut (DeepCache's tail) and last block cache."""
+CACHE_TEXT_STREAM = False
+"""Step caches: a `WanTransformerBlock` returns the video stream only; the text is the cross-attention's context, the same every block (diffusers registers it for FirstBlockCache and MagCache with no encoder index)."""
 SPLASH_BLOCK_SIZES = (2048, 2048, 512)
 """Splash `(block_q, block_kv, block_kv_compute)` for the video self-attention: a starting point,
 not tuned on a TPU (the cross-attention's 512 text keys cap the KV blocks at 512); `tpupedia plan

@@ -34,16 +34,16 @@ from __future__ import annotations
 
 import functools
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from tpupedia import lora
 from tpupedia.models import checkpoints
 from tpupedia.models import cogvideox as family
-from tpupedia.pipelines import common, decoding
+from tpupedia.pipelines import common, decoding, stepcache
 from tpupedia.pipelines.common import (  # this family's public names, shared by every family
     Options,
     PipelineError,
-    Request,
     StageReport,
     attention_backend,
     default_mesh_shape,
@@ -55,6 +55,13 @@ __all__ = ["PipelineError", "Request", "Options", "validate", "parse_mesh", "def
            "CogVideoX", "run", "run_batch", "stock", "StageReport", "attention_backend", "torch_dtype"]
 
 VAES = ("flax", "torchax")
+
+
+@dataclass(frozen=True)
+class Request(common.Request):
+    """What to generate; `step_cache` of `None` is off (`tpupedia.pipelines.stepcache`)."""
+
+    step_cache: stepcache.StepCache | None = field(default=None, metadata=stepcache.FIELD)
 
 
 def validate(request: Request, options: Options, device_count: int | None = None,
@@ -80,6 +87,7 @@ def settings(stage: str, source_label: str, configs: dict[str, dict], request: R
                 "frames": request.frames, "height": request.height, "width": request.width,
                 "steps": request.steps, "guidance": request.guidance, "seed": request.seed}
         out |= lora.settings(request.lora)  # each adapter's file, scale and component (none: no key)
+        out |= stepcache.settings(getattr(request, "step_cache", None))  # none: no key
     if stage == "decode":
         out |= {"vae_config": common.config_fingerprint(configs["vae"]), "vae": vae}
         if request.vae_tiling:  # tiles change pixels; untiled keeps the fingerprints of earlier runs
@@ -235,10 +243,13 @@ class CogVideoX(common.StagedPipeline):
         from tpupedia.pipelines import schedulers
 
         setup = self._denoise_setup(request)
-        (program,) = self._denoise_programs(request, setup)
-        # The step depends on the schedule (steps) and on guidance being on; a batch keeps one per pair.
-        compiled = self.held("denoise", ("step", request.steps, setup.guided),
-                             lambda: jax.jit(program.fn, **program.jit_kwargs))
+        programs = self._denoise_programs(request, setup)
+        program = programs[0]
+        cache = getattr(request, "step_cache", None)
+        # The step depends on the schedule (steps) and on guidance being on (and the step cache's
+        # method); a batch keeps one per pair.
+        key = ("step", request.steps, setup.guided, None if cache is None else (cache.method, cache.tail, cache.calibrated))
+        compiled = self.held("denoise", key, lambda: [jax.jit(p.fn, **p.jit_kwargs) for p in programs])
         weights, buffers, x_spec, old_spec, text_spec, cos_spec, sin_spec = program.args[:7]
         image = () if request.image is None else (jax.device_put(common.to_jax_array(embeds["image_latents"]),
                                                                  program.args[10].sharding),)
@@ -247,19 +258,44 @@ class CogVideoX(common.StagedPipeline):
         text = jax.device_put(common.to_jax_array(text), text_spec.sharding)
         cos, sin = (jax.device_put(common.to_jax_array(a), spec.sharding)
                     for a, spec in ((setup.cos, cos_spec), (setup.sin, sin_spec)))
-        x = jax.device_put(common.to_jax_array(setup.latents), x_spec.sharding)
-        old = jax.device_put(jnp.zeros(old_spec.shape, old_spec.dtype), old_spec.sharding)
 
-        def step(i, state):  # the state is (latents, the DPM solver's previous prediction)
-            noise = (schedulers.dpm_noise(setup.generator, x_spec.shape, self.dtype, setup.host_tables, i)
-                     if setup.dpm else np.zeros((), np.float32))  # DDIM draws no noise
-            # host scalars and noise: replicated inputs on every process
-            return compiled(weights, buffers, *state, text, cos, sin, np.int32(i), np.float32(request.guidance), noise,
-                            *image)
+        def loop(setup, full_steps=None, calibration=None):
+            """All steps from `setup`'s latents; `full_steps` (a set) picks the full program per
+            step, the others cached; `calibration` records every (full) step."""
+            x = jax.device_put(common.to_jax_array(setup.latents), x_spec.sharding)
+            old = jax.device_put(jnp.zeros(old_spec.shape, old_spec.dtype), old_spec.sharding)
 
-        with program.context(), self._precision():
-            (x, _), timings = common.denoise_loop(step, (x, old), len(setup.timesteps), on_step,
-                                                  latents=lambda state: state[0])
+            def step(i, state):  # the state is (latents, the DPM solver's previous prediction[, the cache])
+                noise = (schedulers.dpm_noise(setup.generator, x_spec.shape, self.dtype, setup.host_tables, i)
+                         if setup.dpm else np.zeros((), np.float32))  # DDIM draws no noise
+                # host scalars and noise: replicated inputs on every process
+                args = (text, cos, sin, np.int32(i), np.float32(request.guidance), noise, *image)
+                if cache is None:
+                    return compiled[0](weights, buffers, *state, *args)
+                x, old, record = state
+                if i in full_steps:
+                    x, old, new_record = compiled[0](weights, buffers, x, old, *args)
+                    if calibration is not None:
+                        calibration.record(new_record, record)
+                    return x, old, new_record
+                return (*compiled[1](weights, buffers, x, old, record, *args), record)
+
+            with program.context(), self._precision():
+                return common.denoise_loop(step, (x, old) if cache is None else (x, old, None),
+                                           len(setup.timesteps), on_step, latents=lambda state: state[0])
+
+        if cache is None:
+            state, timings = loop(setup)
+        else:
+            def calibrate():
+                calibration = stepcache.Calibration()
+                loop(self._denoise_setup(request), set(range(request.steps)), calibration)
+                return calibration
+
+            state, timings = stepcache.run_steps(cache, request.steps, calibrate,
+                                                 lambda full: loop(setup if not cache.calibrated
+                                                                   else self._denoise_setup(request), set(full)))
+        x = state[0]
         return {"latents": common.to_torch(x).to(self.dtype)}, timings | {"padding_frames": setup.padding}
 
     def _denoise_setup(self, request: Request):
@@ -305,7 +341,9 @@ class CogVideoX(common.StagedPipeline):
     def _denoise_programs(self, request: Request, setup) -> list:
         """The one denoising step every step runs, as this stage compiles it: the guidance pair as a
         batch on `dp`, the transformer over `tp`, the scheduler step, latents and solver state donated.
-        Arguments `(weights, buffers, latents, old_pred, text, cos, sin, i, guidance, noise)`."""
+        Arguments `(weights, buffers, latents, old_pred, text, cos, sin, i, guidance, noise)`. With
+        a step cache (`request.step_cache`, `tpupedia.pipelines.stepcache`) two programs: the full
+        step, which also returns the cache, and the cached step, which takes it after `old_pred`."""
         import jax
         import jax.numpy as jnp
         import numpy as np
@@ -335,44 +373,94 @@ class CogVideoX(common.StagedPipeline):
         # pipeline passes image_rotary_emb=None for it (the config's default is False, as diffusers reads it)
         rope = bool(self.configs["transformer"].get("use_rotary_positional_embeddings", False))
 
-        def step(weights, buffers, latents, old_pred, text, cos, sin, i, guidance, noise, image=None):
-            self.traces["denoise"] += 1
-            x = jnp.concatenate([latents, image], axis=2) if i2v else latents  # the picture's latents as channels
-            x = jnp.concatenate([x, x]) if guided else x
-            x = jax.lax.with_sharding_constraint(x, batch)
-            t = jnp.broadcast_to(tables["timesteps"][i], (x.shape[0],))
-            extra = {"ofs": jnp.full((1,), 2.0, x.dtype)} if i2v and ofs else {}  # as the stock pipeline passes it
-            out = fm(weights, buffers, hidden_states=x, encoder_hidden_states=text, timestep=t,
-                     image_rotary_emb=(cos, sin) if rope else None, **extra)[0]
-            pred = out.astype(jnp.float32)
-            if guided:
-                uncond, cond = pred[:1], pred[1:]
-                pred = uncond + guidance * (cond - uncond)
-            sample = latents.astype(jnp.float32)
-            if dpm:
-                new, old_pred = schedulers.dpm_step(tables, i, sample, pred, old_pred, noise)
-            else:
-                new = schedulers.ddim_step(tables, i, sample, pred)
-            return new.astype(dtype), old_pred
+        cache = getattr(request, "step_cache", None)
+        transformer = fm.module
+        if cache is not None:
+            cache.check(request.steps, len(getattr(transformer, family.CACHE_BLOCKS)))
+
+        def forward(mode: str):
+            """The transformer's forward, its blocks cached as `cache` says (`stepcache.traced`)."""
+            if mode == "plain":
+                return fm
+            calibrate = cache.calibrated
+
+            def method(m, cached, **kwargs):
+                with stepcache.traced(m, family, cache, mode, cached, calibrate=calibrate) as record:
+                    out = m(**kwargs)
+                return (out, record) if mode == "full" else out
+
+            cached_fm = torchax_utils.FunctionalModule(transformer, method, return_dict=False)
+            return lambda weights, buffers, cached, **kw: cached_fm(weights, buffers, cached, **kw)
+
+        def make_step(mode: str):
+            run = forward(mode)
+
+            def step(weights, buffers, latents, old_pred, *rest):
+                self.traces["denoise"] += 1
+                cached, rest = (rest[0], rest[1:]) if mode == "cached" else (None, rest)
+                text, cos, sin, i, guidance, noise, *image = rest
+                x = jnp.concatenate([latents, image[0]], axis=2) if i2v else latents  # the picture's latents as channels
+                x = jnp.concatenate([x, x]) if guided else x
+                x = jax.lax.with_sharding_constraint(x, batch)
+                t = jnp.broadcast_to(tables["timesteps"][i], (x.shape[0],))
+                extra = {"ofs": jnp.full((1,), 2.0, x.dtype)} if i2v and ofs else {}  # as the stock pipeline passes it
+                kwargs = dict(hidden_states=x, encoder_hidden_states=text, timestep=t,
+                              image_rotary_emb=(cos, sin) if rope else None, **extra)
+                if mode == "plain":
+                    out, record = run(weights, buffers, **kwargs)[0], None
+                elif mode == "full":  # (the transformer's outputs, what a cached step reuses)
+                    (out, *_), record = run(weights, buffers, None, **kwargs)
+                else:
+                    out, record = run(weights, buffers, cached, **kwargs)[0], None
+                pred = out.astype(jnp.float32)
+                if guided:
+                    uncond, cond = pred[:1], pred[1:]
+                    pred = uncond + guidance * (cond - uncond)
+                sample = latents.astype(jnp.float32)
+                if dpm:
+                    new, old_pred = schedulers.dpm_step(tables, i, sample, pred, old_pred, noise)
+                else:
+                    new = schedulers.ddim_step(tables, i, sample, pred)
+                return (new.astype(dtype), old_pred) if record is None else (new.astype(dtype), old_pred, record)
+
+            return step
 
         shape = tuple(setup.latents.shape)
         text = (2 if guided else 1, self.configs["transformer"]["max_text_seq_length"],
                 self.configs["transformer"]["text_embed_dim"])
-        args = (*self._state(fm, "transformer"), aot.abstract(shape, dtype, replicated),
-                aot.abstract(shape, jnp.float32, replicated), aot.abstract(text, dtype, batch),
+        state = self._state(fm, "transformer")
+        head = (aot.abstract(shape, dtype, replicated), aot.abstract(shape, jnp.float32, replicated))
+        rest = (aot.abstract(text, dtype, batch),
                 aot.abstract(tuple(setup.cos.shape), common.to_jax_array(setup.cos[:0]).dtype, replicated),
                 aot.abstract(tuple(setup.sin.shape), common.to_jax_array(setup.sin[:0]).dtype, replicated),
                 aot.abstract((), np.int32, replicated), aot.abstract((), np.float32, replicated),
                 aot.abstract(shape if dpm else (), np.float32, replicated),
                 *([aot.abstract(shape, dtype, replicated)] if i2v else []))
+        args = (*state, *head, *rest)
+        latents = f"{'guidance pair, ' if guided else ''}{shape[1]}x{shape[3]}x{shape[4]} latents"
+        context = lambda: common.attention_installed(self.env, self.mesh, backend, self.block_sizes)  # noqa: E731
+        weights = self.plans["transformer"].bytes_per_device
         # Latents and the solver state keep one (replicated) sharding in and out, so every step
         # reuses the first step's program; they are donated, so XLA updates them in place.
-        return [aot.Program("denoise", f"denoising step ({'guidance pair, ' if guided else ''}"
-                            f"{shape[1]}x{shape[3]}x{shape[4]} latents)", step, args,
+        if cache is None:
+            return [aot.Program("denoise", f"denoising step ({latents})", make_step("plain"), args,
+                                jit_kwargs={"donate_argnums": (2, 3), "out_shardings": (replicated, replicated)},
+                                weights_bytes=weights, calls=len(setup.timesteps), component="transformer",
+                                context=context)]
+        full = make_step("full")
+        record = None  # the cache's shapes (a trace of the full step) only where a plan compiles the cached step
+        if self.abstract:
+            with context():
+                record = jax.tree.map(lambda a: aot.abstract(a.shape, a.dtype, batch), jax.eval_shape(full, *args)[2])
+        n_full = len(cache.full_steps(request.steps)) if not cache.calibrated else len(setup.timesteps)
+        return [aot.Program("denoise", f"{cache.method} full step ({latents})", full, args,
+                            jit_kwargs={"donate_argnums": (2, 3), "out_shardings": (replicated, replicated, batch)},
+                            weights_bytes=weights, calls=n_full, component="transformer", context=context),
+                aot.Program("denoise", f"{cache.method} cached step ({latents})", make_step("cached"),
+                            (*state, *head, record, *rest),
                             jit_kwargs={"donate_argnums": (2, 3), "out_shardings": (replicated, replicated)},
-                            weights_bytes=self.plans["transformer"].bytes_per_device, calls=len(setup.timesteps),
-                            component="transformer",
-                            context=lambda: common.attention_installed(self.env, self.mesh, backend, self.block_sizes))]
+                            weights_bytes=weights, calls=len(setup.timesteps) - n_full, component="transformer",
+                            context=context)]
 
     # -- stage 3 ---------------------------------------------------------------------------
     def _decode_programs(self, request: Request) -> list:

@@ -372,6 +372,8 @@ class StagedPipeline:
             raise PipelineError(f"--image {request.image}: image-to-video is not implemented for "
                                 f"{cls.family.FAMILY} yet; its pipeline generates from text only")
         validate(request, options, device_count, vaes=cls.vaes)
+        if getattr(request, "step_cache", None) is not None:  # its schedule against the steps (the blocks: at load)
+            request.step_cache.check(request.steps)
         if request.lora:  # the files; with `configs`, their keys and shapes against the transformers (no weights)
             lora_adapters.check(request.lora, cls.family, configs)
         if kind and configs is not None and cls.image_to_video:  # the request and the checkpoint agree on a picture

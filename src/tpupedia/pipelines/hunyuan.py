@@ -46,7 +46,7 @@ from typing import Any, Callable
 from tpupedia import lora
 from tpupedia.models import checkpoints
 from tpupedia.models import hunyuan as family
-from tpupedia.pipelines import common, decoding
+from tpupedia.pipelines import common, decoding, stepcache
 from tpupedia.pipelines.common import Options, PipelineError, StageReport
 from tpupedia.pipelines.deepcache import UPSTREAM_DEFAULT, Schedule
 from tpupedia.pipelines.deepcache import parse as parse_schedule
@@ -69,6 +69,15 @@ class Request(common.Request):
     deepcache: Schedule | None = field(default=None, metadata={
         "parse": parse_schedule, "metavar": "START:END:INTERVAL",
         "help": f"reuse deep features between full steps, e.g. {UPSTREAM_DEFAULT} (upstream's); off by default"})
+    step_cache: stepcache.StepCache | None = field(default=None, metadata=stepcache.FIELD)
+
+
+def step_cache(request: Request) -> stepcache.StepCache | None:
+    """The request's step cache: `step_cache`, or `deepcache` as one (`--deepcache S:E:I` is
+    `--step-cache deepcache:S:E:I`); `None` when off."""
+    if request.step_cache is not None or request.deepcache is None:
+        return request.step_cache
+    return stepcache.StepCache("deepcache", deepcache=request.deepcache, tail=request.deepcache.tail)
 
 
 def validate(request: Request, options: Options, device_count: int | None = None,
@@ -129,6 +138,7 @@ def settings(stage: str, source_label: str, configs: dict[str, dict], request: R
                 "steps": request.steps, "guidance": request.guidance, "shift": request.shift, "seed": request.seed,
                 "deepcache": None if request.deepcache is None else dataclasses.asdict(request.deepcache)}
         out |= lora.settings(request.lora)  # each adapter's file, scale and component (none: no key)
+        out |= stepcache.settings(request.step_cache)  # none: no key
     if stage == "decode":
         out |= {"vae_config": common.config_fingerprint(configs["vae"]), "vae": vae, "vae_tiling": request.vae_tiling}
     return out
@@ -189,9 +199,13 @@ class Hunyuan(common.StagedPipeline):
             request.deepcache.check(request.steps)
         if configs is not None:
             check_text_depth(configs)
-        if request.deepcache is not None and configs is not None and configs["transformer"].get("use_meanflow"):
-            raise PipelineError(f"deepcache={request.deepcache}: this checkpoint is step-distilled (use_meanflow: "
-                                "each step also embeds the next timestep); DeepCache is implemented for the others")
+        if request.deepcache is not None and request.step_cache is not None:
+            raise PipelineError(f"deepcache={request.deepcache} and step_cache={request.step_cache}: one step cache "
+                                f"at a time (--deepcache {request.deepcache} is --step-cache deepcache:{request.deepcache})")
+        cache = step_cache(request)
+        if cache is not None and configs is not None and configs["transformer"].get("use_meanflow"):
+            raise PipelineError(f"step cache {cache}: this checkpoint is step-distilled (use_meanflow: "
+                                "each step also embeds the next timestep); step caches are implemented for the others")
 
     @classmethod
     def kind_evidence(cls, configs: dict[str, dict]) -> str:
@@ -416,9 +430,10 @@ class Hunyuan(common.StagedPipeline):
             request.width, request.height, request.frames, self.shapes))
         programs = self._denoise_programs(request, setup, text_tokens=kept)
         # What the programs close over: the schedule (steps, shift), guidance on or off, the text
-        # tokens kept, DeepCache's tail.
-        schedule = request.deepcache
-        key = ("steps", request.steps, request.shift, setup.guided, kept, schedule.tail if schedule else None)
+        # tokens kept, the step cache's method and DeepCache's tail.
+        cache = step_cache(request)
+        key = ("steps", request.steps, request.shift, setup.guided, kept,
+               None if cache is None else (cache.method, cache.tail, cache.calibrated))
         compiled = self.held("denoise", key, lambda: [jax.jit(p.fn, **p.jit_kwargs) for p in programs])
         weights, buffers, x_spec, text_specs, (image_spec, condition_spec) = programs[0].args[:5]
         text = [jax.device_put(common.to_jax_array(t), spec.sharding) for t, spec in zip(text, text_specs)]
@@ -429,23 +444,40 @@ class Hunyuan(common.StagedPipeline):
                      jax.device_put(common.to_jax_array(condition), condition_spec.sharding))
         else:
             image = (jax.device_put(np.zeros(image_spec.shape, image_spec.dtype), image_spec.sharding), None)
-        x = jax.device_put(common.to_jax_array(setup.latents), x_spec.sharding)
-        full_steps = set(schedule.full_steps(request.steps)) if schedule else set(range(request.steps))
 
-        def step(i, state):  # the state is (latents, DeepCache's cached features or None)
-            x, cache = state
-            args = (np.int32(i), np.float32(request.guidance), np.bool_(setup.cfg_on[i]))
-            if schedule is None:
-                return compiled[0](weights, buffers, x, text, image, *args), None
-            if i in full_steps:
-                return compiled[0](weights, buffers, x, text, image, *args)  # (latents, new cache)
-            return compiled[1](weights, buffers, x, cache, text, image, *args), cache
+        def loop(full_steps=None, calibration=None):
+            """All steps; `full_steps` (a set) picks each step's full or cached program;
+            `calibration` records every (full) step."""
+            x = jax.device_put(common.to_jax_array(setup.latents), x_spec.sharding)
 
-        with programs[0].context(), self._precision():  # the token refiner's small masked attention
-            (x, _), timings = common.denoise_loop(step, (x, None), request.steps, on_step,
-                                                  latents=lambda state: state[0])
-        return {"latents": common.to_torch(x).to(self.dtype)}, timings | {"full_steps": len(full_steps),
-                                                                          "text_tokens": kept}
+            def step(i, state):  # the state is (latents, the step cache's cache or None)
+                x, record = state
+                args = (np.int32(i), np.float32(request.guidance), np.bool_(setup.cfg_on[i]))
+                if cache is None:
+                    return compiled[0](weights, buffers, x, text, image, *args), None
+                if i in full_steps:
+                    x, new = compiled[0](weights, buffers, x, text, image, *args)  # (latents, new cache)
+                    if calibration is not None:
+                        calibration.record(new, record)
+                    return x, new
+                return compiled[1](weights, buffers, x, record, text, image, *args), record
+
+            with programs[0].context(), self._precision():  # the token refiner's small masked attention
+                return common.denoise_loop(step, (x, None), request.steps, on_step, latents=lambda state: state[0])
+
+        if cache is None:
+            (x, _), timings = loop()
+            timings |= {"full_steps": request.steps}
+        else:
+            def calibrate():
+                calibration = stepcache.Calibration()
+                loop(set(range(request.steps)), calibration)
+                return calibration
+
+            (x, _), timings = stepcache.run_steps(cache, request.steps, calibrate, lambda full: loop(set(full)))
+            if request.deepcache is not None:  # `--deepcache`: how many steps ran in full, as before
+                timings["full_steps"] = len(timings["full_steps"])
+        return {"latents": common.to_torch(x).to(self.dtype)}, timings | {"text_tokens": kept}
 
     def _denoise_setup(self, request: Request):
         """What the steps need from the host (`request` resolved): the flow-matching schedule as
@@ -508,9 +540,9 @@ class Hunyuan(common.StagedPipeline):
             return transformer
 
         transformer = self.held("denoise", "transformer", load)
-        schedule = request.deepcache
+        schedule = step_cache(request)
         if schedule is not None:
-            schedule.check(request.steps, len(transformer.transformer_blocks))
+            schedule.check(request.steps, len(getattr(transformer, family.CACHE_BLOCKS)))
         tables, guided, original = setup.tables, setup.guided, setup.original
         replicated = NamedSharding(mesh, P())
         batch = NamedSharding(mesh, P("dp")) if guided else replicated
@@ -553,17 +585,39 @@ class Hunyuan(common.StagedPipeline):
         def full(weights, buffers, latents, text, image, i, guidance, cfg_flag):
             self.traces["full"] += 1
             x, t = model_input(latents, i, image[1])
-            out, cache = fm_full(weights, buffers, x, t, text[0], text[1], text[2], text[3], image[0])
+            if generic:
+                out, cache = fm_full(weights, buffers, None, x, t, text[0], text[1], next_timestep(i), text[2],
+                                     text[3], image[0], text_tokens=text_tokens)
+            else:
+                out, cache = fm_full(weights, buffers, x, t, text[0], text[1], text[2], text[3], image[0])
             return guide_and_step(latents, out, i, guidance, cfg_flag), cache
 
         def cached(weights, buffers, latents, cache, text, image, i, guidance, cfg_flag):
             self.traces["cached"] += 1
             x, t = model_input(latents, i, image[1])
-            out = fm_cached(weights, buffers, cache, x, t, text[1], text[3], image[0])
+            if generic:
+                out = fm_cached(weights, buffers, cache, x, t, text[0], text[1], next_timestep(i), text[2], text[3],
+                                image[0], text_tokens=text_tokens)
+            else:
+                out = fm_cached(weights, buffers, cache, x, t, text[1], text[3], image[0])
             return guide_and_step(latents, out, i, guidance, cfg_flag)
 
+        def generic_forward(mode: str):
+            """The jit-friendly forward, its blocks cached as `schedule` says (`stepcache.traced`)."""
+            def method(m, cached, *args, **kwargs):
+                with stepcache.traced(m, family, schedule, mode, cached, calibrate=schedule.calibrated) as record:
+                    out = m(*args, **kwargs)[0]
+                return (out, record) if mode == "full" else out
+
+            return torchax_utils.FunctionalModule(transformer, method, return_dict=False)
+
         fm_plain = torchax_utils.FunctionalModule(transformer, return_dict=False)
-        if schedule is not None:
+        # DeepCache's own split forward (the token refiner skipped too); the other caches, and
+        # DeepCache on a calibrated schedule, through the blocks (`stepcache.traced`)
+        generic = schedule is not None and (schedule.method != "deepcache" or schedule.calibrated)
+        if generic:
+            fm_full, fm_cached = generic_forward("full"), generic_forward("cached")
+        elif schedule is not None:
             tail = schedule.tail
             fm_full = torchax_utils.FunctionalModule(
                 transformer, lambda m, *a: family.deepcache_full(m, tail, *a, text_tokens=text_tokens))
@@ -599,11 +653,14 @@ class Hunyuan(common.StagedPipeline):
         if self.abstract:
             with context():
                 cache = jax.tree.map(lambda a: aot.abstract(a.shape, a.dtype, batch), jax.eval_shape(full, *full_args)[1])
-        n_full = len(schedule.full_steps(request.steps))
-        return [aot.Program("denoise", f"DeepCache full step ({size} latents, batch {n})", full, full_args,
+        n_full = request.steps if schedule.calibrated else len(schedule.full_steps(request.steps))
+        name = "DeepCache" if schedule.method == "deepcache" else schedule.method
+        return [aot.Program("denoise", f"{name} full step ({size} latents, batch {n})", full, full_args,
                             weights_bytes=weights, calls=n_full, context=context, component="transformer",
                             jit_kwargs={"donate_argnums": (2,), "out_shardings": (replicated, batch)}),
-                aot.Program("denoise", f"DeepCache cached step (last {schedule.tail} blocks)", cached,
+                aot.Program("denoise", f"{name} cached step" + (f" (last {schedule.tail} blocks)" if name == "DeepCache"
+                                                                else " (the first block)" if name == "fbcache" else ""),
+                            cached,
                             (*state, latents, cache, *common_args), weights_bytes=weights,
                             calls=request.steps - n_full, context=context, component="transformer",
                             jit_kwargs={"donate_argnums": (2,), "out_shardings": replicated})]

@@ -57,7 +57,7 @@ from typing import Any, Callable
 from tpupedia import lora
 from tpupedia.models import checkpoints
 from tpupedia.models import wan as family
-from tpupedia.pipelines import common, decoding
+from tpupedia.pipelines import common, decoding, stepcache
 from tpupedia.pipelines.common import Options, PipelineError, StageReport
 
 __all__ = ["PipelineError", "Request", "Options", "validate", "resolve", "settings", "Wan", "run", "run_batch",
@@ -84,6 +84,7 @@ diffusers' examples load it, unless the plan shows that does not fit)."""
         "type": str, "metavar": "|".join(family.VAE_DTYPES),
         "help": "the VAE's dtype (default: float32 as diffusers' Wan examples load it, or the run's dtype where "
                 "the plan shows float32 does not fit, which the plan and the run say)"})
+    step_cache: stepcache.StepCache | None = field(default=None, metadata=stepcache.FIELD)
 
 
 def validate(request: Request, options: Options, device_count: int | None = None,
@@ -119,6 +120,7 @@ def settings(stage: str, source_label: str, configs: dict[str, dict], request: R
                 "steps": request.steps, "guidance": request.guidance, "guidance_2": request.guidance_2,
                 "shift": request.shift, "seed": request.seed}
         out |= lora.settings(request.lora)  # each adapter's file, scale and component (none: no key)
+        out |= stepcache.settings(request.step_cache)  # none: no key
     if stage == "decode":
         out |= {"vae_config": common.config_fingerprint(configs["vae"]), "vae_dtype": family.component_dtype("vae", dtype, request.vae_dtype)}
     return out
@@ -342,15 +344,16 @@ class Wan(common.StagedPipeline):
         request = resolve(request, self.configs)
         setup = self._denoise_setup(request)
         programs = self._denoise_programs(request, setup)
-        key = ("steps", request.steps, request.shift, setup.guided)  # what the compiled step closes over
+        cache = request.step_cache
+        per = 1 if cache is None else 2  # programs per expert: the step, or the full and the cached step
+        key = ("steps", request.steps, request.shift, setup.guided,  # what the compiled step closes over
+               None if cache is None else (cache.method, cache.tail, cache.calibrated))
         compiled = self.held("denoise", key, lambda: [jax.jit(p.fn, **p.jit_kwargs) for p in programs])
-        states = [p.args[:2] for p in programs]  # each expert's (weights, buffers)
+        states = [p.args[:2] for p in programs[::per]]  # each expert's (weights, buffers)
         x_spec, text_spec = programs[0].args[2], programs[0].args[4]
         text = (torch.cat([embeds["negative_prompt_embeds"], embeds["prompt_embeds"]]) if setup.guided
                 else embeds["prompt_embeds"])
         text = jax.device_put(common.to_jax_array(text), text_spec.sharding)
-        x = jax.device_put(common.to_jax_array(setup.latents), x_spec.sharding)
-        state = tuple(jax.device_put(a, x_spec.sharding) for a in schedulers.unipc_state(x_spec.shape))
         scales = (request.guidance, request.guidance if request.guidance_2 is None else request.guidance_2)
         picture = [embeds["condition"]] if request.image is not None else []  # image-to-video's inputs
         if "image_embeds" in embeds:  # one copy per sample of the guidance pair, as the stock pipeline passes it
@@ -358,13 +361,47 @@ class Wan(common.StagedPipeline):
         picture = [jax.device_put(common.to_jax_array(a), spec.sharding)
                    for a, spec in zip(picture, programs[0].args[7:], strict=True)]
 
-        def step(i, carried):  # the state is (latents, UniPC's (last sample, last two predictions))
-            e = setup.expert[i]
-            return compiled[e](*states[e], *carried, text, np.int32(i), np.float32(scales[e]), *picture)
+        def loop(full_steps=None, calibration=None):
+            """All steps; `full_steps` (a set) picks each step's full or cached program;
+            `calibration` records every (full) step."""
+            x = jax.device_put(common.to_jax_array(setup.latents), x_spec.sharding)
+            state = tuple(jax.device_put(a, x_spec.sharding) for a in schedulers.unipc_state(x_spec.shape))
 
-        with programs[0].context(), self._precision():
-            (x, _), timings = common.denoise_loop(step, (x, state), request.steps, on_step,
-                                                  latents=lambda carried: carried[0])
+            def step(i, carried):  # (latents, UniPC's (last sample, last two predictions)[, the cache, its expert])
+                e = setup.expert[i]
+                args = (text, np.int32(i), np.float32(scales[e]), *picture)
+                if cache is None:
+                    return compiled[e](*states[e], *carried, *args)
+                x, state, record, made_by = carried
+                if i in full_steps:
+                    x, state, new = compiled[2 * e](*states[e], x, state, *args)
+                    if calibration is not None:
+                        calibration.record(new, record)
+                    return x, state, new, e
+                if made_by != e:
+                    raise PipelineError(f"step_cache={cache}: step {i} is cached but the step before it that ran in "
+                                        "full ran the other expert; each expert's first step must run in full")
+                return (*compiled[2 * e + 1](*states[e], x, state, record, *args), record, e)
+
+            with programs[0].context(), self._precision():
+                return common.denoise_loop(step, (x, state) if cache is None else (x, state, None, None),
+                                           request.steps, on_step, latents=lambda carried: carried[0])
+
+        if cache is None:
+            carried, timings = loop()
+        else:
+            def calibrate():
+                calibration = stepcache.Calibration()
+                loop(set(range(request.steps)), calibration)
+                return calibration
+
+            firsts = {i for i in range(request.steps) if i == 0 or setup.expert[i] != setup.expert[i - 1]}
+
+            def replay(full):  # a threshold's schedule runs each expert's first step in full
+                return loop(set(full) | (firsts if cache.calibrated else set()))
+
+            carried, timings = stepcache.run_steps(cache, request.steps, calibrate, replay)
+        x = carried[0]
         experts = {name: int(sum(1 for e in setup.expert if e == k)) for k, name in enumerate(family.experts(self.configs))}
         return {"latents": common.to_torch(x)}, timings | {"steps_per_expert": experts}
 
@@ -400,7 +437,9 @@ class Wan(common.StagedPipeline):
         the transformer over `tp`, the guidance and the UniPC step, latents and solver state
         donated. Arguments `(weights, buffers, latents, state, text, i, guidance)`, and for
         image-to-video the picture's `condition` (channels beside the latents) and, with an image
-        encoder, its features `image_embeds` (one copy per sample, batch on `dp`)."""
+        encoder, its features `image_embeds` (one copy per sample, batch on `dp`). With a step cache
+        (`request.step_cache`, `tpupedia.pipelines.stepcache`) two per expert: the full step, which
+        also returns the cache, and the cached step, which takes it after the solver state."""
         import jax
         import jax.numpy as jnp
         import numpy as np
@@ -430,42 +469,86 @@ class Wan(common.StagedPipeline):
             transformer, fm = self.held("denoise", name, load)
             dtype = jnp.dtype(str(transformer.dtype).removeprefix("torch."))
 
-            def step(weights, buffers, latents, state, text, i, guidance, *picture):
-                self.traces["denoise"] += 1
-                x = latents.astype(dtype)  # `latents.to(transformer_dtype)`
-                if picture:  # image-to-video: the mask and the picture's latents as more channels
-                    x = jnp.concatenate([x, picture[0].astype(dtype)], axis=1)
-                x = jax.lax.with_sharding_constraint(jnp.concatenate([x] * n), batch)
-                t = tables["timesteps"][i]
-                timestep = jnp.full((n, tokens), t) if setup.expand else jnp.broadcast_to(t, (n,))
-                extra = {"encoder_hidden_states_image": picture[1]} if len(picture) > 1 else {}
-                out = fm(weights, buffers, hidden_states=x, timestep=timestep, encoder_hidden_states=text, **extra)[0]
-                if guided:
-                    uncond, cond = out[:1], out[1:]
-                    out = uncond + guidance.astype(out.dtype) * (cond - uncond)
-                return schedulers.unipc_step(tables, i, latents, out, state)
+            def forward(mode: str):
+                """The transformer's forward, its blocks cached as `cache` says (`stepcache.traced`)."""
+                if mode == "plain":
+                    return lambda weights, buffers, cached, **kw: fm(weights, buffers, **kw)
+
+                def method(m, cached, **kwargs):
+                    with stepcache.traced(m, family, cache, mode, cached, calibrate=cache.calibrated) as record:
+                        out = m(**kwargs)
+                    return (out, record) if mode == "full" else out
+
+                return torchax_utils.FunctionalModule(transformer, method, return_dict=False)
+
+            def make_step(mode: str):
+                run = forward(mode)
+
+                def step(weights, buffers, latents, state, *rest):
+                    self.traces["denoise"] += 1
+                    cached, rest = (rest[0], rest[1:]) if mode == "cached" else (None, rest)
+                    text, i, guidance, *picture = rest
+                    x = latents.astype(dtype)  # `latents.to(transformer_dtype)`
+                    if picture:  # image-to-video: the mask and the picture's latents as more channels
+                        x = jnp.concatenate([x, picture[0].astype(dtype)], axis=1)
+                    x = jax.lax.with_sharding_constraint(jnp.concatenate([x] * n), batch)
+                    t = tables["timesteps"][i]
+                    timestep = jnp.full((n, tokens), t) if setup.expand else jnp.broadcast_to(t, (n,))
+                    extra = {"encoder_hidden_states_image": picture[1]} if len(picture) > 1 else {}
+                    out = run(weights, buffers, cached, hidden_states=x, timestep=timestep, encoder_hidden_states=text,
+                              **extra)
+                    record = None
+                    if mode == "full":  # (the transformer's outputs, what a cached step reuses)
+                        out, record = out
+                    out = out[0]
+                    if guided:
+                        uncond, cond = out[:1], out[1:]
+                        out = uncond + guidance.astype(out.dtype) * (cond - uncond)
+                    new = schedulers.unipc_step(tables, i, latents, out, state)
+                    return new if record is None else (*new, record)
+
+                return step
 
             text = (n, family.TEXT_TOKENS, self.configs[name]["text_dim"])
             f32 = aot.abstract(shape, jnp.float32, replicated)
-            args = (*self._state(fm, name), f32, (f32, f32, f32), aot.abstract(text, self.dtype_jax, batch),
+            head = (*self._state(fm, name), f32, (f32, f32, f32))
+            rest = (aot.abstract(text, self.dtype_jax, batch),
                     aot.abstract((), np.int32, replicated), aot.abstract((), np.float32, replicated))
             if request.image is not None:  # the condition: mask + picture latents, float32 as the stock pipeline keeps it
                 channels = self.configs[name]["in_channels"] - shape[1]
-                args += (aot.abstract((1, channels, *shape[2:]), jnp.float32, replicated),)
+                rest += (aot.abstract((1, channels, *shape[2:]), jnp.float32, replicated),)
                 if self.configs[name].get("image_dim") is not None:
                     side = self.configs["image_encoder"]["image_size"]
                     patch = self.configs["image_encoder"]["patch_size"]
                     features = (n, (side // patch) ** 2 + 1, self.configs[name]["image_dim"])  # patches + class token
-                    args += (aot.abstract(features, self.dtype_jax, batch),)
+                    rest += (aot.abstract(features, self.dtype_jax, batch),)
             role = ("" if len(names) == 1 else ", high-noise expert" if k == 0 else ", low-noise expert")
             calls = int(sum(1 for e in setup.expert if e == k))
-            return aot.Program("denoise", f"denoising step{role} ({'guidance pair, ' if guided else ''}"
-                               f"{shape[2]}x{shape[3]}x{shape[4]} latents)", step, args,
-                               jit_kwargs={"donate_argnums": (2, 3), "out_shardings": (replicated, (replicated,) * 3)},
-                               weights_bytes=self.plans[name].bytes_per_device, calls=calls, component=name,
-                               context=context)
+            latents = f"{'guidance pair, ' if guided else ''}{shape[2]}x{shape[3]}x{shape[4]} latents"
+            weights = self.plans[name].bytes_per_device
+            out = (replicated, (replicated,) * 3)
+            if cache is None:
+                return [aot.Program("denoise", f"denoising step{role} ({latents})", make_step("plain"), (*head, *rest),
+                                    jit_kwargs={"donate_argnums": (2, 3), "out_shardings": out},
+                                    weights_bytes=weights, calls=calls, component=name, context=context)]
+            cache.check(request.steps, len(getattr(transformer, family.CACHE_BLOCKS)))
+            full = make_step("full")
+            record = None  # the cache's shapes (a trace of the full step) only where a plan compiles the cached step
+            if self.abstract:
+                with context():
+                    record = jax.tree.map(lambda a: aot.abstract(a.shape, a.dtype, batch),
+                                          jax.eval_shape(full, *head, *rest)[-1])
+            in_full = set(range(request.steps)) if cache.calibrated else set(cache.full_steps(request.steps))
+            n_full = int(sum(1 for i, e in enumerate(setup.expert) if e == k and i in in_full))
+            return [aot.Program("denoise", f"{cache.method} full step{role} ({latents})", full, (*head, *rest),
+                                jit_kwargs={"donate_argnums": (2, 3), "out_shardings": (*out, batch)},
+                                weights_bytes=weights, calls=n_full, component=name, context=context),
+                    aot.Program("denoise", f"{cache.method} cached step{role} ({latents})", make_step("cached"),
+                                (*head, record, *rest), jit_kwargs={"donate_argnums": (2, 3), "out_shardings": out},
+                                weights_bytes=weights, calls=calls - n_full, component=name, context=context)]
 
-        return [program(k, name) for k, name in enumerate(names)]
+        cache = request.step_cache
+        return [p for k, name in enumerate(names) for p in program(k, name)]
 
     @property
     def dtype_jax(self):

@@ -1,0 +1,217 @@
+"""Step caches for every family (`tpupedia.pipelines.stepcache`): the schedules, refused in one
+line before any model loads; and parity with diffusers 0.42's own hooks where it registers the
+family's block (First-Block-Cache and MagCache: CogVideoX and Wan). Stock decides at run time
+which steps to skip; replaying exactly those skips in the static two-program scheme gives
+stock's latents after the last step (float32, within 1e-4 of latents of magnitude ~1-6)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from tpupedia import presets
+from tpupedia.errors import TpupediaError
+from tpupedia.models import cogvideox as cogvideox_family
+from tpupedia.models import wan as wan_family
+from tpupedia.pipelines import cogvideox, stepcache, wan
+
+TINY = presets.get("tiny")
+STEPS = 6
+LEADER = {"fbcache": "fbc_leader_block_hook", "magcache": "mag_cache_leader_block_hook"}
+MAG_RATIOS = [1.0, 1.0, 1.01, 0.99, 1.02, 1.0]
+
+
+# --- the schedules --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, expected", [
+    ("fbcache:0.05", stepcache.StepCache("fbcache", threshold=0.05)),
+    ("magcache:0.06", stepcache.StepCache("magcache", threshold=0.06)),
+    ("fbcache:full=0,1,3", stepcache.StepCache("fbcache", full=(0, 1, 3))),
+    ("deepcache:11:45:4", stepcache.StepCache("deepcache", deepcache=stepcache.Schedule(11, 45, 4))),
+])
+def test_step_caches_parse_and_print_back(text, expected):
+    cache = stepcache.parse_step_cache(text)
+    assert cache == expected and str(cache) == text
+
+
+@pytest.mark.parametrize("text, names", [
+    ("teacache:0.1", ["'teacache' is not one of deepcache, fbcache, magcache", "fbcache:THRESHOLD"]),
+    ("fbcache:fast", ["fbcache takes a threshold", "full=STEPS"]),
+    ("fbcache:-1", ["the threshold must be a finite number >= 0"]),
+    ("magcache:full=0,x", ["full= takes step numbers"]),
+    ("deepcache:11:45", ["deepcache takes START:END:INTERVAL"]),
+])
+def test_a_bad_step_cache_is_one_line_naming_it(text, names):
+    with pytest.raises(stepcache.StepCacheError) as err:
+        stepcache.parse_step_cache(text)
+    message = str(err.value)
+    assert isinstance(err.value, TpupediaError) and "\n" not in message and repr(text) in message
+    assert all(n in message for n in names), message
+
+
+@pytest.mark.parametrize("text, match", [("fbcache:full=1,2", "start at 0"), ("fbcache:full=0,9", r"\[9\] are not steps"),
+                                         ("magcache:full=0,3,2", "increasing"), ("deepcache:0:9:2", "end <= steps=6")])
+def test_a_schedule_that_does_not_fit_the_steps_is_refused_before_any_model_loads(text, match, run_cli, tmp_path):
+    with pytest.raises(stepcache.StepCacheError, match=match):
+        stepcache.parse_step_cache(text).check(STEPS)
+    if text.startswith("fbcache:full=0,9"):  # the command line: one line, before anything loads
+        result = run_cli("generate", "wan", "--prompt", "x", "--steps", "6", "--step-cache", text, cwd=tmp_path)
+        assert result.returncode != 0 and "Traceback" not in result.stderr
+        assert "[9] are not steps of this run" in result.stderr and not (tmp_path / "cache").exists()
+
+
+def test_magcache_schedule_is_diffusers_rule_from_the_ratios():
+    """Full steps from calibrated ratios, diffusers' defaults: the first fifth kept, then cached
+    while the accumulated error stays within the threshold, at most 3 in a row."""
+    assert stepcache.magcache_full_steps([1.0] * 10, 0.06, 10) == [0, 1, 5, 9]  # 2 kept, then 3 cached, 1 full...
+    assert stepcache.magcache_full_steps([1.0, 1.3, 1.3, 1.3], 0.06, 4) == [0, 1, 2, 3]  # too far from 1
+    assert stepcache.magcache_full_steps(MAG_RATIOS, 0.0, STEPS) == [0, 2, 3, 4]  # only a ratio of exactly 1 caches
+    from diffusers.hooks.mag_cache import FLUX_MAG_RATIOS, nearest_interp  # 28 ratios, to 50 steps as diffusers does
+
+    assert stepcache.magcache_full_steps(FLUX_MAG_RATIOS.tolist(), 0.06, 50) == stepcache.magcache_full_steps(
+        nearest_interp(FLUX_MAG_RATIOS, 50).tolist(), 0.06, 50) != list(range(50))
+
+
+def test_fbcache_schedule_accumulates_the_change_since_the_last_full_step():
+    assert stepcache.fbcache_full_steps([math.inf, 0.02, 0.02, 0.02, 0.5, 0.01], 0.05) == [0, 3, 4]
+
+
+def test_the_speedup_bound_is_the_flops_ratio():
+    assert stepcache.speedup_bound(10.0, 1.0, 50, 25) == pytest.approx(500 / 275)
+    assert stepcache.speedup_bound(10.0, 10.0, 50, 10) == 1.0
+
+
+# --- parity with diffusers' hooks ----------------------------------------------------------------
+
+def _stock(pipeline, family, checkpoint, request, config):
+    """Stock diffusers with `config` enabled on its transformer: its latents after the last step,
+    and per transformer call whether the hook ran every block (its runtime decision)."""
+    from diffusers.hooks import HookRegistry
+
+    pipe, call = pipeline.stock(str(checkpoint), request)
+    pipe.transformer.enable_cache(config)
+    head = getattr(pipe.transformer, family.CACHE_BLOCKS)[0]
+    leader = LEADER["fbcache" if type(config).__name__.startswith("FirstBlock") else "magcache"]
+    manager = HookRegistry.check_if_exists_or_initialize(head).get_hook(leader).state_manager
+    decisions = []
+    head.register_forward_hook(lambda *_: decisions.append(bool(manager.get_state().should_compute)))
+    with torch.no_grad():
+        latents = pipe(**(call | {"output_type": "latent"})).frames
+    return np.asarray(latents, np.float32), decisions
+
+
+def _ours(pipeline, checkpoint, request, workdir):
+    from safetensors.numpy import load_file
+
+    for stage in ("text", "denoise"):
+        reports = pipeline.run(request, pipeline.Options(quiet=True), preset=TINY, model=str(checkpoint),
+                               workdir=workdir, stage=stage, log=lambda _: None)
+    return load_file(workdir / "denoise.safetensors")["latents"], reports[-1].timings
+
+
+CASES = {  # family, pipeline, request, stock's cache config
+    "cogvideox-fbcache": (cogvideox_family, cogvideox, cogvideox.Request(
+        prompt="a panda", negative_prompt="blurry", frames=9, height=32, width=32, steps=STEPS, guidance=6.0, seed=3),
+        "fbcache", 0.6),
+    "cogvideox-magcache": (cogvideox_family, cogvideox, cogvideox.Request(
+        prompt="a panda", negative_prompt="blurry", frames=9, height=32, width=32, steps=STEPS, guidance=6.0, seed=3),
+        "magcache", 0.06),
+    "wan-fbcache": (wan_family, wan, wan.Request(  # guidance off: stock decides each branch of the pair apart
+        prompt="a fox", negative_prompt="blurry", frames=5, height=32, width=32, steps=STEPS, guidance=1.0, seed=3),
+        "fbcache", 0.15),
+    "wan-magcache": (wan_family, wan, wan.Request(  # the guidance pair: stock's two branches decide alike
+        prompt="a fox", negative_prompt="blurry", frames=5, height=32, width=32, steps=STEPS, guidance=5.0, seed=3),
+        "magcache", 0.06),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return {"cogvideox": cogvideox_family.tiny_checkpoint(tmp_path_factory.mktemp("cogvideox")),
+            "wan": wan_family.tiny_checkpoint(tmp_path_factory.mktemp("wan"))}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_replaying_stock_hooks_skips_gives_stock_latents(case, checkpoints, tmp_path):
+    """diffusers' FirstBlockCache / MagCache on the tiny checkpoint skip some steps at run time;
+    the same steps cached in the static two-program scheme give stock's latents. For MagCache the
+    decisions are also what `magcache_full_steps` computes from the same ratios."""
+    from diffusers import FirstBlockCacheConfig, MagCacheConfig
+
+    family, pipeline, request, method, threshold = CASES[case]
+    config = (FirstBlockCacheConfig(threshold=threshold) if method == "fbcache" else
+              MagCacheConfig(threshold=threshold, num_inference_steps=STEPS, mag_ratios=MAG_RATIOS))
+    expected, decisions = _stock(pipeline, family, checkpoints[family.FAMILY], request, config)
+    calls = len(decisions) // STEPS  # Wan's guidance pair: two calls a step, each its own cache context
+    per_step = [decisions[i * calls:(i + 1) * calls] for i in range(STEPS)]
+    assert all(len(set(d)) == 1 for d in per_step), per_step  # the branches agree (one decision a step here)
+    full = [i for i, d in enumerate(per_step) if d[0]]
+    print(f"{case}: stock ran steps {full} in full, cached the others")
+    assert 0 < len(full) < STEPS, full  # the hook cached some steps, not all
+    if method == "magcache":
+        assert full == stepcache.magcache_full_steps(MAG_RATIOS, threshold, STEPS)
+    replay = dataclasses.replace(request, step_cache=stepcache.StepCache(method, full=tuple(full)))
+    latents, timings = _ours(pipeline, checkpoints[family.FAMILY], replay, tmp_path)
+    assert timings["full_steps"] == full
+    error = float(np.abs(latents - expected).max())
+    print(f"{case}: max abs error vs stock with its hook: {error:.2e} (latents up to {np.abs(expected).max():.2f})")
+    assert latents.shape == expected.shape and error <= 1e-4, error
+
+
+# --- every family: the two programs, their FLOPs, and HunyuanVideo-1.5 -------------------------------
+
+@pytest.mark.parametrize("name", ["cogvideox", "wan", "hunyuan"])
+def test_the_speedup_bound_comes_from_the_compiled_programs_flops(name):
+    """Each method's cached step counts fewer FLOPs than its full step in XLA's cost analysis
+    (the tiny configs, planned on `meta`); the bound for a schedule follows from them."""
+    import importlib
+
+    import jax
+
+    from tpupedia import bench, devices
+
+    family = importlib.import_module(f"tpupedia.models.{name}")
+    pipeline = importlib.import_module(f"tpupedia.pipelines.{name}")
+    configs = family.component_configs(str(family.tiny_checkpoint()))
+    mesh = devices.make_mesh(pipeline.common.default_mesh_shape(jax.device_count()), ("dp", "tp"))
+    bounds = {}
+    for text in ("fbcache:full=0,2,4", "magcache:full=0,2,4", "deepcache:full=0,2,4"):
+        request = pipeline.Request(prompt="a fox", **(family.default_request(TINY) | {
+            "steps": STEPS, "step_cache": stepcache.parse_step_cache(text)}))
+        record = bench.step_cache_bound(name, request, pipeline.Options(quiet=True), configs, mesh)
+        assert 0 < record["cached_flops"] < record["full_flops"], record
+        assert record["full_steps"] == 3 and 1 < record["bound"] <= 2, record
+        bounds[text.split(":")[0]] = round(record["bound"], 3)
+    print(f"{name}: speed-up bound for 3 full steps of 6, from the FLOPs: {bounds}")
+
+
+def test_hunyuan_takes_a_step_cache(tmp_path):
+    """HunyuanVideo-1.5 (no diffusers hook to compare with; the block caching is the same code
+    whose replay equals stock's hooks for CogVideoX and Wan): a cached schedule runs its two
+    programs and changes the latents; `--deepcache` and `--step-cache` are one at a time."""
+    from safetensors.numpy import load_file
+
+    from tpupedia.models import hunyuan as family
+    from tpupedia.pipelines import hunyuan
+
+    checkpoint = family.tiny_checkpoint()
+    request = hunyuan.Request(prompt="a fox", **(family.default_request(TINY) | {"steps": 4}))
+
+    def latents(step_cache, stages=("denoise",)):  # one workdir: the text stage once, the denoise stage each time
+        req = dataclasses.replace(request, step_cache=step_cache and stepcache.parse_step_cache(step_cache))
+        for stage in stages:
+            reports = hunyuan.run(req, hunyuan.Options(quiet=True), preset=TINY, model=str(checkpoint),
+                                  workdir=tmp_path, stage=stage, log=lambda _: None)
+        return load_file(tmp_path / "denoise.safetensors")["latents"], reports[-1].timings
+
+    plain, _ = latents(None, ("text", "denoise"))
+    cached, timings = latents("fbcache:full=0,2")
+    assert timings["full_steps"] == [0, 2] and np.abs(cached - plain).max() > 1e-3
+    with pytest.raises(TpupediaError, match="one step cache at a time"):
+        hunyuan.validate(dataclasses.replace(request, deepcache=stepcache.Schedule(1, 4, 2),
+                                             step_cache=stepcache.StepCache("fbcache", threshold=0.1)),
+                         hunyuan.Options())
