@@ -114,18 +114,28 @@ def _plan(args: argparse.Namespace) -> int:
 
     pipeline = _pipeline_module(args.model_family)
     family = pipeline.PIPELINE.family
-    fields = family.default_request(presets.get("full")) | pipeline.PIPELINE.release_request(args.model) | {
+    release = _few_step(args)
+    model = args.model if args.model is not None or release is None else release.model
+    fields = family.default_request(presets.get("full")) | pipeline.PIPELINE.release_request(model) | (
+        release.request_fields() if release else {}) | {
         k: v for k, v in (("frames", args.frames), ("steps", args.steps)) if v is not None}
     if args.resolution:
         from tpupedia import dryrun
 
         fields["width"], fields["height"] = dryrun.parse_resolution(args.resolution, 16)
-    request = pipeline.Request(prompt=args.prompt, image=getattr(args, "image", None), lora=_adapters(args), **fields,
-                               **_family_values(args, pipeline))
+    fields |= _unset_left(_family_values(args, pipeline), fields)
+    adapters = _adapters(args)
+    if release is not None:
+        if release.image_to_video and getattr(args, "image", None) is None:
+            raise CommandLineError(f"--release {release.name} generates from a picture: give --image PICTURE")
+        adapters = _release_adapters(args, release, adapters, model, pretrained=True, local_only=True) + adapters
+    request = pipeline.Request(prompt=args.prompt, image=getattr(args, "image", None), lora=adapters, **fields)
+    if release is not None:
+        print(_release_line(release, fields, model, adapters) + f"; planned with {request.steps} steps")
     pipeline.PIPELINE.check_size_given(request, ["--resolution"] if args.resolution else [])
     options = common.Options(mesh=common.parse_mesh(args.mesh) if args.mesh else None, sharding=args.sharding,
                              attention=args.attention, block_sizes=_block_sizes(args.block_sizes))
-    result = plan.make(args.model_family, request, options, model=args.model, topology=args.topology,
+    result = plan.make(args.model_family, request, options, model=model, topology=args.topology,
                        layers=args.layers, vae_tiling=args.vae_tiling, resident=args.batch,
                        stages=tuple(s.strip() for s in args.stages.split(",")) if args.stages else plan.STAGES)
     print(result.summary())
@@ -142,6 +152,68 @@ def _adapters(args: argparse.Namespace) -> tuple:
     from tpupedia import lora
 
     return lora.parse_all(getattr(args, "lora", None))
+
+
+def _few_step(args: argparse.Namespace):
+    """The `--release NAME` of the command's family (`tpupedia.families.few_step`), or `None`
+    (`ReleaseError`: one line naming it and what there is, before anything loads)."""
+    name = getattr(args, "release", None)
+    if name is None:
+        return None
+    from tpupedia import families
+
+    return families.few_step(args.model_family, name)
+
+
+def _unset_left(values: dict, fields: dict) -> dict:
+    """The family's flag values (`_family_values`) a release's defaults keep: a flag not given
+    (`None`) does not replace a value `fields` already has."""
+    return {k: v for k, v in values.items() if v is not None or k not in fields}
+
+
+def _release_adapters(args: argparse.Namespace, release, given: tuple, source: str, *, pretrained: bool,
+                      local_only: bool = False) -> tuple:
+    """The release's adapters for the components `--lora` does not already adapt
+    (`tpupedia.families.release_adapters`); with `local_only`, those in the Hugging Face cache,
+    the others said in a line."""
+    from tpupedia import families
+
+    found = families.release_adapters(args.model_family, release, source, pretrained, local_only=local_only,
+                                      skip=tuple(a.component for a in given))
+    missing = [a for a, f in zip([a for a in release.adapters if a.component not in {g.component for g in given}],
+                                 found) if f is None]
+    if missing:
+        print(f"  release {release.name}: {', '.join(a.where for a in missing)} not in the Hugging Face cache: "
+              "the fuse's host memory is not counted (the planned programs are the same with the adapters fused)")
+    return tuple(f for f in found if f is not None)
+
+
+def _release_line(release, fields: dict, model: str, adapters: tuple) -> str:
+    """What a `--release` applied, in one line: each default and whether a flag replaced it, the
+    checkpoint, the adapters, and what differs from the upstream reference run."""
+    wanted = release.request_fields()
+    parts = [f"{k} {fields[k]}" + ("" if fields[k] == v else f" (--{k.replace('_', '-')} given; the release's is {v})")
+             for k, v in wanted.items()]
+    line = f"release {release.name} ({release.title}): {', '.join(parts)}; checkpoint {model}"
+    if adapters:
+        line += "; adapters " + ", ".join(f"{a.path}:{a.scale:g}@{a.component}" for a in adapters)
+    if release.note:
+        line += f"; note: {release.note}"
+    return line
+
+
+def _named(args: argparse.Namespace, family) -> str | None:
+    """The checkpoint the user named (`--model`, the family's environment variable), or `None`
+    for the preset's own, the tiny checkpoint of a `--release` on the tiny preset included."""
+    return None if getattr(args, "release_tiny", False) else family.named_source(args.model)
+
+
+def _add_release_flag(parser: argparse.ArgumentParser, spec) -> None:
+    """`--release NAME` (every video family, so that another family's release name is refused in one line)."""
+    parser.add_argument("--release", default=None, metavar="NAME",
+                        help="a step-distilled or few-step release with its own defaults (steps, guidance, shift, "
+                             "adapters; flags you give win): " + ("; ".join(
+                                 f"{r.name}: {r.title}" for r in spec.few_step.values()) or "none for this family"))
 
 
 def _add_lora_flag(parser: argparse.ArgumentParser, family: str) -> None:
@@ -214,20 +286,34 @@ def _generate_setup(args: argparse.Namespace):
     if args.devices is not None and not preset.simulated_devices:
         raise CommandLineError(f"--devices {args.devices} sets how many CPU devices the {preset.name} preset "
                                "simulates; it has none (it uses the machine's devices)")
-    fields = family.default_request(preset) | {k: v for k, v in (
+    release = _few_step(args)
+    fields = family.default_request(preset) | (release.request_fields() if release else {}) | {k: v for k, v in (
         ("frames", args.frames), ("height", args.height), ("width", args.width), ("steps", args.steps),
         ("guidance", args.guidance), ("seed", args.seed), ("fps", args.fps)) if v is not None}
-    fields |= _family_values(args, pipeline)
+    fields |= _unset_left(_family_values(args, pipeline), fields)
+    adapters = _adapters(args)
+    if release is not None:
+        from tpupedia import families
+
+        if release.image_to_video and getattr(args, "image", None) is None and not getattr(args, "prompts", None):
+            raise CommandLineError(f"--release {release.name} generates from a picture: give --image PICTURE")
+        source = args.model or family.named_source(None)
+        if source is None:  # the preset's: the release's checkpoint, or on the tiny preset one of its layout
+            source = args.model = families.release_checkpoint(args.model_family, release, preset.pretrained)
+            args.release_tiny = not preset.pretrained
+        adapters = _release_adapters(args, release, adapters, source, pretrained=preset.pretrained) + adapters
+        if not args.quiet:
+            print(_release_line(release, fields, source, adapters))
     request = pipeline.Request(prompt=args.prompt or "(from --prompts)", negative_prompt=args.negative_prompt,
                                vae_tiling=args.vae_tiling == "on", image=getattr(args, "image", None),
-                               lora=_adapters(args), **fields)
+                               lora=adapters, **fields)
     options = common.Options(mesh=common.parse_mesh(args.mesh) if args.mesh else None, sharding=args.sharding,
                              attention=args.attention, block_sizes=_block_sizes(args.block_sizes), vae=args.vae, quiet=args.quiet,
                              dtype=args.dtype)
     pipeline.PIPELINE.check_size_given(request, [f for f, v in (("--width", args.width), ("--height", args.height))
                                                  if v is not None])
     configs = None  # a checkpoint named on the command line: its configs' rules (JSON only, no weights)
-    if family.named_source(args.model):
+    if family.named_source(args.model):  # a release's tiny checkpoint too: its adapters are checked against it
         configs = family.component_configs(family.model_source(preset, args.model)[0])
     if getattr(args, "prompts", None):  # every line of the batch, its picture included
         from tpupedia import batch
@@ -243,7 +329,7 @@ def _generate_setup(args: argparse.Namespace):
         common.check_workdir(args.workdir)
     if distributed.requested():  # one process of a `tpupedia launch` job (notebook `beyond_one_host`)
         distributed.initialize()
-    elif preset.simulated_devices and (args.devices or not family.named_source(args.model)):
+    elif preset.simulated_devices and (args.devices or not _named(args, family)):
         devices.simulate_cpu_devices(args.devices or preset.simulated_devices)
     elif preset.simulated_devices:  # a checkpoint of any size: the devices this machine has (notebook `beyond_one_host`)
         import jax
@@ -279,7 +365,7 @@ def _preflight(args: argparse.Namespace, family, preset, options, configs):
     (`plan.preflight`: a TPU's HBM, or on CPU devices the host's memory; cached per shape) before
     any weight loads, VAE tiling resolved; otherwise `None`. A batch plans each request for one
     process's own chips, models resident; one video for the job's."""
-    if args.no_plan or not (preset.pretrained or family.named_source(args.model)):
+    if args.no_plan or not (preset.pretrained or _named(args, family)):
         return None  # the tiny preset's own models: seconds and megabytes
     import jax
 
@@ -437,6 +523,7 @@ def _add_generate_arguments(p: argparse.ArgumentParser, spec, *, stages: bool) -
                    help="simulated CPU devices (the tiny preset: default its 8, or none for a checkpoint named with "
                         "--model, which runs on this machine's devices; simulated devices share the host's memory)")
     _add_family_flags(p, _pipeline_module(family))
+    _add_release_flag(p, spec)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -514,6 +601,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 "is only checked, its size does not matter)")
         _add_family_flags(q, _pipeline_module(spec.name))
         _add_lora_flag(q, name)
+        _add_release_flag(q, spec)
         q.add_argument("--json", default=None, help="also write the plan as JSON to this file")
         q.add_argument("--record", default=None, nargs="?", const="docs/results/plans.json",
                        help="merge the plan into a results file (default docs/results/plans.json)")

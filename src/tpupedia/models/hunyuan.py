@@ -45,7 +45,7 @@ from typing import Any
 
 from tpupedia.models import ModelInputError, checkpoints, tokenizer_files
 from tpupedia.models.shapes import ShapeFacts
-from tpupedia.models.spec import FamilySpec, QuotedFigure
+from tpupedia.models.spec import FamilySpec, FewStepRelease, QuotedFigure
 
 __all__ = ["FAMILY", "FULL_ID", "FULL_LAYERS", "TEMPORAL_COMPRESSION", "SPATIAL_COMPRESSION", "PATCH_SIZE",
            "LATENT_CHANNELS", "DEFAULT_SHAPES", "SHARDING", "SPEC", "shape_facts", "TEXT_SLOTS", "SPLASH_BLOCK_SIZES", "ENV_MODEL", "ModelInputError",
@@ -55,11 +55,22 @@ __all__ = ["FAMILY", "FULL_ID", "FULL_LAYERS", "TEMPORAL_COMPRESSION", "SPATIAL_
            "PaddingAttnProcessor", "make_jit_friendly", "padded_forward", "conditioning", "blocks", "final", "deepcache_full",
            "deepcache_cached", "CACHE_BLOCKS", "CACHE_TEXT_STREAM", "KEEP_ALL_TEXT_BELOW", "kept_text_tokens", "mask_elements", "tiny_checkpoint", "model_source", "named_source", "component_configs",
            "FULL_ID_I2V", "image_to_video", "image_tokens", "video_size", "full_image_encoder_config",
-           "tiny_image_encoder_config", "tiny_image_processor", "image_condition", "slot_tokens"]
+           "tiny_image_encoder_config", "tiny_image_processor", "image_condition", "slot_tokens", "FULL_ID_STEP_DISTILLED",
+           "STEP_DISTILLED", "FEW_STEP", "tiny_release_checkpoint", "tiny_release_adapters"]
 
 FAMILY = "hunyuan"
 FULL_ID = "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_t2v"
 FULL_ID_I2V = "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_i2v"
+FULL_ID_STEP_DISTILLED = "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_i2v_step_distilled"
+"""The step-distilled 480p image-to-video release in diffusers' layout (`use_meanflow`: each step also
+embeds the next step's timestep); `--release step-distilled`."""
+STEP_DISTILLED_TRANSFORMER = dict(target_size=640, task_type="i2v", use_meanflow=True)
+"""What its transformer config sets (diffusers' conversion script, huggingface/diffusers PR #12802,
+`TRANSFORMER_CONFIGS["480p_i2v_step_distilled"]`)."""
+STEP_DISTILLED_SHIFT = 7.0
+"""Its scheduler's shift (the same script's `SCHEDULER_CONFIGS["480p_i2v_step_distilled"]`)."""
+STEP_DISTILLED_GUIDANCE = 1.0
+"""Its guider's scale, guidance off (the same script's `GUIDANCE_CONFIGS["480p_i2v_step_distilled"]`)."""
 TARGET_SIZE = 960
 """The 720p releases' `target_size` (diffusers' conversion script, `TRANSFORMER_CONFIGS`; 640 for
 480p): the pixel scale image-to-video's size buckets are built around (`video_size`)."""
@@ -128,23 +139,30 @@ def full_text_encoder_configs() -> dict[str, dict[str, Any]]:
                                    feed_forward_proj="gated-gelu")}
 
 
-def full_configs(image_to_video: bool = False) -> dict[str, dict]:
+def full_configs(image_to_video: bool = False, step_distilled: bool = False) -> dict[str, dict]:
     """The released checkpoint's component configs, as `component_configs` reads them from a
     download, for planning without one (`tpupedia plan`): transformer, VAE, scheduler and guider
     at diffusers' defaults (the 720p shapes; the scheduler's shift and the guider's scale
     change numbers, not shapes), the text encoders above; `image_to_video`: the 720p i2v
-    release's, with its SigLIP image encoder (`full_image_encoder_config`)."""
+    release's, with its SigLIP image encoder (`full_image_encoder_config`); `step_distilled`: the
+    step-distilled 480p i2v release's (`FULL_ID_STEP_DISTILLED`: `STEP_DISTILLED_TRANSFORMER`, its
+    shift and guidance scale)."""
     import torch
     from diffusers import AutoencoderKLHunyuanVideo15, FlowMatchEulerDiscreteScheduler, HunyuanVideo15Transformer3DModel
     from diffusers.guiders import ClassifierFreeGuidance
     from transformers import Qwen2_5_VLTextConfig, T5Config
 
     with torch.device("meta"):
-        transformer = dict(HunyuanVideo15Transformer3DModel(**full_transformer_config(1, image_to_video)).config)
+        overrides = STEP_DISTILLED_TRANSFORMER if step_distilled else {}
+        transformer = dict(HunyuanVideo15Transformer3DModel(**(full_transformer_config(1, image_to_video)
+                                                                | overrides)).config)
         vae = dict(AutoencoderKLHunyuanVideo15().config)
     text = full_text_encoder_configs()
     configs = {"transformer": transformer | {"num_layers": FULL_LAYERS}, "vae": vae,
-               "scheduler": dict(FlowMatchEulerDiscreteScheduler().config), "guider": dict(ClassifierFreeGuidance().config),
+               "scheduler": dict(FlowMatchEulerDiscreteScheduler(**(
+                   {"shift": STEP_DISTILLED_SHIFT} if step_distilled else {})).config),
+               "guider": dict(ClassifierFreeGuidance(**(
+                   {"guidance_scale": STEP_DISTILLED_GUIDANCE} if step_distilled else {})).config),
                "text_encoder": Qwen2_5_VLTextConfig(**text["text_encoder"]).to_dict(),
                "text_encoder_2": T5Config(**text["text_encoder_2"]).to_dict()}
     if image_to_video:
@@ -663,11 +681,31 @@ SHARDING: dict[str, list] = {
     "replicated": [],
 }
 
+_STEP_SOURCES = (
+    "steps: tencent/HunyuanVideo-1.5's README (news of Dec 05, 2025) and assets/step_distillation_comparison.md: "
+    "\"8 or 12 steps: recommended default setting\" (the comparisons are at 8), \"4 steps: faster generation with "
+    "slightly reduced quality\"",
+    "guidance 1.0 (off) and shift 7.0: diffusers' conversion script for 480p_i2v_step_distilled (huggingface/diffusers "
+    "PR #12802, GUIDANCE_CONFIGS and SCHEDULER_CONFIGS), what the checkpoint's guider and scheduler configs hold",
+)
+STEP_DISTILLED = FewStepRelease(
+    name="step-distilled", title="HunyuanVideo-1.5 480p image-to-video, step-distilled: 8 steps, guidance off",
+    model=FULL_ID_STEP_DISTILLED, steps=8, guidance=STEP_DISTILLED_GUIDANCE, fields={"shift": STEP_DISTILLED_SHIFT},
+    image_to_video=True, sources=_STEP_SOURCES)
+STEP_DISTILLED_FAST = FewStepRelease(
+    name="step-distilled-4", title="HunyuanVideo-1.5 480p image-to-video, step-distilled at its fastest: 4 steps",
+    model=FULL_ID_STEP_DISTILLED, steps=4, guidance=STEP_DISTILLED_GUIDANCE, fields={"shift": STEP_DISTILLED_SHIFT},
+    image_to_video=True, sources=_STEP_SOURCES)
+FEW_STEP = {r.name: r for r in (STEP_DISTILLED, STEP_DISTILLED_FAST)}
+"""The family's step-distilled releases by name (`FamilySpec.few_step`, `--release NAME`)."""
+
 SPEC = FamilySpec(
     name=FAMILY, module=__name__, full_id=FULL_ID, sharding=SHARDING, mask="padding",
     dryrun_masks=("vector", "matrix"),
     title="HunyuanVideo-1.5 (720p t2v on the full preset): Qwen2.5-VL + ByT5 -> transformer -> VAE",
-    releases={FULL_ID: {}, FULL_ID_I2V: {"image_to_video": True}},
+    releases={FULL_ID: {}, FULL_ID_I2V: {"image_to_video": True},
+              FULL_ID_STEP_DISTILLED: {"image_to_video": True, "step_distilled": True}},
+    few_step=FEW_STEP,
     figures=(
         QuotedFigure("upstream.hunyuan.step_s.tp_fc2", "upstream_step",
                      match={"name": "HunyuanVideo-1.5 720p t2v, TP + fc2 replicated"}, decimals=2,
@@ -800,3 +838,16 @@ def component_configs(source: str) -> dict[str, dict]:
             "image_encoder": lambda s: AutoConfig.from_pretrained(s, subfolder="image_encoder").to_dict()})
         configs["pipeline"] = {"feature_extractor": index["feature_extractor"]}
     return configs
+
+
+def tiny_release_checkpoint(name: str) -> Path:
+    """The tiny checkpoint of release `name`'s layout (`FEW_STEP`): image-to-video with the
+    step-distilled transformer's second timestep embedding (`use_meanflow`)."""
+    if name not in FEW_STEP:
+        raise ModelInputError(f"release {name!r} is not one of {', '.join(FEW_STEP)}")
+    return tiny_checkpoint(image_to_video=True, transformer={"use_meanflow": True})
+
+
+def tiny_release_adapters(_name: str, _source: str) -> dict[str, Path]:
+    """The step-distilled releases are whole checkpoints: no adapters."""
+    return {}

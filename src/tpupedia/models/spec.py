@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-__all__ = ["FamilySpec", "QuotedFigure", "KINDS", "MASKS", "FIGURE_READS"]
+__all__ = ["FamilySpec", "QuotedFigure", "FewStepRelease", "ReleaseAdapter", "KINDS", "MASKS", "FIGURE_READS"]
 
 KINDS = ("video", "llm", "vae")
 MASKS = ("padding", "causal_padding")
@@ -68,6 +68,52 @@ class QuotedFigure:
 
 
 @dataclass(frozen=True)
+class ReleaseAdapter:
+    """One LoRA file a few-step release fuses: where to get it (`repo` on the Hugging Face Hub,
+    `filename` in it), the transformer it goes into, its rank (what the tiny preset's adapter of
+    the same layout is built with) and the scale it is fused with."""
+
+    repo: str
+    filename: str
+    component: str = "transformer"
+    rank: int = 64
+    scale: float = 1.0
+
+    @property
+    def where(self) -> str:
+        return f"{self.repo}/{self.filename}"
+
+
+@dataclass(frozen=True)
+class FewStepRelease:
+    """A step-distilled or few-step release a user selects by name (`--release NAME`), with its
+    own defaults. The family module holds the table (`FamilySpec.few_step`), each value cited in
+    its `sources`; `tpupedia.families.few_step` looks one up, and the command line applies it,
+    flags the user gives winning, and prints what it applied."""
+
+    name: str
+    title: str
+    model: str
+    """The hub id of the checkpoint it runs (the full preset; the tiny preset builds a tiny
+    checkpoint of the same layout, the family module's `tiny_release_checkpoint`)."""
+    steps: int
+    guidance: float
+    fields: Mapping[str, Any] = field(default_factory=dict)
+    """The family's own request fields it sets (Wan's `guidance_2`, `shift`; HunyuanVideo-1.5's `shift`)."""
+    adapters: tuple[ReleaseAdapter, ...] = ()
+    image_to_video: bool = False
+    """It generates from a picture (`--image` is needed)."""
+    sources: tuple[str, ...] = ()
+    """Where each default comes from."""
+    note: str = ""
+    """What differs from the upstream reference run, said where it is applied."""
+
+    def request_fields(self) -> dict[str, Any]:
+        """The request fields it sets: steps, guidance and the family's own."""
+        return {"steps": self.steps, "guidance": self.guidance, **self.fields}
+
+
+@dataclass(frozen=True)
 class FamilySpec:
     """One model family, as the registry describes it (see the module docstring)."""
 
@@ -97,6 +143,8 @@ class FamilySpec:
     releases: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     """The released checkpoints whose component configs the family module builds without a
     download: hub id -> the keyword arguments of its `full_configs` (`tpupedia plan --model ID`)."""
+    few_step: Mapping[str, FewStepRelease] = field(default_factory=dict)
+    """The family's step-distilled and few-step releases by name (`--release NAME`)."""
 
     def __post_init__(self):
         if self.kind not in KINDS:

@@ -33,7 +33,7 @@ from typing import Any
 
 from tpupedia.models import ModelInputError, checkpoints, tokenizer_files
 from tpupedia.models.shapes import ShapeFacts
-from tpupedia.models.spec import FamilySpec
+from tpupedia.models.spec import FamilySpec, FewStepRelease, ReleaseAdapter
 
 __all__ = ["FAMILY", "FULL_ID", "FULL_ID_22", "CACHE_BLOCKS", "CACHE_TEXT_STREAM", "FULL_LAYERS", "DEFAULT_SHAPES", "TEXT_TOKENS", "TEXT_DIM",
            "SPLASH_BLOCK_SIZES", "SCHEDULER_CONFIG", "SHARDING", "SPEC", "ENV_MODEL", "ModelInputError",
@@ -43,7 +43,8 @@ __all__ = ["FAMILY", "FULL_ID", "FULL_ID_22", "CACHE_BLOCKS", "CACHE_TEXT_STREAM
            "model_source", "named_source", "component_configs", "experts", "boundary_timestep", "make_vae_jit_friendly",
            "FULL_ID_I2V", "FULL_ID_22_I2V", "i2v_transformer_config", "image_to_video", "full_image_encoder_config",
            "tiny_image_encoder_config", "tiny_image_processor", "condition_mask", "FLOAT32_COMPONENTS", "VAE_DTYPES",
-           "component_dtype", "flow_shift", "SMALL_ID", "TI2V_ID", "SIZES", "TI2V_VAE_CONFIG", "RELEASE_REQUESTS"]
+           "component_dtype", "flow_shift", "SMALL_ID", "TI2V_ID", "SIZES", "TI2V_VAE_CONFIG", "RELEASE_REQUESTS",
+           "LIGHTNING", "FEW_STEP", "tiny_release_checkpoint", "tiny_release_adapters", "lightning_layout_adapter"]
 
 FAMILY = "wan"
 FULL_ID = "Wan-AI/Wan2.1-T2V-14B-Diffusers"
@@ -156,12 +157,37 @@ SHARDING: dict[str, list] = {
     "replicated": [],
 }
 
+LIGHTNING_REPO = "lightx2v/Wan2.2-Lightning"
+LIGHTNING_FOLDER = "Wan2.2-T2V-A14B-4steps-lora-rank64-Seko-V1.1"
+LIGHTNING = FewStepRelease(
+    name="lightning", title="Wan2.2-T2V-A14B with the Lightning 4-step LoRAs (V1.1), one per expert, guidance off",
+    model=FULL_ID_22, steps=4, guidance=1.0, fields={"guidance_2": 1.0, "shift": 5.0},
+    adapters=(ReleaseAdapter(LIGHTNING_REPO, f"{LIGHTNING_FOLDER}/high_noise_model.safetensors", "transformer", 64),
+              ReleaseAdapter(LIGHTNING_REPO, f"{LIGHTNING_FOLDER}/low_noise_model.safetensors", "transformer_2", 64)),
+    sources=(
+        "steps 4, guidance (1.0, 1.0) for the low- and high-noise experts, shift 5.0: the Lightning code's "
+        "wan/configs/wan_t2v_A14B.py (ModelTC/Wan2.2-Lightning: sample_steps = 4, sample_guide_scale = (1.0, 1.0), "
+        "sample_shift = 5.0, boundary = 0.875, Wan 2.2's own)",
+        "adapters: the README of ModelTC/Wan2.2-Lightning (huggingface-cli download lightx2v/Wan2.2-Lightning; news of "
+        "Aug 07, 2025: Wan2.2-T2V-A14B-4steps-lora-rank64-Seko-V1.1), one file per expert, high_noise_model for the "
+        "high-noise expert (diffusers' transformer), low_noise_model for the low-noise one (transformer_2); rank 64 by "
+        "the folder's name; keys in the original Wan layout (diffusion_model.blocks.N.self_attn.q.lora_down.weight, "
+        "lora_up, alpha), which diffusers' WanLoraLoaderMixin converts",
+    ),
+    note="the Lightning authors sample with their Euler solver (their generate.py warns for any other); this run, "
+         "like stock WanPipeline with the adapters loaded, keeps the checkpoint's UniPC at shift 5.0",
+)
+"""Wan 2.2 A14B with the Lightning LoRAs: 4 steps, guidance off for both experts (`--release lightning`)."""
+FEW_STEP = {LIGHTNING.name: LIGHTNING}
+"""The family's few-step releases by name (`FamilySpec.few_step`)."""
+
 SPEC = FamilySpec(
     name=FAMILY, module=__name__, full_id=FULL_ID, sharding=SHARDING, mask="padding", layer_prefix="blocks.0.",
     title="Wan 2.1 / 2.2 (14B t2v on the full preset): umT5 -> transformer (or two experts) -> VAE",
     releases={FULL_ID: {}, FULL_ID_22: {"experts": 2}, FULL_ID_I2V: {"image_to_video": True},
               FULL_ID_22_I2V: {"experts": 2, "image_to_video": True}, SMALL_ID: {"size": "1.3B"},
               TI2V_ID: {"size": "5B"}},
+    few_step=FEW_STEP,
 )
 """This family in the registry (`tpupedia.families`)."""
 
@@ -584,3 +610,68 @@ def component_configs(source: str) -> dict[str, dict]:
     if (index.get("image_processor") or [None])[0] is not None:  # the class that preprocesses the picture
         configs["pipeline"]["image_processor"] = index["image_processor"]
     return configs
+
+
+# --- few-step releases on the tiny preset --------------------------------------------------------
+
+_LIGHTNING_MODULES = tuple(f"{attn}.{o}" for attn in ("self_attn", "cross_attn") for o in "qkvo") + ("ffn.0", "ffn.2")
+"""The layers of each block a Lightning adapter's keys name, in the original Wan names (diffusers' `attn1.to_q`,
+`attn2.to_q`, ..., `ffn.net.0.proj`, `ffn.net.2`)."""
+
+
+def lightning_layout_adapter(config: dict[str, Any], path: "str | os.PathLike", rank: int = 64, seed: int = 0,
+                             std: float = 0.02) -> Path:
+    """A random adapter for a transformer of `config` in the Lightning files' key layout (the original Wan
+    names under `diffusion_model.`, `lora_down` / `lora_up` and an `alpha` per layer; every attention
+    projection and both FFN layers of every block), of `rank`, written as safetensors. `alpha` is the
+    rank (scale 1) and the values are `std`-scaled normal draws: choices for a random test adapter, not
+    the release's."""
+    import torch
+    from safetensors.torch import save_file
+
+    dim = config["num_attention_heads"] * config["attention_head_dim"]
+    shapes = {f"{attn}.{o}": (dim, dim) for attn in ("self_attn", "cross_attn") for o in "qkvo"}
+    shapes |= {"ffn.0": (config["ffn_dim"], dim), "ffn.2": (dim, config["ffn_dim"])}
+    g = torch.Generator().manual_seed(seed)
+    state = {}
+    for i in range(config["num_layers"]):
+        for name in _LIGHTNING_MODULES:
+            out, inp = shapes[name]
+            key = f"diffusion_model.blocks.{i}.{name}"
+            state[f"{key}.lora_down.weight"] = torch.randn(rank, inp, generator=g) * std
+            state[f"{key}.lora_up.weight"] = torch.randn(out, rank, generator=g) * std
+            state[f"{key}.alpha"] = torch.tensor(float(rank))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(path))
+    return path
+
+
+def tiny_release_checkpoint(name: str) -> Path:
+    """The tiny checkpoint of release `name`'s layout (`FEW_STEP`): Lightning runs Wan 2.2's two experts."""
+    if name not in FEW_STEP:
+        raise ModelInputError(f"release {name!r} is not one of {', '.join(FEW_STEP)}")
+    return tiny_checkpoint(experts=2)
+
+
+def tiny_release_adapters(name: str, source: str) -> dict[str, Path]:
+    """Random adapters of release `name`'s key layout and ranks for checkpoint `source` (its transformers'
+    configs), by component, cached under `checkpoints.cache_dir()` by what they are built from."""
+    import hashlib
+    import json
+
+    from tpupedia import files
+
+    release = FEW_STEP[name]
+    configs = component_configs(source)
+    out: dict[str, Path] = {}
+    for k, adapter in enumerate(release.adapters):
+        config = checkpoints.clean_config(configs[adapter.component])
+        spec = json.dumps([name, adapter.filename, adapter.rank, config, k], sort_keys=True, default=str)
+        folder = checkpoints.cache_dir() / f"tiny-adapter-{name}-{hashlib.sha256(spec.encode()).hexdigest()[:12]}"
+        filename = Path(adapter.filename).name
+        if not (folder / filename).is_file():
+            files.directory_atomic(folder, lambda tmp, c=config, f=filename, r=adapter.rank, s=k:
+                                   lightning_layout_adapter(c, tmp / f, r, seed=s))
+        out[adapter.component] = folder / filename
+    return out

@@ -1,0 +1,209 @@
+"""Step-distilled and few-step releases (`--release NAME`, issue 41): each family's table of releases with
+their defaults in its module; on the tiny preset a checkpoint of the release's layout and, for Wan 2.2
+Lightning, random adapters of the Lightning files' key layout and rank built in code; the few-step run (the
+adapters fused, guidance off, the release's scheduler settings) equal to stock diffusers on the same weights;
+`plan` for a release with the steps it plans; bad names refused in one line before anything loads."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from test_image_to_video import _picture, frames_against_stock, stage_tensors
+
+from tpupedia import devices, families, lora, presets
+from tpupedia.cli import main
+from tpupedia.models import hunyuan, wan
+
+TINY = presets.get("tiny")
+
+
+def test_each_release_has_its_defaults_in_its_family_module_with_sources():
+    """Wan 2.2 Lightning: 4 steps, guidance 1 for both experts, shift 5, one rank-64 adapter per expert from
+    lightx2v/Wan2.2-Lightning; HunyuanVideo-1.5's step-distilled 480p i2v release: 8 steps (4 at its
+    fastest), guidance 1, shift 7. Each default is cited; the releases' checkpoints are built in (no download
+    to plan them) and the step-distilled one's configs are its layout's."""
+    assert families.release_names() == {"cogvideox": (), "hunyuan": ("step-distilled", "step-distilled-4"),
+                                        "wan": ("lightning",)}
+    lightning = families.few_step("wan", "lightning")
+    assert lightning is wan.LIGHTNING and lightning.model == wan.FULL_ID_22 in wan.SPEC.releases
+    assert lightning.request_fields() == {"steps": 4, "guidance": 1.0, "guidance_2": 1.0, "shift": 5.0}
+    assert [(a.repo, a.filename, a.component, a.rank) for a in lightning.adapters] == [
+        ("lightx2v/Wan2.2-Lightning", "Wan2.2-T2V-A14B-4steps-lora-rank64-Seko-V1.1/high_noise_model.safetensors",
+         "transformer", 64),
+        ("lightx2v/Wan2.2-Lightning", "Wan2.2-T2V-A14B-4steps-lora-rank64-Seko-V1.1/low_noise_model.safetensors",
+         "transformer_2", 64)]
+    distilled = families.few_step("hunyuan", "step-distilled")
+    assert distilled.request_fields() == {"steps": 8, "guidance": 1.0, "shift": 7.0} and distilled.image_to_video
+    assert families.few_step("hunyuan", "step-distilled-4").steps == 4
+    configs = hunyuan.full_configs(**hunyuan.SPEC.releases[distilled.model])
+    assert configs["transformer"]["use_meanflow"] and configs["transformer"]["target_size"] == 640
+    assert configs["scheduler"]["shift"] == 7.0 and configs["guider"]["guidance_scale"] == 1.0
+    for release in (lightning, distilled):
+        assert release.sources and all(len(s) > 40 for s in release.sources)
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["generate", "hunyuan", "--release", "lightning"], "--release 'lightning' is a release of wan"),
+    (["generate", "cogvideox", "--release", "step-distilled"], "is a release of hunyuan"),
+    (["generate", "wan", "--release", "turbo"], "--release 'turbo' is not a release of wan; its releases: lightning"),
+    (["plan", "wan", "--release", "turbo"], "its releases: lightning"),
+    (["generate", "hunyuan", "--release", "step-distilled"], "generates from a picture: give --image PICTURE"),
+], ids=["another family's", "cogvideox has none", "no such release", "plan too", "i2v without a picture"])
+def test_bad_release_names_are_refused_in_one_line_before_anything_loads(argv, named, capsys, monkeypatch):
+    from tpupedia.models import checkpoints
+
+    loaded = []
+    monkeypatch.setattr(checkpoints, "load_component", lambda *a, **k: loaded.append(a))
+    assert main([*argv, "--prompt", "a cat"] if argv[0] == "generate" else argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert named in err and len(err.splitlines()) == 1, err
+    assert loaded == []
+
+
+def test_a_release_adapter_that_cannot_be_had_is_one_line_naming_where_to_get_it(monkeypatch):
+    """On the full preset the adapters come from the Hub (its cache, else a download); offline and not cached,
+    the run stops in one line naming the repository, the file and the command that fetches it."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", "/nonexistent-hub-cache")
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    release = families.few_step("wan", "lightning")
+    with pytest.raises(families.ReleaseError) as info:
+        families.release_adapters("wan", release, release.model, pretrained=True)
+    message = str(info.value)
+    assert len(message.splitlines()) == 1
+    assert "huggingface-cli download lightx2v/Wan2.2-Lightning Wan2.2-T2V-A14B-4steps-lora-rank64-Seko-V1.1/" in message
+    assert "--lora PATH@transformer" in message
+    assert families.release_adapters("wan", release, release.model, pretrained=True, local_only=True) == (None, None)
+    only_low = families.release_adapters("wan", release, release.model, pretrained=True, local_only=True,
+                                         skip=("transformer",))
+    assert only_low == (None,)
+
+
+def _wan_request(**changes):
+    from tpupedia.pipelines import wan as pipeline
+
+    release = families.few_step("wan", "lightning")
+    fields = dict(prompt="a panda playing a guitar", negative_prompt="blurry", frames=9, height=32, width=32, seed=3,
+                  fps=8) | release.request_fields()
+    return pipeline.Request(**(fields | changes))
+
+
+def test_lightning_on_tiny_weights_gives_stock_frames(tmp_path):
+    """Wan 2.2's two experts (tiny), each with a rank-64 adapter in the Lightning files' key layout built in
+    code, fused on the host: 4 steps, guidance off for both experts, UniPC at shift 5 give the frames of stock
+    `WanPipeline` with the same files loaded (`load_lora_weights`, `load_into_transformer_2=True`), fused,
+    `guidance_scale=guidance_scale_2=1`, its scheduler rebuilt with `flow_shift=5` (fp32, 1e-4). Without the
+    adapters the frames differ (the adapters are not no-ops), and guidance off means no guidance pair."""
+    from diffusers import WanPipeline
+
+    from tpupedia.pipelines import stages
+    from tpupedia.pipelines import wan as pipeline
+
+    release = families.few_step("wan", "lightning")
+    source = families.release_checkpoint("wan", release, pretrained=False)
+    adapters = families.release_adapters("wan", release, source, pretrained=False)
+    assert [a.component for a in adapters] == ["transformer", "transformer_2"]
+    from safetensors import safe_open
+
+    with safe_open(adapters[0].path, "pt") as f:
+        keys = list(f.keys())
+        assert f.get_tensor("diffusion_model.blocks.0.self_attn.q.lora_down.weight").shape[0] == 64
+    assert "diffusion_model.blocks.1.ffn.2.lora_up.weight" in keys and "diffusion_model.blocks.0.cross_attn.o.alpha" in keys
+    request = _wan_request(lora=adapters)
+    reports = pipeline.run(request, pipeline.Options(quiet=True), preset=TINY, model=source, workdir=tmp_path,
+                           log=lambda _: None)
+    denoise = {r.stage: r for r in reports}["denoise"]
+    assert denoise.timings["steps_per_expert"] == {"transformer": 2, "transformer_2": 2}  # boundary 875 at shift 5
+    configs = wan.component_configs(source)
+    frames = stages.read(tmp_path, "decode", pipeline.Wan.settings_for(
+        source, configs, request, pipeline.Options(), torch.float32, "decode")).tensors["frames"].numpy()
+    pipe, call = pipeline.stock(source, request)
+    assert isinstance(pipe, WanPipeline) and call["guidance_scale"] == call["guidance_scale_2"] == 1.0
+    assert pipe.scheduler.config.flow_shift == 5.0
+    pipe.load_lora_weights(adapters[0].path, adapter_name="high")
+    pipe.load_lora_weights(adapters[1].path, adapter_name="low", load_into_transformer_2=True)
+    pipe.fuse_lora(components=["transformer"], adapter_names=["high"], lora_scale=1.0)
+    pipe.fuse_lora(components=["transformer_2"], adapter_names=["low"], lora_scale=1.0)
+    pipe.unload_lora_weights()
+    expected = pipe(**call).frames[0]
+    assert frames.shape == expected.shape == (9, 32, 32, 3)
+    error = float(np.abs(frames - expected).max())
+    print(f"Lightning, tiny: max abs error vs stock WanPipeline {error:.2e}")
+    assert error <= 1e-4 and frames.std() > 0.01
+    plain, plain_call = pipeline.stock(source, dataclasses.replace(request, lora=()))
+    assert float(np.abs(plain(**plain_call).frames[0] - expected).max()) > 1e-3  # the adapters change the video
+
+
+def test_step_distilled_on_tiny_weights_gives_stock_frames(tmp_path):
+    """HunyuanVideo-1.5's step-distilled layout (image-to-video, `use_meanflow`) with the release's defaults at
+    its fastest (4 steps, guidance 1: no guidance pair, shift 7): stock `HunyuanVideo15ImageToVideoPipeline`'s
+    frames within 1e-4 (fp32) from the same weights, picture and seed."""
+    from tpupedia.pipelines import hunyuan as pipeline
+
+    release = families.few_step("hunyuan", "step-distilled-4")
+    source = families.release_checkpoint("hunyuan", release, pretrained=False)
+    assert hunyuan.component_configs(source)["transformer"]["use_meanflow"]
+    request = pipeline.Request(prompt="a cat on a skateboard", negative_prompt="blurry", frames=9, seed=7, fps=8,
+                               image=_picture(tmp_path / "in.png", 48, 48), **release.request_fields())
+    frames_against_stock(pipeline, source, request, tmp_path / "w", (64, 64), "step-distilled-4")
+    denoise = stage_tensors(pipeline, tmp_path / "w", source, request, "denoise")
+    assert denoise["latents"].shape[0] == 1
+
+
+def test_generate_prints_what_a_release_applied_and_flags_win(capsys, monkeypatch):
+    """`generate --release` runs the release's defaults on the tiny preset's checkpoint of its layout, the
+    adapters built in code, and says so in one line; a flag the user gives replaces the release's value and
+    the line says whose it was. (The run itself is stubbed: the parity tests above run it.)"""
+    from tpupedia.pipelines import wan as pipeline
+
+    seen = []
+    monkeypatch.setattr(pipeline, "run", lambda request, options, **kw: seen.append((request, kw)) or [])
+    assert main(["generate", "wan", "--preset", "tiny", "--release", "lightning", "--prompt", "a fox", "--steps", "6",
+                 "--frames", "5", "--width", "32", "--height", "32"]) == 0
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines() if line.startswith("release lightning"))
+    assert "steps 6 (--steps given; the release's is 4)" in line and "guidance 1.0" in line and "shift 5.0" in line
+    assert "@transformer_2" in line and "Euler" in line
+    (request, kw), = seen
+    assert (request.steps, request.guidance, request.guidance_2, request.shift) == (6, 1.0, 1.0, 5.0)
+    assert [a.component for a in request.lora] == ["transformer", "transformer_2"]
+    assert kw["model"] == str(wan.tiny_checkpoint(experts=2))
+
+
+@pytest.mark.skipif(not devices.has_libtpu(), reason="AOT compiles for a TPU need libtpu")
+@pytest.mark.parametrize("family, release", [("wan", "lightning"), ("hunyuan", "step-distilled")])
+def test_plan_runs_for_a_release_on_its_tiny_checkpoint_and_prints_its_steps(family, release, tmp_path, capsys):
+    """`tpupedia plan FAMILY --release NAME --model TINY`: the release's defaults, the denoising step compiled
+    for a v6e slice and called the release's number of times (Lightning: both experts, 4 steps in all,
+    no guidance pair), and the step count in the release's line."""
+    chosen = families.few_step(family, release)
+    source = families.release_checkpoint(family, chosen, pretrained=False)
+    argv = ["plan", family, "--release", release, "--model", source, "--topology", "v6e:2x2", "--stages", "denoise",
+            "--frames", "5", "--json", str(tmp_path / "plan.json")]
+    argv += ["--image", _picture(tmp_path / "in.png", 32, 32)] if chosen.image_to_video else ["--resolution", "32x32"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"release {release} (" in out and f"planned with {chosen.steps} steps" in out
+    import json
+
+    record = json.loads((tmp_path / "plan.json").read_text())
+    (stage,) = [s for s in record["stages"] if s["stage"] == "denoise"]
+    assert sum(p["calls"] for p in stage["programs"]) == chosen.steps
+    assert all("guidance pair" not in p["name"] for p in stage["programs"])
+
+
+def test_the_tiny_lightning_adapters_fit_the_checkpoint_and_its_lora_checks():
+    """The adapters built in code pass `tpupedia.lora.check` against the tiny Wan 2.2 checkpoint, each into its
+    own expert; swapped, they are still the right shapes (both experts have one shape): the component decides."""
+    release = families.few_step("wan", "lightning")
+    source = families.release_checkpoint("wan", release, pretrained=False)
+    adapters = families.release_adapters("wan", release, source, pretrained=False)
+    lora.check(adapters, wan, wan.component_configs(source))
+    one = wan.component_configs(str(wan.tiny_checkpoint()))
+    with pytest.raises(lora.LoraError, match="no 'transformer_2'"):
+        lora.check(adapters, wan, one)
