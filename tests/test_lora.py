@@ -61,7 +61,7 @@ def cog(tmp_path_factory):
     """A tiny CogVideoX checkpoint and three adapters: rank 2 on the attention's q/k, rank 8 with
     alpha 16 (scaling 2) on the feed-forward, the output projection and a norm's linear, rank 4 on v."""
     folder = tmp_path_factory.mktemp("lora-cog")
-    source = str(cog_family.tiny_checkpoint(folder / "ckpt"))
+    source = str(cog_family.tiny_checkpoint())
     adapters = {
         "qk": write_adapter(cog_family, source, folder / "qk.safetensors", 2, ["to_q", "to_k"], seed=1),
         "ff": write_adapter(cog_family, source, folder / "ff.safetensors", 8, ["ff.net.0.proj", "proj_out", "norm1.linear"],
@@ -231,7 +231,7 @@ def test_a_wan_community_adapter_for_the_low_noise_expert_fuses_as_stock(tmp_pat
 
     from tpupedia.models import wan
 
-    source = str(wan.tiny_checkpoint(tmp_path / "wan2", experts=2))
+    source = str(wan.tiny_checkpoint(experts=2))
     configs = wan.component_configs(source)
     path = _wan_community_adapter(source, tmp_path / "lightning_low.safetensors", "transformer_2")
     adapter = lora.parse(f"{path}:0.7@transformer_2")
@@ -245,7 +245,7 @@ def test_a_wan_community_adapter_for_the_low_noise_expert_fuses_as_stock(tmp_pat
     assert list(mine) == list(stock) and all(torch.equal(mine[k], stock[k]) for k in mine)
     plain = _transformer(wan, source, "transformer_2").state_dict()
     assert not torch.equal(mine["blocks.0.attn1.to_q.weight"], plain["blocks.0.attn1.to_q.weight"])
-    one = wan.component_configs(str(wan.tiny_checkpoint(tmp_path / "wan1")))
+    one = wan.component_configs(str(wan.tiny_checkpoint()))
     with pytest.raises(lora.LoraError, match=r"no 'transformer_2'; an adapter goes into transformer$"):
         lora.check([adapter], wan, one)
 
@@ -257,7 +257,7 @@ def test_a_hunyuan_adapter_loads_through_its_transformer_with_or_without_the_pre
 
     from tpupedia.models import hunyuan
 
-    source = str(hunyuan.tiny_checkpoint(tmp_path / "hy"))
+    source = str(hunyuan.tiny_checkpoint())
     configs = hunyuan.component_configs(source)
     fused = {}
     for prefix in ("transformer", None):
@@ -277,10 +277,9 @@ def test_a_hunyuan_adapter_loads_through_its_transformer_with_or_without_the_pre
 
 
 @pytest.fixture(scope="module")
-def other_size(tmp_path_factory):
+def other_size():
     """A tiny CogVideoX checkpoint of another width (attention heads of 8, not the tiny preset's)."""
-    folder = tmp_path_factory.mktemp("lora-cog-wide")
-    return str(cog_family.tiny_checkpoint(folder / "ckpt", transformer={"attention_head_dim": 8}))
+    return str(cog_family.tiny_checkpoint(transformer={"attention_head_dim": 8}))
 
 
 def _one_line_refusal(call, *named) -> str:
@@ -310,7 +309,7 @@ def test_bad_adapters_are_refused_in_one_line_naming_the_value(cog, other_size, 
                       "no 'transformer_2'", "an adapter goes into transformer")
     wide = write_adapter(cog_family, other_size, tmp_path / "wide.safetensors", 2, ["to_q"])
     _one_line_refusal(check(lora.Adapter(str(wide))), "lora_A.weight has shape", "another family or model size")
-    wan_source = str(wan.tiny_checkpoint(tmp_path / "wan"))
+    wan_source = str(wan.tiny_checkpoint())
     foreign = write_adapter(wan, wan_source, tmp_path / "wan-style.safetensors", 2, ["to_q"])
     _one_line_refusal(check(lora.Adapter(str(foreign))), "unexpected key", "has no layer 'blocks.0.attn1.to_q'")
     half = write_adapter(cog_family, source, tmp_path / "half.safetensors", 2, ["to_q"], drop="transformer_blocks.1.attn1.to_q.lora_B")

@@ -135,9 +135,10 @@ CASES = {  # family, pipeline, request, stock's cache config
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    return {"cogvideox": cogvideox_family.tiny_checkpoint(tmp_path_factory.mktemp("cogvideox")),
-            "wan": wan_family.tiny_checkpoint(tmp_path_factory.mktemp("wan"))}
+def checkpoints():
+    """The tiny checkpoints the other tests share (cached by their configs)."""
+    return {"cogvideox": cogvideox_family.tiny_checkpoint(),
+            "wan": wan_family.tiny_checkpoint()}
 
 
 @pytest.mark.parametrize("case", list(CASES))
