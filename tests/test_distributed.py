@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from tpupedia import distributed
+from tpupedia import distributed, files
 
 
 def _tpupedia(*args: str, cwd: Path, cache: Path | None = None) -> subprocess.CompletedProcess:
@@ -34,11 +34,13 @@ ALL_STAGES = (("text", "prompt_embeds"), ("denoise", "latents"), ("decode", "fra
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory) -> Path:
-    """A folder with `runs/`, the stage files of the 1-process, 8-device run, and `cache/`, the
-    model cache the launched jobs below share with it."""
+    """A folder with `runs/`, the stage files of the 1-process, 8-device run: this test process's
+    (its 8 simulated devices), which writes the tiny checkpoint into the model cache
+    (`files.cache_dir()`) the launched jobs below share with it."""
+    from tpupedia import cli
+
     root = tmp_path_factory.mktemp("one-process")
-    done = _tpupedia(*GENERATE, "--quiet", "--workdir", "runs", cwd=root)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert cli.main([*GENERATE, "--quiet", "--workdir", str(root / "runs")]) == 0
     return root
 
 
@@ -80,7 +82,7 @@ def test_processes_that_share_no_disk_make_the_frames_one_process_makes(one_proc
     hosts = [tmp_path / "p0", tmp_path / "p1"]
     for host in hosts:
         host.mkdir()
-    _launch_apart(monkeypatch, one_process / "cache", hosts, "--quiet", "--workdir", "runs", "--out", "panda.mp4")
+    _launch_apart(monkeypatch, files.cache_dir(), hosts, "--quiet", "--workdir", "runs", "--out", "panda.mp4")
     _assert_same_tensors(hosts[0] / "runs", one_process / "runs", ALL_STAGES)
     meta = (hosts[0] / "runs" / "denoise.json").read_text()
     assert '"processes": 2' in meta and '"devices": 8' in meta  # one mesh over both processes
@@ -99,7 +101,7 @@ def test_a_rerun_where_only_process_0_has_the_files_skips_them_on_every_process(
     for stage in ("text", "denoise"):
         for suffix in (".safetensors", ".json"):
             shutil.copy(one_process / "runs" / f"{stage}{suffix}", hosts[0] / "runs")
-    out = _launch_apart(monkeypatch, one_process / "cache", hosts, "--workdir", "runs")
+    out = _launch_apart(monkeypatch, files.cache_dir(), hosts, "--workdir", "runs")
     assert "[p0] text: up to date" in out and "[p0] denoise: up to date" in out, out[-3000:]
     assert "[p0] decode: wrote" in out and "[p1] " not in out, out[-3000:]  # one voice per job
     _assert_same_tensors(hosts[0] / "runs", one_process / "runs", (("decode", "frames"),))
@@ -113,7 +115,7 @@ def test_an_input_process_0_cannot_read_stops_every_process(one_process, tmp_pat
     hosts = [tmp_path / "p0", tmp_path / "p1"]
     for host in hosts:
         host.mkdir()
-    printed = _launch_apart(monkeypatch, one_process / "cache", hosts, "--quiet", "--workdir", "runs",
+    printed = _launch_apart(monkeypatch, files.cache_dir(), hosts, "--quiet", "--workdir", "runs",
                             "--stage", "decode", fails=True)
     assert "exited with status 2" in printed, printed[-3000:]
     assert "[p0] tpupedia generate: denoise.json not found" in printed, printed[-3000:]

@@ -118,10 +118,7 @@ def _ours(pipeline, checkpoint, request, workdir):
     return load_file(workdir / "denoise.safetensors")["latents"], reports[-1].timings
 
 
-CASES = {  # family, pipeline, request, stock's cache config
-    "cogvideox-fbcache": (cogvideox_family, cogvideox, cogvideox.Request(
-        prompt="a panda", negative_prompt="blurry", frames=9, height=32, width=32, steps=STEPS, guidance=6.0, seed=3),
-        "fbcache", 0.6),
+CASES = {  # family, pipeline, request, stock's cache config (CogVideoX's First-Block-Cache: notebook `fewer_steps`)
     "cogvideox-magcache": (cogvideox_family, cogvideox, cogvideox.Request(
         prompt="a panda", negative_prompt="blurry", frames=9, height=32, width=32, steps=STEPS, guidance=6.0, seed=3),
         "magcache", 0.06),

@@ -284,17 +284,9 @@ class CogVideoX(common.StagedPipeline):
                 return common.denoise_loop(step, (x, old) if cache is None else (x, old, None),
                                            len(setup.timesteps), on_step, latents=lambda state: state[0])
 
-        if cache is None:
-            state, timings = loop(setup)
-        else:
-            def calibrate():
-                calibration = stepcache.Calibration()
-                loop(self._denoise_setup(request), set(range(request.steps)), calibration)
-                return calibration
-
-            state, timings = stepcache.run_steps(cache, request.steps, calibrate,
-                                                 lambda full: loop(setup if not cache.calibrated
-                                                                   else self._denoise_setup(request), set(full)))
+        setups = [setup]  # the DPM solver's noise comes from the setup's generator: another pass needs a new one
+        state, timings = stepcache.run_loop(cache, request.steps, lambda full, calibration: loop(
+            setups.pop() if setups else self._denoise_setup(request), full, calibration))
         x = state[0]
         return {"latents": common.to_torch(x).to(self.dtype)}, timings | {"padding_frames": setup.padding}
 

@@ -1027,10 +1027,16 @@ def run_batch(pipeline_cls: type[StagedPipeline], prompts: str | Path, base: Req
 
 
 def describe(timings: dict) -> str:
-    """`first call 1.23 s, steady 0.045 s` for a stage's timings."""
+    """`first call 1.23 s, steady 0.045 s` for a stage's timings; with a step cache, the steps that
+    ran in full and the `--step-cache` value that replays them without a calibration run."""
     parts = [f"first call {timings['first_s']:.2f} s"]
     if "steady_s" in timings:
         parts.append(f"steady {timings['steady_s']:.3f} s")
+    if "replay" in timings:
+        full = timings["full_steps"]
+        parts.append(f"step cache {timings['step_cache']}: {len(full)} of {timings['steps']} steps in full"
+                     + (f" after a {timings['calibration_s']:.1f} s calibration run" if "calibration_s" in timings else "")
+                     + f"; --step-cache {timings['replay']} replays them")
     return ", ".join(parts)
 
 

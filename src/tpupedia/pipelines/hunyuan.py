@@ -465,18 +465,7 @@ class Hunyuan(common.StagedPipeline):
             with programs[0].context(), self._precision():  # the token refiner's small masked attention
                 return common.denoise_loop(step, (x, None), request.steps, on_step, latents=lambda state: state[0])
 
-        if cache is None:
-            (x, _), timings = loop()
-            timings |= {"full_steps": request.steps}
-        else:
-            def calibrate():
-                calibration = stepcache.Calibration()
-                loop(set(range(request.steps)), calibration)
-                return calibration
-
-            (x, _), timings = stepcache.run_steps(cache, request.steps, calibrate, lambda full: loop(set(full)))
-            if request.deepcache is not None:  # `--deepcache`: how many steps ran in full, as before
-                timings["full_steps"] = len(timings["full_steps"])
+        (x, _), timings = stepcache.run_loop(cache, request.steps, loop)
         return {"latents": common.to_torch(x).to(self.dtype)}, timings | {"text_tokens": kept}
 
     def _denoise_setup(self, request: Request):

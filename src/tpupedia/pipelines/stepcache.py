@@ -23,8 +23,8 @@ since the last full step) and MagCache from per-step magnitude ratios calibrated
 Here both become static schedules from a *calibration run* (every step full, recording the
 quantity each method thresholds, `Calibration`): `full_steps_from` turns it into the list of
 full steps for a threshold. A list of full steps can also be given directly
-(`fbcache:full=0,1,2,4`), which is how the parity tests replay the skips stock diffusers' hook
-chose and get its frames (tests/test_stepcache.py).
+(`fbcache:full=0,1,2,4`), which is how notebook `fewer_steps` and the parity tests replay the
+skips stock diffusers' hook chose and get its latents (tests/test_stepcache.py).
 
 The blocks are cached as diffusers' hooks cache them, at trace time: `traced` swaps each block's
 `forward` while the step is traced (the first block, the cut, the last block record or add;
@@ -37,8 +37,9 @@ program). What differs between models is a fact of the family's module
 The speed-up a schedule can give is bounded by the compiled programs' FLOPs (`speedup_bound`):
 `steps * full / (n_full * full + n_cached * cached)`. Quality is measured, not assumed:
 `tpupedia.metrics.compare` gives PSNR and SSIM of a cached video against the uncached one
-(`tpupedia bench deepcache`). Introduced in notebook `hunyuan_tuning_and_i2v` (DeepCache);
-the knowledge-base page `docs/kb/step-caches.md` says which cache to use when.
+(`tpupedia bench deepcache`). Introduced in notebook `hunyuan_tuning_and_i2v` (DeepCache) and
+notebook `fewer_steps` (all three, calibration, parity with diffusers' hook); the
+knowledge-base page `docs/kb/step-caches.md` says which cache to use when.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from tpupedia.errors import TpupediaError
 
 __all__ = ["StepCacheError", "DeepCacheError", "Schedule", "UPSTREAM_DEFAULT", "StepCache", "METHODS", "Calibration",
            "parse", "parse_step_cache", "fbcache_full_steps", "magcache_full_steps", "full_steps_from",
-           "traced", "speedup_bound", "MAGCACHE_MAX_SKIP", "MAGCACHE_RETENTION", "settings", "FIELD", "run_steps"]
+           "traced", "speedup_bound", "MAGCACHE_MAX_SKIP", "MAGCACHE_RETENTION", "settings", "FIELD", "run_loop"]
 
 
 class StepCacheError(TpupediaError, ValueError):
@@ -406,21 +407,30 @@ FIELD = {"parse": parse_step_cache, "metavar": "METHOD:THRESHOLD|METHOD:full=STE
 """The `step_cache` field's metadata in each family's `Request`: the `--step-cache` flag."""
 
 
-def run_steps(cache: StepCache, steps: int, calibrate: Any, replay: Any) -> tuple[Any, dict]:
-    """Every family's step-cache run: with a threshold, `calibrate()` first (every step full,
-    returning its `Calibration`), then `replay(full_steps)`; with a schedule, `replay` alone.
-    `replay` returns `(result, timings)`; the timings gain the full steps and the calibration."""
+def run_loop(cache: StepCache | None, steps: int, loop: Any, always_full: frozenset = frozenset()) -> tuple[Any, dict]:
+    """Every family's denoising loop, with or without a step cache. `loop(full_steps, calibration)`
+    runs all `steps` and returns `(result, timings)`: `full_steps` (a set) names the steps that
+    run the full program, the others the cached one, and a `Calibration` records every step's
+    cache. Without a cache, `loop(None, None)`. With a threshold, a calibration pass first (every
+    step full), then the steps it keeps plus `always_full` (Wan's first step of each expert); with
+    a schedule, the schedule alone. The timings gain the full steps, the replay that gives the
+    same frames, and the calibration."""
     import time
 
+    if cache is None:
+        return loop(None, None)
     extra: dict = {}
     calibration = None
     if cache.calibrated:
         start = time.perf_counter()
-        calibration = calibrate()
+        calibration = Calibration()
+        loop(set(range(steps)), calibration)
         extra = {"calibration_s": time.perf_counter() - start,
                  "calibration": {"change": [None if math.isinf(c) else c for c in calibration.change],
                                  "ratio": calibration.ratio}}
     full = cache.full_steps(steps, calibration)
-    result, timings = replay(full)
+    if cache.calibrated:
+        full = sorted(set(full) | set(always_full))
+    result, timings = loop(set(full), None)
     return result, timings | extra | {"step_cache": str(cache), "full_steps": full,
                                       "replay": f"{cache.method}:full={','.join(map(str, full))}"}

@@ -387,20 +387,9 @@ class Wan(common.StagedPipeline):
                 return common.denoise_loop(step, (x, state) if cache is None else (x, state, None, None),
                                            request.steps, on_step, latents=lambda carried: carried[0])
 
-        if cache is None:
-            carried, timings = loop()
-        else:
-            def calibrate():
-                calibration = stepcache.Calibration()
-                loop(set(range(request.steps)), calibration)
-                return calibration
-
-            firsts = {i for i in range(request.steps) if i == 0 or setup.expert[i] != setup.expert[i - 1]}
-
-            def replay(full):  # a threshold's schedule runs each expert's first step in full
-                return loop(set(full) | (firsts if cache.calibrated else set()))
-
-            carried, timings = stepcache.run_steps(cache, request.steps, calibrate, replay)
+        # a threshold's schedule runs each expert's first step in full
+        firsts = frozenset(i for i in range(request.steps) if i == 0 or setup.expert[i] != setup.expert[i - 1])
+        carried, timings = stepcache.run_loop(cache, request.steps, loop, always_full=firsts)
         x = carried[0]
         experts = {name: int(sum(1 for e in setup.expert if e == k)) for k, name in enumerate(family.experts(self.configs))}
         return {"latents": common.to_torch(x)}, timings | {"steps_per_expert": experts}
