@@ -251,6 +251,71 @@ def _results_chart() -> str:
     return svg[svg.index("<svg"):]
 
 
+_PREDICTIONS = Path(__file__).parent / "results" / "predictions.json"
+
+
+def _predictions() -> list[dict]:
+    return sorted(results.load(_PREDICTIONS) if _PREDICTIONS.exists() else [],
+                  key=lambda r: (r["model"], -r["width"] * r["height"]))
+
+
+def _predictions_table() -> str:
+    """`tpupedia predict` records (`docs/results/predictions.json`): each predicted step, its three
+    parts, and the step time reported upstream for the same run."""
+    rows = _predictions()
+    if not rows:
+        return ""
+    lines = ["| run | slice, mesh, table | predicted s/step | of it: XLA + splash + ICI | reported upstream s/step | "
+             "predicted vs reported |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        mesh = ", ".join(f"{k}={v}" for k, v in r["mesh"].items())
+        reported = f"{r['reported_step_s']:.2f}" if r.get("reported_step_s") else "none"
+        error = f"{r['error']:+.0%}" if r.get("error") is not None else "-"
+        lines.append(f"| {r['model']} {r['width']}x{r['height']}, {r['frames']} frames | {r['topology']}, {mesh}, "
+                     f"`{r['sharding']}` | **{r['step_s']:.2f}** (predicted) | {r['xla_s']:.2f} + {r['attention_s']:.2f}"
+                     f" + {r['ici_s']:.2f} | {reported} | {error} |")
+    return "\n".join(lines)
+
+
+def _predictions_chart() -> str:
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in _predictions() if r.get("reported_step_s")]
+    if not rows:
+        return ""
+    names = [f"{r['model']} {r['width']}x{r['height']}, {r['frames']}f" for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 0.6 * len(rows) + 1.3))
+    y = range(len(rows))
+    parts = (("xla_s", "predicted: XLA, the compiler's counts", "#8c9eff"),
+             ("attention_s", "predicted: splash, the kernel model", "#3f51b5"),
+             ("ici_s", "predicted: collectives at ring bandwidth", "#1a237e"))
+    left = [0.0] * len(rows)
+    for key, label, color in parts:
+        values = [r[key] for r in rows]
+        ax.barh([i - 0.2 for i in y], values, left=left, height=0.4, label=label, color=color)
+        left = [a + b for a, b in zip(left, values)]
+    ax.barh([i + 0.2 for i in y], [r["reported_step_s"] for r in rows], height=0.4, color="#ff9800",
+            label="reported upstream (TPU v6e-8)")
+    for i, r in enumerate(rows):
+        ax.text(max(r["step_s"], r["reported_step_s"]) * 1.02, i, f"{r['error']:+.0%}", va="center", fontsize=8)
+    ax.set_yticks(list(y), names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds per denoising step")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=2, frameon=False)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    buf = io.StringIO()
+    fig.savefig(buf, format="svg")
+    plt.close(fig)
+    svg = buf.getvalue()
+    return svg[svg.index("<svg"):]
+
+
 def _families_table() -> str:
     """Every registered family (`tpupedia.families`): what it is, where it lives, how it shards."""
     from tpupedia import families
@@ -280,7 +345,8 @@ def on_page_markdown(markdown, page, config, files):  # noqa: ARG001 - mkdocs ho
               "results_table": _results_table, "deepcache_table": _deepcache_table,
               "pipeline_table": _pipeline_table, "mesh_table": _mesh_table, "plans_table": _plans_table,
               "v5e_plans_table": lambda: _plans_table("v5e"),
-              "results_chart": _results_chart, "zh_terms": _zh_terms}
+              "results_chart": _results_chart, "zh_terms": _zh_terms,
+              "predictions_table": _predictions_table, "predictions_chart": _predictions_chart}
     for name, render in tables.items():
         if "{{ " + name + " }}" in markdown:
             markdown = markdown.replace("{{ " + name + " }}", render())

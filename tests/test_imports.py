@@ -59,7 +59,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 LAYERS = (
     ("tpupedia.cli",),
     ("tpupedia.plan", "tpupedia.bench", "tpupedia.doctor", "tpupedia.figures", "tpupedia.diagrams"),
-    ("tpupedia.pipelines", "tpupedia.dryrun", "tpupedia.llm"),
+    ("tpupedia.pipelines", "tpupedia.dryrun", "tpupedia.predict", "tpupedia.llm"),
     ("tpupedia.families",),
     ("tpupedia.models",),
     ("tpupedia.sharding", "tpupedia.attention", "tpupedia.torchax_utils", "tpupedia.compat", "tpupedia.aot",

@@ -51,6 +51,7 @@ __all__ = [
     "format_bytes",
     "Program",
     "lowered_flops",
+    "compiled_cost",
     "CACHE_ENV",
     "CachedCompile",
     "prune",
@@ -175,6 +176,22 @@ class Program:
 
         with (self.context or contextlib.nullcontext)():
             return lowered_flops(jax.jit(self.fn, **self.jit_kwargs).lower(*self.args))
+
+
+def compiled_cost(result: AOTResult) -> dict[str, float] | None:
+    """What the compiler's cost analysis says of one call of a compiled program, per chip (the
+    program as partitioned and fused for the slice): `flops`, `bytes` (HBM bytes accessed) and
+    `seconds`, the compiler's own time estimate (`optimal_seconds`); `None` where there is none (a
+    program that did not compile, a compile not for a TPU). `seconds` is right for programs whose
+    time is known (an elementwise op: its bytes over the HBM bandwidth) but comes out negative for
+    a whole video-transformer layer, so `tpupedia.predict` times the counts instead. Notebook
+    `plan_without_tpu` checks both."""
+    cost = result.compiled.cost_analysis() if result.compiled is not None else None
+    cost = cost[0] if isinstance(cost, list) and cost else cost
+    if not cost or "optimal_seconds" not in cost:
+        return None
+    return {"flops": float(cost.get("flops", 0.0)), "bytes": float(cost.get("bytes accessed", 0.0)),
+            "seconds": float(cost["optimal_seconds"])}
 
 
 def lowered_flops(lowered: Any) -> float:

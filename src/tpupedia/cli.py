@@ -108,6 +108,32 @@ def _dryrun(args: argparse.Namespace) -> int:
     return 0
 
 
+def _predict(args: argparse.Namespace) -> int:
+    from tpupedia import dryrun, predict
+    from tpupedia.pipelines.common import parse_mesh
+
+    mesh = parse_mesh(args.mesh) if args.mesh else None
+    found = None
+    if args.resolution:
+        width, height = dryrun.parse_resolution(args.resolution, 16)
+        found = predict.reported(args.model, f"{width}x{height}")
+        if found and (args.frames not in (None, found["frames"]) or (mesh or found["mesh"]) != found["mesh"]
+                      or args.sharding != found["sharding"] or args.topology != "v6e:2x4"):
+            found = None  # another run than the one reported
+    prediction = predict.predict_step(args.model, args.topology, args.resolution, args.frames, sharding=args.sharding,
+                                      mesh_shape=mesh, block_sizes=_block_sizes(args.block_sizes),
+                                      reported_step_s=found and found["step_s"],
+                                      reported_source=found["source"] if found else "")
+    print(prediction.summary())
+    if args.record:
+        command = (f"tpupedia predict {args.model} --topology {args.topology} --resolution "
+                   f"{prediction.width}x{prediction.height} --frames {prediction.frames} --sharding {args.sharding}"
+                   + (f" --mesh {args.mesh}" if args.mesh else "")
+                   + (f" --block-sizes {args.block_sizes}" if args.block_sizes else ""))
+        print(f"  recorded in {predict.record(prediction, args.record, command=command)}")
+    return 0
+
+
 def _plan(args: argparse.Namespace) -> int:
     from tpupedia import plan, presets, results
     from tpupedia.pipelines import common
@@ -566,6 +592,20 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--record", default=None, nargs="?", const="docs/results/dryruns.json",
                    help="merge the report into a results file (default docs/results/dryruns.json)")
     d.set_defaults(func=_dryrun)
+
+    pr = sub.add_parser("predict", help="predict one denoising step's time on a TPU slice (a prediction: the "
+                                        "compiler's estimate, attention stood in, plus splash and ICI models)")
+    pr.add_argument("model", choices=list(families.names("video")))
+    pr.add_argument("--topology", default="v6e:2x4", help="TPU slice as libtpu names it (v6e:2x4, v5e:2x4, ...)")
+    pr.add_argument("--resolution", default=None, help="720p, 480p or WIDTHxHEIGHT (default: the family's)")
+    pr.add_argument("--frames", type=int, default=None, help="4n+1 frames (default: the family's)")
+    pr.add_argument("--sharding", default="tp", help="the sharding table (as dryrun's --sharding)")
+    pr.add_argument("--mesh", default=None, help="dp=N,tp=M over the slice's chips (default dp=2, tp the rest)")
+    pr.add_argument("--block-sizes", default=None, metavar="Q,KV,KV_COMPUTE",
+                    help="splash block sizes the attention model pads to (default: the family's)")
+    pr.add_argument("--record", default=None, nargs="?", const="docs/results/predictions.json",
+                    help="merge the prediction into a results file (default docs/results/predictions.json)")
+    pr.set_defaults(func=_predict)
 
     pl = sub.add_parser("plan", help="AOT-compile every program a generate run executes for a TPU slice; "
                                      "per-stage per-chip peak, binding stage; exit 2 if it will not fit")

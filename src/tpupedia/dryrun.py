@@ -40,6 +40,7 @@ from tpupedia.errors import TpupediaError
 __all__ = [
     "compiled_or_recorded",
     "DryRunError",
+    "ATTENTIONS",
     "step_floors",
     "RESOLUTIONS",
     "parse_resolution",
@@ -52,6 +53,11 @@ __all__ = [
 DEFAULT_RECORDS = "docs/results/dryruns.json"
 
 RESOLUTIONS = {"720p": (1280, 720), "480p": (848, 480)}
+
+ATTENTIONS = ("reference", "splash", "standin")
+"""What a dry-run's attention compiles to: the reference, the splash kernel, or (planning only,
+never a run) `standin`: a stand-in with attention's inputs and output and none of its work,
+whose calls are recorded, for `tpupedia.predict`."""
 
 
 class DryRunError(TpupediaError, ValueError):
@@ -125,6 +131,14 @@ class DryRunReport:
     """The bandwidths the floors divided by, bytes/s: `hbm` (`Chip.hbm_bytes_per_s`) and `ici`
     (`Chip.ring_bytes_per_s`). Kept in the record, so that a corrected figure can be applied to
     its stored bytes without compiling again."""
+    compiled_cost: dict[str, float] | None = None
+    """The compiler's cost analysis of the program compiled (the layers compiled, per chip):
+    `flops`, HBM `bytes` and its own time estimate `seconds` (`aot.compiled_cost`). It cannot see
+    into a Pallas kernel and counts a collective as memory traffic; `tpupedia.predict` models
+    both (`attention="standin"`)."""
+    attention_calls: list[list[int]] = field(default_factory=list)
+    """With `attention="standin"`: each attention call the compiled layers make, as
+    `[batch, heads, query tokens, key tokens, head_dim]` (what `tpupedia.predict` models)."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -181,8 +195,8 @@ def _validate(spec: families.FamilySpec, frames: int | None, sharding: str, atte
               layers: int | None) -> None:
     if spec.kind != "vae" and sharding not in spec.strategies:  # a VAE runs whole on one chip
         raise DryRunError(f"sharding {sharding!r} is not one of {', '.join(spec.strategies)} for {spec.name}")
-    if attention not in ("reference", "splash"):
-        raise DryRunError(f"attention {attention!r} is not one of reference, splash")
+    if attention not in ATTENTIONS:
+        raise DryRunError(f"attention {attention!r} is not one of {', '.join(ATTENTIONS)}")
     if spec.kind != "llm":
         rule = families.get(spec.defaults_from or spec.name).facts.DEFAULT_SHAPES.temporal
         if frames is None or frames < 1 or (frames - 1) % rule:
@@ -262,11 +276,13 @@ def run(model: str, topology: str = "v6e:2x4", resolution: str | None = None,
     except sharding_rules.ShardingError as err:
         raise DryRunError(str(err)) from None
     method = "forward"
+    standin = _StandIn() if attention == "standin" else None
     if mask == "vector" and "matrix" in spec.dryrun_masks:  # the pipeline's forward, padding as a vector
         from tpupedia import attention as kernel
 
-        method = family.padded_forward(module, kernel.padded_attend(attention, mesh=mesh, interpret=False,
-                                                                    block_sizes=blocks))
+        attend = standin.attend if standin else kernel.padded_attend(attention, mesh=mesh, interpret=False,
+                                                                      block_sizes=blocks)
+        method = family.padded_forward(module, attend)
     functional = torchax_utils.FunctionalModule(module, method)
     weights, buffers = functional.abstract_state(the_plan)
     notes = []
@@ -277,6 +293,8 @@ def run(model: str, topology: str = "v6e:2x4", resolution: str | None = None,
     with torchax_utils.restoring_ops(env):  # the environment is shared: leave it as found
         if attention == "splash":
             _install_splash(env, mesh, spec.mask, blocks)
+        elif standin:
+            standin.install(env)
         else:
             torchax_utils.stock_ops(env)  # torchax's reference SDPA, whatever was installed before
         result = aot.compile_aot(step, weights, buffers, *inputs)
@@ -320,6 +338,8 @@ def run(model: str, topology: str = "v6e:2x4", resolution: str | None = None,
         collective_bytes=traffic, floors=floors, bound=bound, mask=mask if "matrix" in spec.dryrun_masks else None,
         floor_basis={"hbm": chip.hbm_bytes_per_s, "ici": chip.ring_bytes_per_s},
         block_sizes=list(blocks) if blocks else None,
+        compiled_cost=aot.compiled_cost(result),
+        attention_calls=standin.calls if standin else [],
     )
 
 
@@ -344,6 +364,41 @@ def compiled_or_recorded(compile_now: bool, model: str, topology: str, resolutio
                 and r.get("layers_compiled") == (r.get("layers_full") if layers is None else layers):
             return r
     raise LookupError(f"no recorded dry-run of {want} with {layers or 'all'} layers compiled in {records}")
+
+
+class _StandIn:
+    """Attention replaced, for the compiler's estimate of everything else (`attention="standin"`):
+    the output is the query plus the mean key and value, so the program still reads q, k and v
+    and writes an output of the query's shape (the projections around attention stay in the
+    program), without attention's FLOPs; each call's shape is recorded."""
+
+    def __init__(self):
+        self.calls: list[list[int]] = []
+
+    def _fn(self, q, k, v):
+        import jax.numpy as jnp
+
+        b, h, sq, d = q.shape
+        self.calls.append([int(b), int(h), int(sq), int(k.shape[2]), int(d)])
+        mean = jnp.mean(k, axis=(1, 2), keepdims=True) + jnp.mean(v, axis=(1, 2), keepdims=True)
+        return (q + mean).astype(q.dtype)
+
+    def attend(self, q, k, v, valid):  # noqa: ARG002 - a family's padded forward's signature
+        from torchax.interop import call_jax
+
+        return call_jax(self._fn, q, k, v)
+
+    def install(self, env) -> None:
+        from torchax.interop import call_jax
+
+        from tpupedia.torchax_utils import SDPA_OPS
+
+        def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,  # noqa: ARG001
+                 enable_gqa=False):  # noqa: ARG001 - torch's signature
+            return call_jax(self._fn, query, key, value)
+
+        for op in SDPA_OPS:
+            env.override_op_definition(op, sdpa)
 
 
 def _install_splash(env, mesh, mask: str, block_sizes) -> None:

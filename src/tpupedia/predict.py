@@ -1,0 +1,248 @@
+"""Predicted step time on a TPU slice you do not have: the TPU compiler's own counts for what XLA
+compiles, and a stated model for what it cannot see.
+
+libtpu's compiled executables carry a cost analysis (`aot.compiled_cost`): per chip, the FLOPs
+and HBM bytes of the program as partitioned and fused for the slice, and the compiler's own time
+estimate (`optimal_seconds`). Checked on programs whose time is known (tests/test_predict.py,
+notebook `plan_without_tpu`): for an elementwise op the estimate is the bytes over the chip's HBM
+bandwidth exactly, for a bf16 matmul it sits between its FLOPs at the peak and FLOPs plus bytes.
+But for a whole video-transformer layer it comes out **negative** (CogVideoX1.5-5B at 720p: about
+-8 s for one layer compiled for a v6e-8, attention stood in, measured here), so the estimate is
+not used; the counts are. And the counts miss two things:
+
+* a **Pallas kernel** is a custom call the compiler cannot see into: a splash attention call
+  counts as next to nothing;
+* a **collective** counts as its HBM traffic, not its time on the ICI links: an all-reduce of
+  64 MiB per chip over 4 chips comes out several times under what a ring along one torus axis
+  needs.
+
+So a step is predicted in three parts, each reported (`StepPrediction`):
+
+1. `xla_s`: the step compiled with attention replaced by a stand-in of the same inputs and
+   output (`tpupedia.dryrun`, `attention="standin"`), at 1 and at 2 layers; the difference is
+   one layer, scaled to the full depth as the dry-run scales the weights. Its time is the
+   compiler's FLOPs at the bf16 peak plus its bytes at the HBM bandwidth: a layer's work splits
+   into matmuls bound by the MXU and elementwise fusions bound by HBM, and the sum adds the two
+   kinds (a single fusion that is both is counted twice: an upper estimate);
+2. `attention_s`: each attention call the stand-in recorded, as splash runs it: queries padded
+   to the kernel's `block_q`, keys to `block_kv`, 4 FLOPs per query-key pair and head dimension,
+   spread over the chips at the bf16 peak times `SPLASH_EFFICIENCY`, fixed from upstream's
+   profile of one HunyuanVideo-1.5 block (`SPLASH_REPORT`), never fitted to the step times it is
+   compared with;
+3. `ici_s`: the bytes each chip sends in the compiled program's collectives
+   (`aot.collective_traffic`, full depth) at what a ring along one torus axis gets
+   (`hardware.Chip.ring_bytes_per_s`), counted as not hidden behind compute: an upper estimate.
+
+The prediction is their sum. It is a prediction wherever it appears, and the results page sets
+it beside the four step times reported upstream on a v6e-8 (`REPORTED`). Introduced in notebook
+`plan_without_tpu`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tpupedia import dryrun, families, hardware, results
+from tpupedia.errors import TpupediaError
+
+__all__ = ["PredictError", "SPLASH_REPORT", "SPLASH_EFFICIENCY", "splash_flops", "splash_efficiency", "REPORTED",
+           "StepPrediction", "predict_step", "DEFAULT_RECORDS", "record"]
+
+DEFAULT_RECORDS = "docs/results/predictions.json"
+
+
+class PredictError(TpupediaError, ValueError):
+    """A prediction that cannot be made (a model without attention layers to scale, a compile that failed)."""
+
+
+SPLASH_REPORT = {
+    "source": "yangwhale/gpu-tpu-pedia, commit 3fa9ce1, tpu/HunyuanVideo-1.5/generate_hunyuan_torchax_staged/"
+              "TORCHAX_MIGRATION_GUIDE.md, section 6.1.3 (profiler, one block)",
+    "chip": "v6e", "chips": 8, "seconds": 0.035,
+    "model": "hunyuan", "width": 1280, "height": 720, "frames": 121, "batch": 2, "heads": 16, "head_dim": 128,
+    "text_tokens": 1256,
+    "assumed": "the profile is of the guide's 121-frame 720p run, its guidance pair as a batch of 2 (what its "
+               "stage-2 script runs), one joint attention call per block over video and text tokens, at the "
+               "family's splash block sizes",
+}
+"""Upstream's one kernel report with a shape behind it: splash attention took about 35 ms of one
+HunyuanVideo-1.5 block on a v6e-8 (reported upstream). `assumed` says what the report leaves
+unsaid and this model takes."""
+
+
+def splash_flops(call: list[int] | tuple[int, ...], block_sizes: tuple[int, int, int]) -> float:
+    """FLOPs a splash call computes: `[batch, heads, q, kv, head_dim]` with the queries padded to a
+    multiple of `block_q` and the keys to one of `block_kv`, each capped to its own 128-padded
+    length as `tpupedia.attention` caps them (QK^T and PV: 4 FLOPs per query, key and head
+    dimension)."""
+    b, h, sq, skv, d = call
+
+    def padded(n: int, block: int) -> int:
+        n128 = math.ceil(n / 128) * 128
+        block = min(block, n128)
+        return math.ceil(n / block) * block
+
+    return 4.0 * b * h * padded(sq, block_sizes[0]) * padded(skv, block_sizes[1]) * d
+
+
+def splash_efficiency(report: dict[str, Any] = SPLASH_REPORT) -> float:
+    """The share of the chips' bf16 peak the report's splash call ran at: its FLOPs over the
+    padded blocks at the family's block sizes, over `chips x peak x seconds`."""
+    facts = families.get(report["model"], "video").facts
+    tokens = facts.video_tokens(report["width"], report["height"], report["frames"]) + report["text_tokens"]
+    call = [report["batch"], report["heads"], tokens, tokens, report["head_dim"]]
+    chip = hardware.chip(report["chip"])
+    return splash_flops(call, tuple(facts.SPLASH_BLOCK_SIZES)) / (report["chips"] * chip.bf16_flops * report["seconds"])
+
+
+SPLASH_EFFICIENCY = splash_efficiency()
+"""The kernel model's share of the bf16 peak (`SPLASH_REPORT`): about 0.83."""
+
+
+REPORTED = (
+    dict(model="cogvideox", resolution="1280x720", frames=81, mesh=(2, 4), sharding="tp", step_s=2.13,
+         source="tpu/CogVideoX/README.md (one file, TorchAx VAE, dp2 tp4: 106.47 s for 50 steps)"),
+    dict(model="hunyuan", resolution="1280x720", frames=121, mesh=(1, 8), sharding="tp_fc2_replicated", step_s=7.29,
+         source="tpu/HunyuanVideo-1.5/generate_hunyuan_torchax_staged/TORCHAX_MIGRATION_GUIDE.md 6.1.1 "
+                "(TP + fc2 replicated, tp8)"),
+    dict(model="wan", resolution="1280x720", frames=81, mesh=(2, 4), sharding="tp", step_s=4.6,
+         source="tpu/Wan2.1/README.md (three-stage table, 720p)"),
+    dict(model="wan", resolution="848x480", frames=81, mesh=(2, 4), sharding="tp", step_s=1.37,
+         source="tpu/Wan2.1/README.md (three-stage table, 480p)"),
+)
+"""The four step times reported upstream on a TPU v6e-8 (yangwhale/gpu-tpu-pedia, commit 3fa9ce1),
+with the mesh and sharding table each run used, as this project's dry-run names them."""
+
+
+@dataclass
+class StepPrediction:
+    """A predicted denoising step (seconds), its three parts, and what they came from."""
+
+    model: str
+    topology: str
+    chips: int
+    mesh: dict[str, int]
+    sharding: str
+    width: int
+    height: int
+    frames: int
+    layers: int
+    block_sizes: list[int]
+    xla_s: float
+    """The compiler's FLOPs and bytes, attention stood in, timed at the peak and the HBM bandwidth,
+    scaled to `layers` (`xla_layer_s` per layer)."""
+    xla_layer_s: float
+    compiler_estimate_s: float
+    """The compiler's own time estimate for the 1-layer program (`optimal_seconds`), kept to show
+    why it is not used (negative for these programs)."""
+    attention_s: float
+    """Splash at `splash_efficiency` of the bf16 peak over the padded blocks of every call."""
+    attention_flops: float
+    splash_efficiency: float
+    ici_s: float
+    """The collectives' bytes per chip at a one-axis ring's bandwidth, not overlapped."""
+    ici_bytes: float
+    step_s: float
+    """The prediction: `xla_s + attention_s + ici_s`."""
+    reported_step_s: float | None = None
+    reported_source: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def error(self) -> float | None:
+        """`predicted / reported - 1` (positive: predicted slower)."""
+        return None if not self.reported_step_s else self.step_s / self.reported_step_s - 1
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"error": self.error}
+
+    def summary(self) -> str:
+        head = (f"{self.model} {self.width}x{self.height}, {self.frames} frames on {self.topology}, mesh {self.mesh}, "
+                f"sharding {self.sharding}, splash blocks {'/'.join(map(str, self.block_sizes))}")
+        lines = [head, f"  predicted step: {self.step_s:.2f} s = XLA {self.xla_s:.2f} s (the compiler's counts, "
+                       f"{self.layers} layers of {self.xla_layer_s * 1e3:.1f} ms) + splash {self.attention_s:.2f} s "
+                       f"({self.attention_flops:.3g} FLOPs at {self.splash_efficiency:.0%} of peak) + ICI "
+                       f"{self.ici_s:.2f} s ({self.ici_bytes / 2**30:.2f} GiB sent per chip, not overlapped)"]
+        if self.reported_step_s:
+            lines.append(f"  reported upstream: {self.reported_step_s:.2f} s/step; predicted {self.error:+.0%}")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def predict_step(model: str, topology: str = "v6e:2x4", resolution: str | None = None, frames: int | None = None, *,
+                 sharding: str = "tp", mesh_shape: tuple[int, int] | None = None,
+                 block_sizes: tuple[int, int, int] | None = None, reported_step_s: float | None = None,
+                 reported_source: str = "") -> StepPrediction:
+    """Predict one denoising step of video `model` on `topology` (the module docstring): two
+    AOT compiles with attention stood in (1 and 2 layers, `tpupedia.dryrun`), the splash model
+    for the attention calls they record at `block_sizes` (default the family's), the compiled
+    collectives at ring bandwidth. Bad arguments raise `DryRunError` before anything compiles."""
+    spec = families.get(model)
+    if spec.kind != "video":
+        raise PredictError(f"model {model!r}: a step time is predicted for the video families "
+                           f"({', '.join(families.names('video'))})")
+    reports = [dryrun.run(model, topology, resolution, frames, sharding=sharding, attention="standin", layers=n,
+                          mesh_shape=mesh_shape) for n in (1, 2)]
+    one, two = reports
+    if one.compiled_cost is None or two.compiled_cost is None or not one.fits or not two.fits:
+        raise PredictError(f"{model} on {topology}: the step with attention stood in did not compile to a program "
+                           "the compiler costed (" + "; ".join(r.summary().splitlines()[1] for r in reports) + ")")
+    topo = hardware.parse_topology(topology)
+    chip, n_chips = topo.chip, topo.num_chips
+
+    def timed(cost) -> float:  # the compiler's counts, per chip: FLOPs at the peak plus bytes at HBM bandwidth
+        return cost["flops"] / chip.bf16_flops + cost["bytes"] / chip.hbm_bytes_per_s
+
+    full = one.layers_full
+    layer = timed(two.compiled_cost) - timed(one.compiled_cost)
+    xla = timed(one.compiled_cost) + (full - 1) * layer
+    first, second = Counter(map(tuple, one.attention_calls)), Counter(map(tuple, two.attention_calls))
+    per_layer = second - first
+    if not per_layer:
+        raise PredictError(f"{model}: a second layer made no attention call to scale")
+    calls = first + Counter({c: n * (full - 1) for c, n in per_layer.items()})
+    blocks = tuple(block_sizes or spec.facts.SPLASH_BLOCK_SIZES)
+    flops = sum(n * splash_flops(c, blocks) for c, n in calls.items())
+    efficiency = SPLASH_EFFICIENCY
+    attention = flops / (n_chips * chip.bf16_flops * efficiency)
+
+    def raw(report) -> float:  # the dry-run scaled its traffic to full depth as if every byte were per layer
+        return sum(report.collective_bytes.values()) * report.layers_compiled / report.layers_full
+
+    sent = raw(one) + (full - 1) * (raw(two) - raw(one))
+    ici = sent / chip.ring_bytes_per_s
+    notes = []
+    if blocks != tuple(spec.facts.SPLASH_BLOCK_SIZES) or model != SPLASH_REPORT["model"]:
+        notes.append(f"splash at {efficiency:.0%} of peak as in upstream's HunyuanVideo-1.5 profile, at block sizes "
+                     f"{'/'.join(map(str, blocks))}: the kernel's efficiency at other shapes is assumed, not measured")
+    return StepPrediction(
+        model=model, topology=topo.name, chips=n_chips, mesh=one.mesh, sharding=sharding, width=one.width,
+        height=one.height, frames=one.frames, layers=full, block_sizes=list(blocks), xla_s=xla, xla_layer_s=layer,
+        compiler_estimate_s=one.compiled_cost["seconds"],
+        attention_s=attention, attention_flops=flops, splash_efficiency=efficiency, ici_s=ici, ici_bytes=sent,
+        step_s=xla + attention + ici, reported_step_s=reported_step_s, reported_source=reported_source, notes=notes)
+
+
+def reported(model: str, resolution: str) -> dict[str, Any] | None:
+    """The upstream report (`REPORTED`) for `model` at `resolution` (`WIDTHxHEIGHT`), if any."""
+    return next((r for r in REPORTED if r["model"] == model and r["resolution"] == resolution), None)
+
+
+def record(prediction: StepPrediction, path: str | Path = DEFAULT_RECORDS, command: str = "") -> Any:
+    """Merge `prediction` into the results file the results page renders."""
+    import datetime as _dt
+
+    from tpupedia import devices
+
+    data = prediction.as_dict() | {"predicted_at": _dt.date.today().isoformat(), "command": command,
+                                   "libtpu": results.version("libtpu") if devices.has_libtpu() else None}
+
+    def key(r):
+        return (r["model"], r["topology"], r["width"], r["height"], r["frames"], r["sharding"],
+                tuple(sorted(r["mesh"].items())), tuple(r["block_sizes"]))
+
+    return results.merge(data, Path(path), key=key)

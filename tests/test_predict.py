@@ -1,0 +1,154 @@
+"""Predicted step times (`tpupedia.predict`): the TPU compiler's estimate checked on programs whose
+time is known (an elementwise op: its HBM time; a matmul: above its compute floor), the two things
+it does not model shown (a splash call is opaque to it; an all-reduce counts as memory traffic, not
+ICI time), the splash model's arithmetic, and the recorded predictions beside the reported step
+times they are drawn against on the results page."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tpupedia import devices, hardware, predict, results
+
+needs_libtpu = pytest.mark.skipif(not devices.has_libtpu(), reason="AOT compiles for a TPU need libtpu")
+V6E = hardware.chip("v6e")
+
+
+def _mesh():
+    return devices.topology_mesh(hardware.parse_topology("v6e:2x4"), (2, 4), ("dp", "tp"))
+
+
+def _estimate(fn, *args):
+    from tpupedia import aot
+
+    result = aot.compile_aot(fn, *args)
+    assert result.fits
+    return aot.compiled_cost(result)["seconds"], result
+
+
+def _abstract(mesh, shape, spec):
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+
+    from tpupedia import aot
+
+    return aot.abstract(shape, jnp.bfloat16, NamedSharding(mesh, spec))
+
+
+@needs_libtpu
+def test_the_compilers_estimate_of_an_elementwise_op_is_its_hbm_time():
+    """`a * 2 + 1` on 128 MiB bf16 per chip reads and writes each byte once: the estimate is the
+    bytes over the chip's HBM bandwidth, within 1%."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh = _mesh()
+    x = _abstract(mesh, (16384, 65536), P("dp", "tp"))
+    seconds, _ = _estimate(lambda a: a * 2 + 1, x)
+    moved = 2 * (16384 * 65536 // 8) * 2  # read and write one chip's shard of bf16
+    assert seconds == pytest.approx(moved / V6E.hbm_bytes_per_s, rel=0.01)
+
+
+@needs_libtpu
+def test_the_compilers_estimate_of_a_matmul_is_above_its_compute_floor():
+    """An 8192^3 bf16 matmul split over 8 chips (rows over dp, columns over tp: no collective):
+    above its FLOPs at the bf16 peak, and under three times them."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh = _mesh()
+    n = 8192
+    a, b = _abstract(mesh, (n, n), P("dp", None)), _abstract(mesh, (n, n), P(None, "tp"))
+    seconds, result = _estimate(lambda x, y: x @ y, a, b)
+    floor = 2 * n**3 / 8 / V6E.bf16_flops
+    assert result.collectives == {} and floor < seconds < 3 * floor, (seconds, floor)
+
+
+@needs_libtpu
+def test_an_all_reduce_is_estimated_as_its_memory_traffic_not_its_ici_time():
+    """A psum of 64 MiB per chip over tp=4 sends 96 MiB per chip along the ring; the compiler's
+    estimate is far under that at the ring's bandwidth (it counts the buffer's HBM traffic), which
+    is why `predict` adds the collectives' ICI time itself."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    from tpupedia import aot
+
+    mesh = _mesh()
+    spec = P(("dp", "tp"), None)
+    y = _abstract(mesh, (8 * 4096, 8192), spec)
+    seconds, result = _estimate(lambda a: jax.shard_map(lambda b: jax.lax.psum(b, "tp"), mesh=mesh, in_specs=spec,
+                                                        out_specs=spec)(a), y)
+    sent = sum(aot.collective_traffic(result.compiled.as_text(), 8).values())
+    assert sent == pytest.approx(2 * 3 / 4 * 64 * 2**20)
+    assert seconds < sent / V6E.ring_bytes_per_s / 3, (seconds, sent / V6E.ring_bytes_per_s)
+
+
+@needs_libtpu
+def test_a_splash_call_is_opaque_to_the_compiler():
+    """A splash attention call compiled for the v6e-8: the compiler's estimate is a tiny fraction
+    of the call's FLOPs at peak, so attention needs its own model."""
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from tpupedia import aot, attention
+
+    mesh = _mesh()
+    shape = (2, 16, 8192, 128)
+    q = aot.abstract(shape, jnp.bfloat16, NamedSharding(mesh, P("dp", "tp")))
+    seconds, _ = _estimate(lambda q, k, v: attention.splash_attention(q, k, v, mesh=mesh, batch_axis="dp",
+                                                                     head_axis="tp", interpret=False), q, q, q)
+    at_peak = predict.splash_flops(list(shape[:3]) + [shape[2], shape[3]], (1024, 1024, 512)) / (8 * V6E.bf16_flops)
+    assert seconds < at_peak / 100, (seconds, at_peak)
+
+
+def test_splash_flops_count_the_padded_blocks():
+    """4 FLOPs per query, key and head dimension over the padded lengths: queries to `block_q`,
+    keys to `block_kv`, each block capped to its own 128-padded length."""
+    assert predict.splash_flops([1, 1, 1000, 1000, 64], (512, 512, 512)) == 4 * 1024 * 1024 * 64
+    assert predict.splash_flops([2, 3, 3000, 100, 128], (2048, 1024, 512)) == 4 * 2 * 3 * 4096 * 128 * 128
+    assert predict.splash_flops([1, 1, 256, 256, 64], (3328, 2816, 256)) == 4 * 256 * 256 * 64  # capped: no padding
+
+
+def test_the_splash_efficiency_is_the_reported_blocks_flops_over_their_time():
+    """HunyuanVideo-1.5 at 720p and 121 frames: 111,600 video tokens and 1,256 text tokens, padded
+    to 113,664 queries (3072) and 114,688 keys (2048) for the batch of 2 and 16 heads of 128, in
+    35 ms on 8 v6e chips: about 83% of the bf16 peak."""
+    report = predict.SPLASH_REPORT
+    flops = 4 * 2 * 16 * 113_664 * 114_688 * 128
+    assert predict.SPLASH_EFFICIENCY == pytest.approx(flops / (8 * V6E.bf16_flops * report["seconds"]))
+    assert 0.5 < predict.SPLASH_EFFICIENCY < 1
+    assert "3fa9ce1" in report["source"] and "TORCHAX_MIGRATION_GUIDE.md" in report["source"]
+
+
+def test_each_reported_step_has_a_recorded_prediction_with_its_parts():
+    """`docs/results/predictions.json` holds a prediction for each of the four step times reported
+    upstream (`predict.REPORTED`), as `tpupedia predict --record` wrote it: the parts add up, the
+    error is against the reported time, and the command that made it is kept."""
+    records = results.load(predict.DEFAULT_RECORDS)
+    for r in predict.REPORTED:
+        width, height = map(int, r["resolution"].split("x"))
+        found = [x for x in records if (x["model"], x["width"], x["height"], x["frames"]) ==
+                 (r["model"], width, height, r["frames"]) and x["sharding"] == r["sharding"]]
+        assert len(found) == 1, (r, [(x["model"], x["width"]) for x in records])
+        x = found[0]
+        assert tuple(x["mesh"].values()) == r["mesh"] and x["topology"] == "v6e:2x4"
+        assert x["step_s"] == pytest.approx(x["xla_s"] + x["attention_s"] + x["ici_s"])
+        assert min(x["xla_s"], x["attention_s"], x["ici_s"]) > 0
+        assert x["reported_step_s"] == r["step_s"] and x["error"] == pytest.approx(x["step_s"] / r["step_s"] - 1)
+        assert x["splash_efficiency"] == pytest.approx(predict.SPLASH_EFFICIENCY)
+        assert x["command"].startswith(f"tpupedia predict {r['model']} ") and math.isfinite(x["error"])
+
+
+def test_the_results_page_draws_the_predictions_beside_the_reports_labelled_as_predictions():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "docs" / "hooks.py"
+    spec = importlib.util.spec_from_file_location("docs_hooks", path)
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    table, chart = hooks._predictions_table(), hooks._predictions_chart()
+    assert table.count("(predicted)") == len(predict.REPORTED) and "reported upstream" in table
+    assert chart.startswith("<svg") and "reported upstream" in chart and "predicted" in chart
