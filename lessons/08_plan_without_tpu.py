@@ -491,8 +491,8 @@ if preset.compile_full_size:
                    for r in predict.REPORTED]
 else:
     recorded = results.load(Path("..") / predict.DEFAULT_RECORDS)
-    predictions = [next(x for x in recorded if (x["model"], f"{x['width']}x{x['height']}", x["sharding"])
-                        == (r["model"], r["resolution"], r["sharding"])) for r in predict.REPORTED]
+    predictions = [next(x for x in recorded if (x["model"], f"{x['width']}x{x['height']}", x["sharding"], x["batch"])
+                        == (r["model"], r["resolution"], r["sharding"], 2)) for r in predict.REPORTED]
 print(f"{'run':34} {'XLA':>6} {'splash':>7} {'ICI':>6} {'predicted':>10} {'reported':>9} {'error':>6}  compiler's own")
 for x in predictions:
     print(f"{x['model'] + ' ' + str(x['width']) + 'x' + str(x['height']) + ', ' + str(x['frames']) + 'f':34} "

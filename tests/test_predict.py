@@ -122,6 +122,18 @@ def test_the_splash_efficiency_is_the_reported_blocks_flops_over_their_time():
     assert "3fa9ce1" in report["source"] and "TORCHAX_MIGRATION_GUIDE.md" in report["source"]
 
 
+def test_the_reported_steps_are_the_results_pages_upstream_runs():
+    """Each family module's `REPORTED_STEPS` is a run `docs/results/upstream.json` lists on the v6e-8
+    with the same size, frames, steps and step time: one set of figures, two places, kept equal."""
+    upstream = results.load("docs/results/upstream.json")
+    for r in predict.REPORTED:
+        width, height = map(int, r["resolution"].split("x"))
+        same = [u for u in upstream if (u["model"], u["width"], u["height"], u["frames"], u["steps"], u["chip"],
+                                        u["step_s"]) == (r["model"], width, height, r["frames"], r["steps"], "v6e",
+                                                         r["step_s"])]
+        assert len(same) == 1 and same[0]["chips"] == 8, r
+
+
 def test_each_reported_step_has_a_recorded_prediction_with_its_parts():
     """`docs/results/predictions.json` holds a prediction for each of the four step times reported
     upstream (`predict.REPORTED`), as `tpupedia predict --record` wrote it: the parts add up, the
@@ -129,8 +141,8 @@ def test_each_reported_step_has_a_recorded_prediction_with_its_parts():
     records = results.load(predict.DEFAULT_RECORDS)
     for r in predict.REPORTED:
         width, height = map(int, r["resolution"].split("x"))
-        found = [x for x in records if (x["model"], x["width"], x["height"], x["frames"]) ==
-                 (r["model"], width, height, r["frames"]) and x["sharding"] == r["sharding"]]
+        found = [x for x in records if (x["model"], x["width"], x["height"], x["frames"], x["batch"]) ==
+                 (r["model"], width, height, r["frames"], 2) and x["sharding"] == r["sharding"]]
         assert len(found) == 1, (r, [(x["model"], x["width"]) for x in records])
         x = found[0]
         assert tuple(x["mesh"].values()) == r["mesh"] and x["topology"] == "v6e:2x4"
@@ -139,6 +151,21 @@ def test_each_reported_step_has_a_recorded_prediction_with_its_parts():
         assert x["reported_step_s"] == r["step_s"] and x["error"] == pytest.approx(x["step_s"] / r["step_s"] - 1)
         assert x["splash_efficiency"] == pytest.approx(predict.SPLASH_EFFICIENCY)
         assert x["command"].startswith(f"tpupedia predict {r['model']} ") and math.isfinite(x["error"])
+        assert x["steps"] == r["steps"] == 50 and x["video_s"] == pytest.approx(50 * x["step_s"])
+
+
+def test_a_guidance_off_release_is_predicted_at_batch_1_per_video():
+    """Wan 2.2 Lightning (`--release lightning`: 4 steps, guidance off) as `tpupedia predict --batch 1 --steps 4`
+    recorded it: one call a step, so about half the guided step of the same size, and 4 of them a video."""
+    from tpupedia import families
+
+    lightning = families.few_step("wan", "lightning")
+    records = results.load(predict.DEFAULT_RECORDS)
+    (off,) = [x for x in records if x["model"] == "wan" and x["batch"] == 1 and x["width"] == 1280]
+    (pair,) = [x for x in records if x["model"] == "wan" and x["batch"] == 2 and x["width"] == 1280]
+    assert off["steps"] == lightning.steps == 4 and off["video_s"] == pytest.approx(4 * off["step_s"])
+    assert off["mesh"] == {"dp": 1, "tp": 8} and off["reported_step_s"] is None
+    assert 0.3 < off["step_s"] / pair["step_s"] < 0.8  # half the work, on twice the tp
 
 
 def test_the_results_page_draws_the_predictions_beside_the_reports_labelled_as_predictions():
@@ -150,5 +177,6 @@ def test_the_results_page_draws_the_predictions_beside_the_reports_labelled_as_p
     hooks = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(hooks)
     table, chart = hooks._predictions_table(), hooks._predictions_chart()
-    assert table.count("(predicted)") == len(predict.REPORTED) and "reported upstream" in table
+    records = results.load(predict.DEFAULT_RECORDS)
+    assert table.count("(predicted)") == len(records) >= len(predict.REPORTED) and "reported upstream" in table
     assert chart.startswith("<svg") and "reported upstream" in chart and "predicted" in chart

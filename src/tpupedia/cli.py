@@ -118,18 +118,20 @@ def _predict(args: argparse.Namespace) -> int:
         width, height = dryrun.parse_resolution(args.resolution, 16)
         found = predict.reported(args.model, f"{width}x{height}")
         if found and (args.frames not in (None, found["frames"]) or (mesh or found["mesh"]) != found["mesh"]
-                      or args.sharding != found["sharding"] or args.topology != "v6e:2x4"):
+                      or args.sharding != found["sharding"] or args.topology != "v6e:2x4" or args.batch != 2):
             found = None  # another run than the one reported
+    steps = args.steps if args.steps is not None else found and found["steps"]
     prediction = predict.predict_step(args.model, args.topology, args.resolution, args.frames, sharding=args.sharding,
                                       mesh_shape=mesh, block_sizes=_block_sizes(args.block_sizes),
                                       reported_step_s=found and found["step_s"],
-                                      reported_source=found["source"] if found else "")
+                                      reported_source=found["source"] if found else "", batch=args.batch, steps=steps)
     print(prediction.summary())
     if args.record:
         command = (f"tpupedia predict {args.model} --topology {args.topology} --resolution "
                    f"{prediction.width}x{prediction.height} --frames {prediction.frames} --sharding {args.sharding}"
                    + (f" --mesh {args.mesh}" if args.mesh else "")
-                   + (f" --block-sizes {args.block_sizes}" if args.block_sizes else ""))
+                   + (f" --block-sizes {args.block_sizes}" if args.block_sizes else "")
+                   + (f" --batch {args.batch}" if args.batch != 2 else "") + (f" --steps {args.steps}" if args.steps else ""))
         print(f"  recorded in {predict.record(prediction, args.record, command=command)}")
     return 0
 
@@ -603,6 +605,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--mesh", default=None, help="dp=N,tp=M over the slice's chips (default dp=2, tp the rest)")
     pr.add_argument("--block-sizes", default=None, metavar="Q,KV,KV_COMPUTE",
                     help="splash block sizes the attention model pads to (default: the family's)")
+    pr.add_argument("--batch", type=int, choices=[1, 2], default=2,
+                    help="the step's batch: 2, the guidance pair; 1, guidance off (a few-step release; --mesh dp=1,tp=N)")
+    pr.add_argument("--steps", type=int, default=None, help="steps in a video, for its predicted denoising time")
     pr.add_argument("--record", default=None, nargs="?", const="docs/results/predictions.json",
                     help="merge the prediction into a results file (default docs/results/predictions.json)")
     pr.set_defaults(func=_predict)

@@ -136,6 +136,8 @@ class DryRunReport:
     `flops`, HBM `bytes` and its own time estimate `seconds` (`aot.compiled_cost`). It cannot see
     into a Pallas kernel and counts a collective as memory traffic; `tpupedia.predict` models
     both (`attention="standin"`)."""
+    batch: int = 2
+    """A video model's step batch: 2, the guidance pair; 1, guidance off."""
     attention_calls: list[list[int]] = field(default_factory=list)
     """With `attention="standin"`: each attention call the compiled layers make, as
     `[batch, heads, query tokens, key tokens, head_dim]` (what `tpupedia.predict` models)."""
@@ -210,8 +212,10 @@ def run(model: str, topology: str = "v6e:2x4", resolution: str | None = None,
         frames: int | None = None, sharding: str = "tp", attention: str = "reference",
         layers: int | None = None, mesh_shape: tuple[int, int] | None = None, seq: int = 2048,
         measured_step_seconds: float | None = None, mask: str = "vector",
-        block_sizes: tuple[int, int, int] | None = None) -> DryRunReport:
+        block_sizes: tuple[int, int, int] | None = None, batch: int = 2) -> DryRunReport:
     """Compile one full-size step of `model` for `topology` and report what it costs per chip.
+    `batch`: a video model's step batch, 2 for the guidance pair, 1 with guidance off (a
+    few-step release; the mesh then needs `dp=1`).
 
     The mesh is `("dp", "tp")`; by default `dp=2` (the guidance batch) and `tp` the rest of the
     chips, for LLMs `dp=1`. A family whose stock attention builds a (B, 1, S, S) mask compiles the
@@ -265,8 +269,11 @@ def run(model: str, topology: str = "v6e:2x4", resolution: str | None = None,
         specs, call = family.step_inputs(seq)
         flops = family.forward_flops(seq)
     else:
-        specs, call = family.step_inputs(width, height, frames)
-        flops = family.step_flops(width, height, frames)
+        if batch not in (1, 2) or mesh_shape[0] > batch:
+            raise DryRunError(f"batch={batch} on mesh dp={mesh_shape[0]}: a step's batch is 2 (the guidance pair) "
+                              "or 1 (guidance off), and dp splits it")
+        specs, call = family.step_inputs(width, height, frames, batch=batch)
+        flops = family.step_flops(width, height, frames, batch=batch)
     inputs = _abstract_inputs(mesh, specs)
 
     axis = "tp" if sharding.startswith("tp") else ("dp", "tp")  # FSDP shards over every chip
@@ -338,7 +345,7 @@ def run(model: str, topology: str = "v6e:2x4", resolution: str | None = None,
         collective_bytes=traffic, floors=floors, bound=bound, mask=mask if "matrix" in spec.dryrun_masks else None,
         floor_basis={"hbm": chip.hbm_bytes_per_s, "ici": chip.ring_bytes_per_s},
         block_sizes=list(blocks) if blocks else None,
-        compiled_cost=aot.compiled_cost(result),
+        compiled_cost=aot.compiled_cost(result), batch=batch if spec.kind != "llm" else 1,
         attention_calls=standin.calls if standin else [],
     )
 

@@ -18,6 +18,7 @@ Usage: `python -m tpupedia.notebooks execute lessons/00_start_here.py`,
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -336,7 +337,16 @@ def _code_lines(lesson: Path) -> int:
 def reading_minutes(lesson: Path) -> int:
     """Minutes to read a lesson, prose and code, by one rule: its markdown words /
     `WORDS_PER_MINUTE` plus its code cells' non-blank lines / `CODE_LINES_PER_MINUTE`, rounded up
-    (the learning path states it)."""
+    (the learning path states it). Counted once per version of the file (the docs build asks for
+    each lesson's several times)."""
+    lesson = Path(lesson)
+    stat = lesson.stat()
+    return _reading_minutes(str(lesson.resolve()), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=None)
+def _reading_minutes(path: str, mtime_ns: int, size: int) -> int:  # noqa: ARG001 - the file's version is the key
+    lesson = Path(path)
     return _minutes(len(_prose_words(lesson)), _code_lines(lesson))
 
 

@@ -49,7 +49,7 @@ from typing import Any
 from tpupedia import dryrun, families, hardware, results
 from tpupedia.errors import TpupediaError
 
-__all__ = ["PredictError", "SPLASH_REPORT", "SPLASH_EFFICIENCY", "splash_flops", "splash_efficiency", "REPORTED",
+__all__ = ["PredictError", "SPLASH_FAMILY", "SPLASH_REPORT", "SPLASH_EFFICIENCY", "splash_flops", "splash_efficiency", "REPORTED",
            "StepPrediction", "predict_step", "DEFAULT_RECORDS", "record"]
 
 DEFAULT_RECORDS = "docs/results/predictions.json"
@@ -59,19 +59,18 @@ class PredictError(TpupediaError, ValueError):
     """A prediction that cannot be made (a model without attention layers to scale, a compile that failed)."""
 
 
-SPLASH_REPORT = {
-    "source": "yangwhale/gpu-tpu-pedia, commit 3fa9ce1, tpu/HunyuanVideo-1.5/generate_hunyuan_torchax_staged/"
-              "TORCHAX_MIGRATION_GUIDE.md, section 6.1.3 (profiler, one block)",
-    "chip": "v6e", "chips": 8, "seconds": 0.035,
-    "model": "hunyuan", "width": 1280, "height": 720, "frames": 121, "batch": 2, "heads": 16, "head_dim": 128,
-    "text_tokens": 1256,
-    "assumed": "the profile is of the guide's 121-frame 720p run, its guidance pair as a batch of 2 (what its "
-               "stage-2 script runs), one joint attention call per block over video and text tokens, at the "
-               "family's splash block sizes",
-}
-"""Upstream's one kernel report with a shape behind it: splash attention took about 35 ms of one
-HunyuanVideo-1.5 block on a v6e-8 (reported upstream). `assumed` says what the report leaves
-unsaid and this model takes."""
+def _profile() -> tuple[str, dict[str, Any]]:
+    """The family whose module holds the splash profile (`SPLASH_PROFILE`), and the profile."""
+    for spec in families.video():
+        profile = getattr(spec.facts, "SPLASH_PROFILE", None)
+        if profile is not None:
+            return spec.name, profile
+    raise PredictError("no family module holds a SPLASH_PROFILE for the kernel model")
+
+
+SPLASH_FAMILY, SPLASH_REPORT = _profile()
+"""Upstream's profile of one block's splash attention and the family it was taken on: the one
+kernel report with a shape behind it (the family module says where it is from)."""
 
 
 def splash_flops(call: list[int] | tuple[int, ...], block_sizes: tuple[int, int, int]) -> float:
@@ -89,10 +88,10 @@ def splash_flops(call: list[int] | tuple[int, ...], block_sizes: tuple[int, int,
     return 4.0 * b * h * padded(sq, block_sizes[0]) * padded(skv, block_sizes[1]) * d
 
 
-def splash_efficiency(report: dict[str, Any] = SPLASH_REPORT) -> float:
+def splash_efficiency(report: dict[str, Any] = SPLASH_REPORT, family: str = SPLASH_FAMILY) -> float:
     """The share of the chips' bf16 peak the report's splash call ran at: its FLOPs over the
     padded blocks at the family's block sizes, over `chips x peak x seconds`."""
-    facts = families.get(report["model"], "video").facts
+    facts = families.get(family, "video").facts
     tokens = facts.video_tokens(report["width"], report["height"], report["frames"]) + report["text_tokens"]
     call = [report["batch"], report["heads"], tokens, tokens, report["head_dim"]]
     chip = hardware.chip(report["chip"])
@@ -103,18 +102,8 @@ SPLASH_EFFICIENCY = splash_efficiency()
 """The kernel model's share of the bf16 peak (`SPLASH_REPORT`): about 0.83."""
 
 
-REPORTED = (
-    dict(model="cogvideox", resolution="1280x720", frames=81, mesh=(2, 4), sharding="tp", step_s=2.13,
-         source="tpu/CogVideoX/README.md (one file, TorchAx VAE, dp2 tp4: 106.47 s for 50 steps)"),
-    dict(model="hunyuan", resolution="1280x720", frames=121, mesh=(1, 8), sharding="tp_fc2_replicated", step_s=7.29,
-         source="tpu/HunyuanVideo-1.5/generate_hunyuan_torchax_staged/TORCHAX_MIGRATION_GUIDE.md 6.1.1 "
-                "(TP + fc2 replicated, tp8)"),
-    dict(model="wan", resolution="1280x720", frames=81, mesh=(2, 4), sharding="tp", step_s=4.6,
-         source="tpu/Wan2.1/README.md (three-stage table, 720p)"),
-    dict(model="wan", resolution="848x480", frames=81, mesh=(2, 4), sharding="tp", step_s=1.37,
-         source="tpu/Wan2.1/README.md (three-stage table, 480p)"),
-)
-"""The four step times reported upstream on a TPU v6e-8 (yangwhale/gpu-tpu-pedia, commit 3fa9ce1),
+REPORTED = tuple(dict(model=spec.name, **r) for spec in families.video() for r in getattr(spec.facts, "REPORTED_STEPS", ()))
+"""The step times reported upstream on a TPU v6e-8, from each family module's `REPORTED_STEPS`,
 with the mesh and sharding table each run used, as this project's dry-run names them."""
 
 
@@ -151,6 +140,15 @@ class StepPrediction:
     reported_step_s: float | None = None
     reported_source: str = ""
     notes: list[str] = field(default_factory=list)
+    batch: int = 2
+    """The step's batch: 2, the guidance pair; 1, guidance off."""
+    steps: int | None = None
+    """Steps in a video, where known: `video_s` is `steps` predicted steps."""
+
+    @property
+    def video_s(self) -> float | None:
+        """The denoising of one video, predicted: `steps` steps."""
+        return None if self.steps is None else self.steps * self.step_s
 
     @property
     def error(self) -> float | None:
@@ -158,15 +156,18 @@ class StepPrediction:
         return None if not self.reported_step_s else self.step_s / self.reported_step_s - 1
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self) | {"error": self.error}
+        return asdict(self) | {"error": self.error, "video_s": self.video_s}
 
     def summary(self) -> str:
         head = (f"{self.model} {self.width}x{self.height}, {self.frames} frames on {self.topology}, mesh {self.mesh}, "
-                f"sharding {self.sharding}, splash blocks {'/'.join(map(str, self.block_sizes))}")
+                f"sharding {self.sharding}, splash blocks {'/'.join(map(str, self.block_sizes))}"
+                + (", guidance off (batch 1)" if self.batch == 1 else ""))
         lines = [head, f"  predicted step: {self.step_s:.2f} s = XLA {self.xla_s:.2f} s (the compiler's counts, "
                        f"{self.layers} layers of {self.xla_layer_s * 1e3:.1f} ms) + splash {self.attention_s:.2f} s "
                        f"({self.attention_flops:.3g} FLOPs at {self.splash_efficiency:.0%} of peak) + ICI "
                        f"{self.ici_s:.2f} s ({self.ici_bytes / 2**30:.2f} GiB sent per chip, not overlapped)"]
+        if self.steps:
+            lines.append(f"  predicted denoising of a video: {self.steps} steps, {self.video_s:.1f} s")
         if self.reported_step_s:
             lines.append(f"  reported upstream: {self.reported_step_s:.2f} s/step; predicted {self.error:+.0%}")
         lines += [f"  note: {n}" for n in self.notes]
@@ -176,17 +177,19 @@ class StepPrediction:
 def predict_step(model: str, topology: str = "v6e:2x4", resolution: str | None = None, frames: int | None = None, *,
                  sharding: str = "tp", mesh_shape: tuple[int, int] | None = None,
                  block_sizes: tuple[int, int, int] | None = None, reported_step_s: float | None = None,
-                 reported_source: str = "") -> StepPrediction:
+                 reported_source: str = "", batch: int = 2, steps: int | None = None) -> StepPrediction:
     """Predict one denoising step of video `model` on `topology` (the module docstring): two
     AOT compiles with attention stood in (1 and 2 layers, `tpupedia.dryrun`), the splash model
     for the attention calls they record at `block_sizes` (default the family's), the compiled
-    collectives at ring bandwidth. Bad arguments raise `DryRunError` before anything compiles."""
+    collectives at ring bandwidth. `batch`: 2 for the guidance pair, 1 with guidance off (a
+    few-step release); `steps`: how many a video takes, for `video_s`. Bad arguments raise
+    `DryRunError` before anything compiles."""
     spec = families.get(model)
     if spec.kind != "video":
         raise PredictError(f"model {model!r}: a step time is predicted for the video families "
                            f"({', '.join(families.names('video'))})")
     reports = [dryrun.run(model, topology, resolution, frames, sharding=sharding, attention="standin", layers=n,
-                          mesh_shape=mesh_shape) for n in (1, 2)]
+                          mesh_shape=mesh_shape, batch=batch) for n in (1, 2)]
     one, two = reports
     if one.compiled_cost is None or two.compiled_cost is None or not one.fits or not two.fits:
         raise PredictError(f"{model} on {topology}: the step with attention stood in did not compile to a program "
@@ -216,7 +219,7 @@ def predict_step(model: str, topology: str = "v6e:2x4", resolution: str | None =
     sent = raw(one) + (full - 1) * (raw(two) - raw(one))
     ici = sent / chip.ring_bytes_per_s
     notes = []
-    if blocks != tuple(spec.facts.SPLASH_BLOCK_SIZES) or model != SPLASH_REPORT["model"]:
+    if blocks != tuple(spec.facts.SPLASH_BLOCK_SIZES) or model != SPLASH_FAMILY:
         notes.append(f"splash at {efficiency:.0%} of peak as in upstream's HunyuanVideo-1.5 profile, at block sizes "
                      f"{'/'.join(map(str, blocks))}: the kernel's efficiency at other shapes is assumed, not measured")
     return StepPrediction(
@@ -224,7 +227,8 @@ def predict_step(model: str, topology: str = "v6e:2x4", resolution: str | None =
         height=one.height, frames=one.frames, layers=full, block_sizes=list(blocks), xla_s=xla, xla_layer_s=layer,
         compiler_estimate_s=one.compiled_cost["seconds"],
         attention_s=attention, attention_flops=flops, splash_efficiency=efficiency, ici_s=ici, ici_bytes=sent,
-        step_s=xla + attention + ici, reported_step_s=reported_step_s, reported_source=reported_source, notes=notes)
+        step_s=xla + attention + ici, reported_step_s=reported_step_s, reported_source=reported_source, notes=notes,
+        batch=batch, steps=steps)
 
 
 def reported(model: str, resolution: str) -> dict[str, Any] | None:
@@ -243,6 +247,6 @@ def record(prediction: StepPrediction, path: str | Path = DEFAULT_RECORDS, comma
 
     def key(r):
         return (r["model"], r["topology"], r["width"], r["height"], r["frames"], r["sharding"],
-                tuple(sorted(r["mesh"].items())), tuple(r["block_sizes"]))
+                tuple(sorted(r["mesh"].items())), tuple(r["block_sizes"]), r.get("batch", 2))
 
     return results.merge(data, Path(path), key=key)

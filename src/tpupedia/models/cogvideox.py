@@ -20,7 +20,7 @@ from tpupedia.models import ModelInputError, checkpoints, tokenizer_files
 from tpupedia.models.shapes import ShapeFacts
 from tpupedia.models.spec import FamilySpec, QuotedFigure
 
-__all__ = [
+__all__ = ["REPORTED_STEPS",
     "FAMILY", "FULL_ID", "FULL_ID_I2V", "FULL_LAYERS", "CACHE_BLOCKS", "CACHE_TEXT_STREAM", "TEMPORAL_COMPRESSION", "SPATIAL_COMPRESSION", "PATCH_SIZE",
     "PATCH_SIZE_T", "LATENT_CHANNELS", "DEFAULT_SHAPES", "shape_facts", "TEXT_TOKENS", "CFG_BATCH", "SPLASH_BLOCK_SIZES",
     "SCHEDULER_CONFIG", "SHARDING", "SPEC", "ModelInputError",
@@ -66,6 +66,15 @@ tuned sizes (yangwhale/gpu-tpu-pedia at 3fa9ce1, `tpu/CogVideoX/generate_diffuse
 reported upstream +16.2% on a TPU v6e-8). Our kernel at these sizes compiles for v6e within its
 VMEM at the release shape (AOT: `tests/test_plan.py` plans the release's denoise step with
 them); `--block-sizes` overrides."""
+
+REPORTED_STEPS = (
+    dict(resolution="1280x720", frames=81, mesh=(2, 4), sharding="tp", step_s=2.13, steps=50,
+         source="tpu/CogVideoX/README.md (one file, TorchAx VAE, dp2 tp4: 106.47 s for 50 steps, the whole run)"),
+)
+"""Step times reported upstream on a TPU v6e-8 (yangwhale/gpu-tpu-pedia, commit 3fa9ce1), with the
+mesh and sharding table the run used: what `tpupedia.predict` sets its predictions against (the
+results page; `docs/results/upstream.json` holds the same runs, checked equal by tests/test_predict.py)."""
+
 
 # Sharding tables for the transformer (diffusers `CogVideoXTransformer3DModel` names; notebook `sharding`
 # teaches the strategies, `tpupedia.sharding.rules` reads a table). The FFN's first projection is

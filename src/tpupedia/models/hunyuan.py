@@ -47,7 +47,7 @@ from tpupedia.models import ModelInputError, checkpoints, tokenizer_files
 from tpupedia.models.shapes import ShapeFacts
 from tpupedia.models.spec import FamilySpec, FewStepRelease, QuotedFigure
 
-__all__ = ["FAMILY", "FULL_ID", "FULL_LAYERS", "TEMPORAL_COMPRESSION", "SPATIAL_COMPRESSION", "PATCH_SIZE",
+__all__ = ["REPORTED_STEPS", "SPLASH_PROFILE", "FAMILY", "FULL_ID", "FULL_LAYERS", "TEMPORAL_COMPRESSION", "SPATIAL_COMPRESSION", "PATCH_SIZE",
            "LATENT_CHANNELS", "DEFAULT_SHAPES", "SHARDING", "SPEC", "shape_facts", "TEXT_SLOTS", "SPLASH_BLOCK_SIZES", "ENV_MODEL", "ModelInputError",
            "full_transformer_config", "tiny_transformer_config", "tiny_vae_config", "tiny_text_encoder_configs",
            "tiny_qwen_tokenizer", "default_request", "check_frames", "check_size", "latent_frames", "latent_shape",
@@ -106,6 +106,28 @@ this model (yangwhale/gpu-tpu-pedia at 3fa9ce1,
 v6e-8 with their own exp2 kernel). JAX's splash kernel at these sizes compiles for v6e within its
 VMEM at the release shape (AOT: `tests/test_plan.py` plans the release's denoise step with
 them); `--block-sizes` overrides."""
+
+REPORTED_STEPS = (
+    dict(resolution="1280x720", frames=121, mesh=(1, 8), sharding="tp_fc2_replicated", step_s=7.29, steps=50,
+         source="tpu/HunyuanVideo-1.5/generate_hunyuan_torchax_staged/TORCHAX_MIGRATION_GUIDE.md 6.1.1 "
+                "(TP + fc2 replicated, tp8)"),
+)
+"""Step times reported upstream on a TPU v6e-8 (yangwhale/gpu-tpu-pedia, commit 3fa9ce1), with the
+mesh and sharding table the run used (`tpupedia.predict`)."""
+
+SPLASH_PROFILE = dict(
+    source="yangwhale/gpu-tpu-pedia, commit 3fa9ce1, tpu/HunyuanVideo-1.5/generate_hunyuan_torchax_staged/"
+           "TORCHAX_MIGRATION_GUIDE.md, section 6.1.3 (profiler, one block)",
+    chip="v6e", chips=8, seconds=0.035, width=1280, height=720, frames=121, batch=2, heads=16, head_dim=128,
+    text_tokens=1256,
+    assumed="the profile is of the guide's 121-frame 720p run, its guidance pair as a batch of 2 (what its stage-2 "
+            "script runs), one joint attention call per block over video and text tokens, at the family's splash "
+            "block sizes",
+)
+"""Upstream's one splash-kernel report with a shape behind it: about 35 ms of one block's time in
+splash attention on a v6e-8 (reported upstream). `assumed` says what the report leaves unsaid and
+the kernel model of `tpupedia.predict` takes."""
+
 
 
 def full_transformer_config(layers: int | None = None, image_to_video: bool = False) -> dict[str, Any]:

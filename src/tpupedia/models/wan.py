@@ -35,7 +35,7 @@ from tpupedia.models import ModelInputError, checkpoints, tokenizer_files
 from tpupedia.models.shapes import ShapeFacts
 from tpupedia.models.spec import FamilySpec, FewStepRelease, ReleaseAdapter
 
-__all__ = ["FAMILY", "FULL_ID", "FULL_ID_22", "CACHE_BLOCKS", "CACHE_TEXT_STREAM", "FULL_LAYERS", "DEFAULT_SHAPES", "TEXT_TOKENS", "TEXT_DIM",
+__all__ = ["REPORTED_STEPS", "FAMILY", "FULL_ID", "FULL_ID_22", "CACHE_BLOCKS", "CACHE_TEXT_STREAM", "FULL_LAYERS", "DEFAULT_SHAPES", "TEXT_TOKENS", "TEXT_DIM",
            "SPLASH_BLOCK_SIZES", "SCHEDULER_CONFIG", "SHARDING", "SPEC", "ENV_MODEL", "ModelInputError",
            "full_transformer_config", "full_configs", "tiny_transformer_config", "tiny_vae_config",
            "tiny_text_encoder_config", "TI2V_VAE", "default_request", "shape_facts", "check_frames", "check_size",
@@ -95,6 +95,16 @@ SPLASH_BLOCK_SIZES = (2048, 2048, 512)
 """Splash `(block_q, block_kv, block_kv_compute)` for the video self-attention: a starting point,
 not tuned on a TPU (the cross-attention's 512 text keys cap the KV blocks at 512); `tpupedia plan
 wan` checks they compile for v6e at the release shape; `--block-sizes` overrides."""
+
+REPORTED_STEPS = (
+    dict(resolution="1280x720", frames=81, mesh=(2, 4), sharding="tp", step_s=4.6, steps=50,
+         source="tpu/Wan2.1/README.md (three-stage table, 720p)"),
+    dict(resolution="848x480", frames=81, mesh=(2, 4), sharding="tp", step_s=1.37, steps=50,
+         source="tpu/Wan2.1/README.md (three-stage table, 480p)"),
+)
+"""Wan 2.1 14B step times reported upstream on a TPU v6e-8 (yangwhale/gpu-tpu-pedia, commit
+3fa9ce1), with the mesh and sharding table the runs used (`tpupedia.predict`)."""
+
 
 # The scheduler the Wan 2.1 14B diffusers checkpoints ship (scheduler/scheduler_config.json):
 # UniPC on flow sigmas, second order, B(h) = expm1(h), shift 3.
