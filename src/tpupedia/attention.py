@@ -169,6 +169,14 @@ def _cap_block_sizes(bs: sa.BlockSizes, q_len: int, kv_len: int) -> sa.BlockSize
     return sa.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=min(bkvc, bkv))
 
 
+def capped_block_sizes(block_sizes: Any, q_len: int, kv_len: int) -> tuple[int, int, int]:
+    """`(block_q, block_kv, block_kv_compute)` a call of these lengths runs at: `block_sizes`
+    shrunk to the 128-padded sequence as the installed override shrinks them per call
+    (`tpupedia.predict` counts the padded blocks with them)."""
+    bs = _cap_block_sizes(_as_block_sizes(block_sizes), q_len, kv_len)
+    return bs.block_q, bs.block_kv, bs.block_kv_compute
+
+
 # ---------------------------------------------------------------------------------------------
 # input checks and masks
 

@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tpupedia import dryrun, families, hardware, results
+from tpupedia import attention, dryrun, families, hardware, results
 from tpupedia.errors import TpupediaError
 
 __all__ = ["PredictError", "SPLASH_FAMILY", "SPLASH_REPORT", "SPLASH_EFFICIENCY", "splash_flops", "splash_efficiency", "REPORTED",
@@ -79,13 +79,8 @@ def splash_flops(call: list[int] | tuple[int, ...], block_sizes: tuple[int, int,
     length as `tpupedia.attention` caps them (QK^T and PV: 4 FLOPs per query, key and head
     dimension)."""
     b, h, sq, skv, d = call
-
-    def padded(n: int, block: int) -> int:
-        n128 = math.ceil(n / 128) * 128
-        block = min(block, n128)
-        return math.ceil(n / block) * block
-
-    return 4.0 * b * h * padded(sq, block_sizes[0]) * padded(skv, block_sizes[1]) * d
+    bq, bkv, _ = attention.capped_block_sizes(block_sizes, sq, skv)
+    return 4.0 * b * h * math.ceil(sq / bq) * bq * math.ceil(skv / bkv) * bkv * d
 
 
 def splash_efficiency(report: dict[str, Any] = SPLASH_REPORT, family: str = SPLASH_FAMILY) -> float:
