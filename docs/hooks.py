@@ -287,6 +287,37 @@ def _predictions_table() -> str:
     return "\n".join(lines)
 
 
+def _plan_predictions_table() -> str:
+    """The stages of recorded plans (`docs/results/plans.json`) that carry a predicted time
+    (`tpupedia plan` on a slice: `Plan.predicted_s`), each beside what upstream reported for the
+    same stage, slice and mesh where it did (`Plan.reported`)."""
+    records = [r for r in (results.load(_PLANS) if _PLANS.exists() else [])
+               if any(s.get("predicted_s") is not None for s in r["stages"])]
+    if not records:
+        return "*No plan with predicted times has been recorded yet.*"
+
+    def against(predicted, found):
+        if not found:
+            return "none", "-"
+        return f"{found['seconds']:.2f} s", f"{predicted / found['seconds'] - 1:+.0%}"
+
+    lines = ["| run | slice, mesh | stage | predicted per video | reported upstream | predicted vs reported "
+             "| predicted compile (this host) | reported compile | predicted vs reported |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        q = r["request"]
+        mesh = ",".join(f"{k}={v}" for k, v in r["mesh"].items())
+        for s in r["stages"]:
+            if s.get("predicted_s") is None:
+                continue
+            run, run_err = against(s["predicted_s"], s.get("reported"))
+            comp, comp_err = against(s["predicted_compile_s"], s.get("reported_compile"))
+            lines.append(f"| {r['family']} {q['width']}x{q['height']}, {q['frames']} frames, {q['steps']} steps "
+                         f"| {r['topology']}, {mesh} | {s['stage']} | **{s['predicted_s']:.2f} s** (predicted) | {run} "
+                         f"| {run_err} | {s['predicted_compile_s']:.0f} s (predicted) | {comp} | {comp_err} |")
+    return "\n".join(lines)
+
+
 def _predictions_chart() -> str:
 
     import matplotlib
@@ -346,7 +377,8 @@ def on_page_markdown(markdown, page, config, files):  # noqa: ARG001 - mkdocs ho
               "pipeline_table": _pipeline_table, "mesh_table": _mesh_table, "plans_table": _plans_table,
               "v5e_plans_table": lambda: _plans_table("v5e"),
               "results_chart": _results_chart, "zh_terms": _zh_terms,
-              "predictions_table": _predictions_table, "predictions_chart": _predictions_chart}
+              "predictions_table": _predictions_table, "predictions_chart": _predictions_chart,
+              "plan_predictions_table": _plan_predictions_table}
     for name, render in tables.items():
         if "{{ " + name + " }}" in markdown:
             markdown = markdown.replace("{{ " + name + " }}", render())
@@ -382,5 +414,119 @@ def fold_tagged_cells(html: str) -> str:
     return "".join(out) + html[at:]
 
 
+_XMODE = re.compile(
+    r'<div class="jp-OutputArea-child">\s*<div class="jp-OutputPrompt jp-OutputArea-prompt">[^<]*</div>\s*'
+    r'<div class="jp-RenderedText jp-OutputArea-output" data-mime-type="text/plain"[^>]*>\s*'
+    r"<pre>Exception reporting mode: Minimal\n?</pre>\s*</div>\s*</div>\s*")
+_EMPTY_OUTPUTS = re.compile(
+    r'<div class="jp-Cell-outputWrapper">\s*<div class="jp-Collapser jp-OutputCollapser jp-Cell-outputCollapser">\s*'
+    r'</div>\s*<div class="jp-OutputArea jp-Cell-outputArea">\s*</div>\s*</div>\s*')
+
+
+def drop_xmode_output(html: str) -> str:
+    """A notebook page without the "Exception reporting mode: Minimal" that each notebook's first
+    cell prints (`%xmode Minimal`, which keeps a lesson's expected errors short): the output
+    removed, and the cell's output area with it when nothing else is in it. A stream that printed
+    more keeps the rest."""
+    html = _XMODE.sub("", html)
+    html = _EMPTY_OUTPUTS.sub("", html)
+    return html.replace("<pre>Exception reporting mode: Minimal\n", "<pre>")
+
+
+_HEADING = re.compile(r'<h([1-6]) id="([^"]+)"[^>]*>(.*?)</h\1>', re.S)
+_RENDERED_DIV = re.compile(r'<div class="([^"]*\bjp-Rendered(?:Markdown|HTML|Text|Image|SVG|Latex)\b[^"]*)"')
+
+
+def notebook_toc_tokens(html: str) -> list[dict]:
+    """The table of contents of a rendered notebook, read from its markdown cells' headings as
+    rendered: each heading's own id, and its text with inline code kept. (mkdocs-jupyter builds
+    the TOC from a markdown copy of the notebook with every code span deleted, so a heading
+    "A mesh and a `NamedSharding`" lost its code, and its link an id the page does not have.)
+    Markdown that a cell *outputs* is not a section of the lesson, as in mkdocs-jupyter's TOC."""
+    import bisect
+    import html as html_lib
+
+    from markdown.extensions.toc import nest_toc_tokens
+
+    owners = [(m.start(), m.group(1)) for m in _RENDERED_DIV.finditer(html)]
+    starts = [at for at, _ in owners]
+    flat = []
+    for m in _HEADING.finditer(html):
+        k = bisect.bisect_left(starts, m.start()) - 1  # the rendered <div> the heading is in
+        if k < 0 or "jp-RenderedMarkdown" not in owners[k][1] or "jp-OutputArea-output" in owners[k][1]:
+            continue
+        inner = re.sub(r'<a class="anchor-link"[^>]*>.*?</a>', "", m.group(3), flags=re.S)
+        text = html_lib.unescape(re.sub(r"<[^>]+>", "", inner)).strip()
+        flat.append({"level": int(m.group(1)), "id": m.group(2), "name": html_lib.escape(text, quote=False),
+                     "html": inner.strip(), "data-toc-label": "", "children": []})
+    return nest_toc_tokens(flat)
+
+
 def on_page_content(html, page, config, files):  # noqa: ARG001 - mkdocs hook signature
-    return fold_tagged_cells(html) if page.file.src_uri.endswith(".ipynb") else html
+    if not page.file.src_uri.endswith(".ipynb"):
+        return html
+    from mkdocs.structure.toc import get_toc
+
+    html = drop_xmode_output(fold_tagged_cells(html))
+    page.toc = get_toc(notebook_toc_tokens(html))
+    return html
+
+
+# --- the left navigation: a page listed in both editions' trees opens its own language's ---------
+
+def _page_link(page):
+    """A nav entry that links to `page` without being it: what the other edition's tree lists
+    (its title stays the page's own, which mkdocs-jupyter sets from the notebook's first heading)."""
+    from mkdocs.structure.nav import Link
+
+    class PageLink(Link):
+        title = property(lambda self: self.page.title, lambda self, value: None)
+
+    link = PageLink(page.title, page.url)
+    link.page = page
+    return link
+
+
+def own_language_nav(nav) -> None:
+    """Every page listed in more than one place of the nav (the notebooks, the results and the
+    reference pages sit in the English tree and in the 中文 section) stays a page in the tree of
+    its own language, English unless its source is under `zh/`, and becomes a plain link in the
+    others. mkdocs hands one `Page` to every place that lists it, and the last place listed wins
+    its parent: every English notebook page opened the 中文 section and marked itself active
+    there. Previous/next links follow the same order: a page's neighbours in its own tree."""
+    from mkdocs.structure.nav import Section, _get_by_type
+    from mkdocs.structure.pages import Page
+
+    places: dict[int, list] = {}
+
+    def walk(items, parent, zh):
+        for i, item in enumerate(items):
+            if parent is None:  # a top-level entry: the 中文 section is the one holding the zh/ pages
+                zh = isinstance(item, Section) and any(
+                    p.file.src_uri.startswith("zh/") for p in _get_by_type(item.children, Page))
+            if isinstance(item, Page):
+                places.setdefault(id(item), []).append((item, items, i, parent, zh))
+            elif isinstance(item, Section):
+                walk(item.children, item, zh)
+
+    walk(nav.items, None, False)
+    for found in places.values():
+        if len(found) < 2:
+            continue
+        page = found[0][0]
+        zh_page = page.file.src_uri.startswith("zh/")
+        home = next((f for f in found if f[4] == zh_page), found[0])
+        for _, items, i, parent, _zh in found:
+            if not (items is home[1] and i == home[2]):
+                items[i] = _page_link(page)
+                items[i].parent = parent
+        page.parent = home[3]
+    nav.pages = _get_by_type(nav.items, Page)
+    for i, page in enumerate(nav.pages):
+        page.previous_page = nav.pages[i - 1] if i else None
+        page.next_page = nav.pages[i + 1] if i + 1 < len(nav.pages) else None
+
+
+def on_nav(nav, config, files):  # noqa: ARG001 - mkdocs hook signature
+    own_language_nav(nav)
+    return nav

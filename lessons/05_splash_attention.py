@@ -494,7 +494,8 @@ assert all(a[2] < b[2] for a, b in zip(padding_rows, padding_rows[1:]))  # grows
 # kernel (above, the upstream kernel's result is exactly the zero-key softmax), so here we
 # compute it with plain JAX on a sample of 64 queries, each against all keys, for the two
 # lengths upstream pads: CogVideoX 720p (39,826 tokens padded to 42,240 by `block_kv=2816`,
-# head_dim 64) and HunyuanVideo-1.5 121 frames (112,856 tokens padded to 114,688, head_dim 128).
+# head_dim 64) and HunyuanVideo-1.5 121 frames (112,856 tokens in upstream's count, without image
+# slots, padded to 114,688, head_dim 128).
 # Queries and keys are random Gaussian, so this is an illustration; real attention is peakier
 # and the error probably smaller, but it is never zero.
 

@@ -594,7 +594,7 @@ from IPython.display import Markdown
 
 full_plans = [r for r in results.load(Path("..") / plan.DEFAULT_RECORDS)  # the two families' releases on v6e
               if r["layers"] == 1 and [s["stage"] for s in r["stages"]] == ["text", "denoise"]
-              and r["topology"].startswith("v6e:") and r["family"] in ("cogvideox", "hunyuan")]
+              and r["topology"].startswith("v6e:") and r.get("checkpoint") in (cogvideox.FULL_ID, hunyuan.FULL_ID)]
 peaks = {(r["family"], r["chips"]): {s["stage"]: s["peak"] for s in r["stages"]} for r in full_plans}
 rows = ["| model | request | slice | text | denoise | binding |", "|---|---|---|---|---|---|"]
 for r in sorted(full_plans, key=lambda r: (r["family"], -r["chips"])):

@@ -180,6 +180,10 @@ for name in ("attention", "other matmuls", "collectives", "everything else", "no
 assert trace_file.stat().st_size > 0 and step_module.startswith("jit_")
 assert shares["not in the HLO"] < 0.05 * total  # the rebuilt step names the traced instructions
 assert all(shares[name] > 0 for name in ("attention", "other matmuls", "collectives"))
+from tpupedia import traces  # the same reading, kept in the package for notebook tune_before_you_rent
+
+assert traces.op_seconds(trace_file) == dict(op_seconds)
+assert traces.shares(op_seconds, step_module, step_hlo, sequence) == {k: shares[k] for k in traces.CATEGORIES}
 
 # %% [markdown]
 # ### Exercise 1: count the events of one instruction

@@ -583,7 +583,7 @@ if preset.pretrained:
                           stages=("image", "denoise"), vae_tiling="on").as_dict()
 else:
     i2v_plan = next(r for r in results.load(Path("..") / planner.DEFAULT_RECORDS)
-                    if r.get("family") == "hunyuan" and r["request"].get("image") and r["topology"] == "v6e:2x4")
+                    if r.get("checkpoint") == family.FULL_ID_I2V and r["request"].get("image") and r["topology"] == "v6e:2x4")
 for stage in i2v_plan["stages"]:
     print(f"{stage['stage']:8} peak {stage['peak'] / 2**30:6.2f} GiB per chip (weights {stage['weights'] / 2**30:.2f} GiB)")
 print("binding stage:", i2v_plan["binding"], "| fits:", i2v_plan["fits"])

@@ -445,7 +445,8 @@ if preset.pretrained:
     wan_plan = plan.make("wan", full_request, pipeline.Options(), topology="v6e:2x4", layers=1).as_dict()
 else:
     wan_plan = next(r for r in results.load(Path("..") / plan.DEFAULT_RECORDS)
-                    if r.get("checkpoint") == family.FULL_ID and r["topology"] == "v6e:2x4")
+                    if r.get("checkpoint") == family.FULL_ID and r["topology"] == "v6e:2x4" and r["layers"] == 1
+                    and [s["stage"] for s in r["stages"]] == ["text", "denoise", "decode"])
 for stage in wan_plan["stages"]:
     print(f"{stage['stage']:8} peak {stage['peak'] / 2**30:6.2f} GiB per chip (weights {stage['weights'] / 2**30:.2f} GiB)")
 print("binding stage:", wan_plan["binding"], "| fits:", wan_plan["fits"])

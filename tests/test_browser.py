@@ -48,6 +48,11 @@ CHROMIUM_ARGS = [
     "--disable-sync",
 ]
 
+SEARCH_TIMEOUT_MS = 120_000
+"""How long a search waits for its first result: the index is built by a web worker in the page,
+which takes seconds on a quiet machine and has taken over 30 s (the default) while `make test`'s
+two workers load both cores. A wait, not a speed target."""
+
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
     def log_message(self, *args):  # keep pytest output clean
@@ -189,6 +194,39 @@ def test_notebook_page_shows_stored_outputs(site, page):
     _shot(page, "notebook-00")
 
 
+# Where each active link of the left navigation sits: the title of its top-level section (None for
+# a top-level page), and whether it shows. A notebook page is listed in the English tree and again
+# in the 中文 section; mkdocs gives both places one page, and the theme opened the last.
+_ACTIVE_NAV_JS = """
+() => [...document.querySelectorAll(".md-sidebar--primary a.md-nav__link--active")].map((a) => {
+  let top = null;
+  for (let el = a.parentElement; el; el = el.parentElement) {
+    if (el.matches("li.md-nav__item--section")) top = el;
+  }
+  const label = top && top.querySelector(":scope > label.md-nav__link, :scope > .md-nav__link");
+  return {tree: label ? label.textContent.trim() : null, shown: a.getClientRects().length > 0};
+})
+"""
+
+
+@pytest.mark.parametrize("path, tree", [("notebooks/02_sharding/", "Notebooks"), ("results/", None),
+                                        ("zh/kb/deepcache/", "中文")])
+def test_the_left_navigation_opens_the_tree_of_the_page_s_language(site, page, path, tree):
+    """An English notebook page (and the English results page) marks itself active in the English
+    tree, not in the 中文 section that links it too (`docs/hooks.py`, `own_language_nav`); a Chinese
+    page keeps the Chinese tree. Issue 42."""
+    base, _ = site
+    page.goto(f"{base}/{path}", wait_until="load")
+    page.locator(".md-sidebar--primary nav.md-nav").first.wait_for(state="attached")
+    active = page.evaluate(_ACTIVE_NAV_JS)
+    assert active and all(a["tree"] == tree for a in active), f"{path}: active nav links sit in {active}, not {tree!r}"
+    assert any(a["shown"] for a in active), f"{path}: the active nav link is in a collapsed section: {active}"
+    opened = page.evaluate(
+        "() => [...document.querySelectorAll('.md-sidebar--primary input.md-nav__toggle[id^=\"__nav\"]:checked')]"
+        ".map((box) => document.getElementById(box.id + '_label')?.textContent.trim())")
+    assert ("中文" in opened) == (tree == "中文"), f"{path}: the sections open are {opened}"
+
+
 def test_chinese_home_page(site, page):
     base, site_dir = site
     candidates = [p for p in ("zh/index.html", "zh/index/index.html") if (site_dir / p).exists()]
@@ -219,7 +257,7 @@ def test_search_returns_results(site, page):
     box.click()
     box.type("splash attention", delay=40)
     result = page.locator(".md-search-result__item").first
-    result.wait_for(state="visible")
+    result.wait_for(state="visible", timeout=SEARCH_TIMEOUT_MS)
     meta = page.locator(".md-search-result__meta").inner_text()
     assert "matching" in meta.lower() or "result" in meta.lower(), meta
     titles = page.locator(".md-search-result__article h1, .md-search-result__article h2").all_inner_texts()
@@ -242,7 +280,7 @@ def test_chinese_search_returns_a_chinese_page(site, page):
     box.wait_for(state="visible")
     box.click()
     box.fill("分片")  # one input event: typed character by character, the results of "分" alone could show first
-    page.locator(".md-search-result__item").first.wait_for(state="visible")
+    page.locator(".md-search-result__item").first.wait_for(state="visible", timeout=SEARCH_TIMEOUT_MS)
     links = page.locator(".md-search-result__link")
     hrefs = [links.nth(i).get_attribute("href") or "" for i in range(links.count())]
     assert hrefs and "/zh/" in hrefs[0], f"the first result for 分片 is not a Chinese page: {hrefs[:5]}"

@@ -23,7 +23,12 @@ def test_cogvideox_flops_by_hand():
 
 def test_hunyuan_and_llama_flops_by_hand():
     h = hunyuan.step_flops(1280, 720, 121)
-    assert h["tokens"] == 31 * 45 * 80 + 1256  # 112,856, as the upstream notes count
+    # 113,585: the video and all three conditioning slots (Qwen2.5-VL, ByT5 and the 729 image
+    # slots diffusers keeps), the joint sequence the compiled step runs; upstream's notes count
+    # 112,856, without the image slots (hunyuan.UPSTREAM_TEXT_TOKENS)
+    assert h["tokens"] == hunyuan.sequence_tokens(1280, 720, 121) == 31 * 45 * 80 + 1000 + 256 + 729 == 113_585
+    upstream = hunyuan.step_flops(1280, 720, 121, text_tokens=hunyuan.UPSTREAM_TEXT_TOKENS)
+    assert upstream["tokens"] == 112_856 and upstream["total"] < h["total"]
     ll = llama.forward_flops(seq=12, layers=1, hidden=8, mlp=16, vocab=10)
     assert ll["linear"] == 2 * 12 * (4 * 64 + 3 * 8 * 16 + 8 * 10)
     assert ll["attention"] == 4 * 12 * 12 * 8

@@ -85,3 +85,68 @@ def test_the_core_path_is_notebooks_that_exist_and_its_figures_are_their_sums():
         assert figures.figure(f"{kind}.core").value(ROOT) == pytest.approx(sum(parts)) and all(p > 0 for p in parts)
     with pytest.raises(FileNotFoundError, match="'no_such_notebook': 0 lessons match"):
         notebooks.lesson("no_such_notebook", ROOT)
+
+
+def _paragraphs(text: str) -> list[str]:
+    return re.split(r"\n[ \t]*\n", text)
+
+
+def test_hunyuan_sequence_is_the_family_count_or_labelled_upstream():
+    """HunyuanVideo-1.5 at 720p and 121 frames (issue 42): a page quotes the sequence the splash
+    kernel runs, `hunyuan.sequence_tokens` (the video and every conditioning slot, the 729 image
+    slots included), or upstream's count without the image slots, and then says so and names the
+    upstream file in the same paragraph. The floor a page quotes is computed from the first
+    (`hunyuan.720p_121f.floor_s`, checked with the other literal quotes above)."""
+    from tpupedia.models import hunyuan
+
+    kernel = hunyuan.sequence_tokens(1280, 720, 121)
+    upstream = hunyuan.video_tokens(1280, 720, 121) + hunyuan.UPSTREAM_TEXT_TOKENS
+    assert kernel == hunyuan.step_flops(1280, 720, 121)["tokens"] == 111_600 + 1000 + 256 + 729
+    assert upstream == 112_856 and figures.figure("hunyuan.720p_121f.tokens").printed(ROOT) == f"{kernel:,}"
+    floor = figures.figure("hunyuan.720p_121f.floor_s").value(ROOT)
+    assert floor == pytest.approx(hunyuan.step_flops(1280, 720, 121)["total"] / (8 * 918e12))
+    bad, found = [], 0
+    for page in PAGES:
+        for para in _paragraphs(page.read_text()):
+            for m in re.finditer(r"(?<![\d,.])(11[23],\d{3})(?![\d,])", para):
+                found += 1
+                n = int(m.group(1).replace(",", ""))
+                labelled = (re.search(r"[Uu]pstream|上游", para)
+                            and re.search(r"`[^`\n]*HunyuanVideo[^`\n]*\.md`|`generate_hunyuan_gpu_staged/README\.md`", para))
+                if n != kernel and not (n == upstream and labelled):
+                    bad.append(f"{page.relative_to(ROOT)}: {m.group(1)} is neither the kernel's sequence ({kernel:,}, "
+                               f"hunyuan.sequence_tokens) nor upstream's {upstream:,} labelled with its source file")
+    assert found >= 8 and bad == [], "\n".join(bad)
+
+
+def _notebook_outputs(stem: str) -> str:
+    import nbformat
+
+    nb = nbformat.read(ROOT / "notebooks" / f"{stem}.ipynb", as_version=4)
+    return "\n".join(str(o.get("text", "")) + "".join(str(v) for v in o.get("data", {}).values())
+                     for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+
+
+def test_splash_page_quotes_only_recorded_kernel_memory():
+    """Every MiB figure on the splash-attention pages is one a record holds (issue 42): an HBM
+    figure is the one notebook `splash_attention`'s sweep table stores for a block-size row the
+    same paragraph names, a VMEM figure is in `docs/results/kernels.json`."""
+    from tpupedia import results
+
+    rows = {tuple(map(int, m.groups()[:3])): m.group(4) for m in re.finditer(
+        r"\| (\d+) \| (\d+) \| (\d+) \| [^|\n]*\| yes \| ([\d.]+) MiB \|", _notebook_outputs("05_splash_attention"))}
+    assert rows[(1024, 1024, 512)] and rows[(3328, 2816, 256)]
+    kernels = " ".join(r["summary"] for r in results.load(ROOT / "docs" / "results" / "kernels.json"))
+    checked = 0
+    for page in (ROOT / "docs" / "kb" / "splash-attention.md", ROOT / "docs" / "zh" / "kb" / "splash-attention.md"):
+        for para in _paragraphs(page.read_text()):
+            quoted = re.findall(r"(\d+\.\d\d)\**\s*MiB", para)
+            if not quoted:
+                continue
+            named = {rows.get(tuple(map(int, t))) for t in re.findall(r"\b(\d{3,4}) / (\d{3,4}) / (\d{3,4})\b", para)}
+            for mib in quoted:
+                checked += 1
+                assert mib in named or f"{mib} MiB" in kernels, (
+                    f"{page.relative_to(ROOT)}: {mib} MiB is neither the sweep table's HBM for a block-size row the "
+                    f"paragraph names nor a kernels.json figure:\n{para}")
+    assert checked >= 8

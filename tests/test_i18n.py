@@ -26,9 +26,13 @@ A twin is a translation, not a summary, and these tests hold it to that (``check
   anchor with ``{#english-anchor}``), so a link to ``page.md#section`` lands on both editions;
 * the twin has the same ``{{ figure:… }}`` and table placeholders, so its numbers are printed from
   the same results files (``docs/hooks.py``);
-* every number the English prose quotes (a decimal, or three digits and more) appears in the twin,
-  and the twin quotes no such number the English page lacks;
+* every number the English prose quotes (a decimal, or three digits and more, also after a hyphen:
+  both of "128-to-512") appears in the twin, and the twin quotes no such number the English page
+  lacks; a heading's ``{#anchor}`` is not a quoted number;
 * the twin follows the one glossary of terms, ``docs/zh/terms.yml`` (rendered as ``zh/terms.md``, 译名表).
+  Where the English uses a term's word in another sense ("a cell of the table" is not a notebook
+  cell), the term lists that phrase under ``other_senses``; English prose inside such a phrase
+  does not require the glossary's form, so the twin can say it in plain Chinese.
 
     .venv/bin/python tests/test_i18n.py --check draft.md --as docs/zh/kb/deepcache.md
 
@@ -58,7 +62,10 @@ TERMS = ZH / "terms.yml"
 NOT_TWINS = ["terms.md"]  # the glossary page itself: written in Chinese, translating no English page
 _FRONT = re.compile(r"\A---\n(.*?)\n---\n", re.S)
 _FENCE = re.compile(r"(?ms)^ *(```|~~~).*?^ *\1")
-_NUMBER = re.compile(r"(?<![A-Za-z0-9_.\-])(\d+(?:[.,]\d+)+|\d{3,})")
+# A number: not the tail of a word, an identifier or another number; a hyphen before it is fine
+# ("128-to-512" quotes 128 and 512, "5.10-5.11" both ends).
+_NUMBER = re.compile(r"(?<![A-Za-z0-9_.])(\d+(?:[.,]\d+)+|\d{3,})")
+_ATTR_LIST = re.compile(r"\{:?\s*#[^}\n]*\}")  # a heading's {#anchor}: an id, not a quoted number
 _PLACEHOLDER = re.compile(r"\{\{ *([\w:.-]+) *(?:\|[^}]*)?\}\}")  # a diagram's caption after `|` is the page's own
 
 
@@ -101,7 +108,7 @@ def anchors(text: str) -> list[str]:
 
 
 def numbers(text: str) -> set[str]:
-    return set(_NUMBER.findall(text))
+    return set(_NUMBER.findall(_ATTR_LIST.sub("", text)))
 
 
 def check_twin(text: str, source: Path) -> list[str]:
@@ -121,11 +128,15 @@ def check_twin(text: str, source: Path) -> list[str]:
     if added:
         problems.append(f"numbers the twin quotes and the English page lacks: {added}")
     english_prose, twin_prose = prose(english).lower(), prose(text).lower()
+    english_prose = re.sub(r"\s+", " ", english_prose)  # an `other_senses` phrase may wrap across lines
     for term in terms():
         for avoid in term.get("avoid", []):
             if avoid in text:
                 problems.append(f"uses {avoid!r}; the glossary's term for {term['en']!r} is {term['zh']!r}")
-        used = re.search(rf"(?<![\w-]){re.escape(term['en'].lower())}(?![\w-])", english_prose)
+        in_sense = english_prose
+        for phrase in term.get("other_senses", []):  # the word in another sense: no glossary form owed
+            in_sense = in_sense.replace(phrase.lower(), " ")
+        used = re.search(rf"(?<![\w-]){re.escape(term['en'].lower())}(?![\w-])", in_sense)
         if used and term["zh"].lower() not in twin_prose:
             problems.append(f"the English page says {term['en']!r}; the twin never uses the glossary's {term['zh']!r}")
     han = len(re.findall(r"[\u4e00-\u9fff]", body(text)))
@@ -190,6 +201,32 @@ def test_the_twin_check_finds_what_it_is_for(tmp_path):
     for expected in ("the-step-time", "placeholders differ", "'0.33'", "'0.34'", "'设备网格'"):
         assert expected in problems, f"{expected} not reported in:\n{problems}"
     assert check_twin(good, source) == []
+
+
+def test_a_number_after_a_hyphen_counts_and_an_anchor_does_not(tmp_path):
+    """"128-to-512" quotes two numbers; a heading's `{#…-107}` quotes none."""
+    source = tmp_path / "page.md"
+    source.write_text("---\ndescription: x\n---\n# Title\n\n## Gains of 10.7%\n\nThe decoder widens "
+                      "128-to-512 channels, at 5.10-5.11 s.\n", encoding="utf-8")
+    filler = "这是一段用来凑够字数的中文说明文字。" * 15
+    def twin(n: int) -> str:
+        return f"# 标题\n\n## 提升 10.7% {{#gains-of-107}}\n\n{filler}解码器的通道数从 128 增加到 {n}，耗时 5.10-5.11 秒。\n"
+
+    problems = "\n".join(check_twin(twin(256), source))
+    assert "'512'" in problems and "'256'" in problems and "'107'" not in problems, problems
+    assert check_twin(twin(512), source) == []
+
+
+def test_a_term_in_another_sense_needs_no_glossary_form(tmp_path):
+    """`other_senses` in terms.yml: "check a cell" of a table owes no notebook "cell"; the
+    notebook sense still does."""
+    source = tmp_path / "page.md"
+    filler = "这是一段用来凑够字数的中文说明文字。" * 15
+    source.write_text("---\ndescription: x\n---\n# Title\n\nTo check a cell: 2 x 3 = 6.\n", encoding="utf-8")
+    assert check_twin(f"# 标题\n\n{filler}核对表中任一格：2 x 3 = 6。\n", source) == []
+    source.write_text("---\ndescription: x\n---\n# Title\n\nTo check a cell, run the next cell.\n", encoding="utf-8")
+    problems = "\n".join(check_twin(f"# 标题\n\n{filler}核对表中任一格，运行下一格。\n", source))
+    assert "'cell'" in problems, problems
 
 
 def test_every_page_has_a_description():

@@ -58,14 +58,14 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 LAYERS = (
     ("tpupedia.cli",),
-    ("tpupedia.plan", "tpupedia.bench", "tpupedia.doctor", "tpupedia.figures", "tpupedia.diagrams"),
+    ("tpupedia.plan", "tpupedia.tune", "tpupedia.bench", "tpupedia.doctor", "tpupedia.figures", "tpupedia.diagrams"),
     ("tpupedia.pipelines", "tpupedia.dryrun", "tpupedia.predict", "tpupedia.llm"),
     ("tpupedia.families",),
     ("tpupedia.models",),
     ("tpupedia.sharding", "tpupedia.attention", "tpupedia.torchax_utils", "tpupedia.compat", "tpupedia.aot",
      "tpupedia.devices", "tpupedia.hardware", "tpupedia.presets", "tpupedia.session", "tpupedia.results",
      "tpupedia.batch", "tpupedia.video", "tpupedia.image", "tpupedia.pictures", "tpupedia.notebooks", "tpupedia.distributed",
-     "tpupedia.files", "tpupedia.metrics", "tpupedia.lora", "tpupedia.errors"),
+     "tpupedia.files", "tpupedia.metrics", "tpupedia.lora", "tpupedia.traces", "tpupedia.errors"),
 )
 """The package's layers, top first (DESIGN.md's module map): the command line; the tools built on
 runs (plan, benchmarks, doctor, the docs' figures and diagrams); the pipelines, the dry-run and the LLM loader;

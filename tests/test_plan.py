@@ -386,8 +386,9 @@ def test_the_denoise_step_runs_splash_at_the_block_sizes_asked(family, tmp_path,
     each call caps them to its own sequence."""
     import importlib
 
-    from tpupedia import attention, presets
+    from tpupedia import attention, predict, presets
 
+    assert predict.SPLASH_EFFICIENCY  # imported before the cap is watched: its profile's blocks are not the run's
     module = importlib.import_module(f"tpupedia.pipelines.{family}")
     fam = module.PIPELINE.family
     configs = fam.component_configs(str(fam.tiny_checkpoint(tmp_path / family)))
@@ -400,3 +401,41 @@ def test_the_denoise_step_runs_splash_at_the_block_sizes_asked(family, tmp_path,
     assert p.fits and p.attention == "splash 256/256/128", p.summary()
     assert asked and set(asked) == {(256, 256, 128)}, asked
 
+
+
+def test_a_plan_predicts_each_stage_and_scales_a_shallow_compile_to_full_depth(tmp_path):
+    """With a topology, every program gets a predicted time per call (`tpupedia.predict.Work`:
+    the compiler's per-chip counts, the splash calls recorded as the step is traced, the
+    collectives). A transformer three layers deep planned at `layers=1` (compiled at 1 and 2
+    layers, each missing layer adding the difference) predicts the work of the three-layer
+    compile, and the step's splash FLOPs are 4 per query, key and head dimension over the padded
+    blocks of every layer's call."""
+    from tpupedia import attention, predict, presets
+    from tpupedia.models import cogvideox
+    from tpupedia.pipelines import cogvideox as pipeline
+
+    configs = cogvideox.component_configs(str(cogvideox.tiny_checkpoint(tmp_path / "c")))
+    configs["transformer"] = configs["transformer"] | {"num_layers": 3}
+    request = pipeline.Request(prompt="a cat", **(cogvideox.default_request(presets.get("tiny")) | {"steps": 3}))
+
+    def planned(layers):
+        return plan.make("cogvideox", request, pipeline.Options(attention="splash"), configs=configs,
+                         topology="v6e:2x2", layers=layers, stages=("denoise",), dtype="float32")
+
+    shallow, whole = planned(1), planned(None)
+    (step,), (full,) = shallow.stage("denoise").programs, whole.stage("denoise").programs
+    for k, v in full.work.items():
+        assert step.work[k] == pytest.approx(v, rel=0.02), (k, step.work, full.work)
+    t = configs["transformer"]
+    tokens = cogvideox.video_tokens(request.width, request.height, request.frames,
+                                    cogvideox.shape_facts(configs)) + t["max_text_seq_length"]
+    call = [2, t["num_attention_heads"], tokens, tokens, t["attention_head_dim"]]
+    blocks = attention.capped_block_sizes(attention.default_block_sizes(tokens, tokens), tokens, tokens)
+    assert full.work["attention_flops"] == 3 * predict.splash_flops(call, blocks) > 4 * 2 * tokens**2
+    assert step.predicted_s == pytest.approx(full.predicted_s, rel=0.02) and step.predicted_s > 0
+    chip = plan.hardware.parse_topology("v6e:2x2").chip
+    assert full.predicted_s == pytest.approx(predict.Work(**full.work).seconds(chip, 4))
+    stage = whole.stage("denoise")
+    assert stage.predicted_s == pytest.approx(3 * full.predicted_s) and whole.predicted_s == stage.predicted_s
+    assert step.predicted_compile_s >= step.compile_seconds > 0
+    assert "predicted, not measured" in whole.summary() and "per call" in whole.summary()

@@ -180,3 +180,56 @@ def test_the_results_page_draws_the_predictions_beside_the_reports_labelled_as_p
     records = results.load(predict.DEFAULT_RECORDS)
     assert table.count("(predicted)") == len(records) >= len(predict.REPORTED) and "reported upstream" in table
     assert chart.startswith("<svg") and "reported upstream" in chart and "predicted" in chart
+
+
+def test_recorded_plans_predict_each_stage_and_meet_upstreams_reports_where_there_are_some():
+    """`docs/results/plans.json` holds plans recorded with predicted times (`tpupedia plan ...
+    --record` for a slice): each stage's prediction is its programs' calls times their predicted
+    call, and the stages upstream reports on the same slice and mesh carry that report, which the
+    results page sets beside the prediction."""
+    import importlib.util
+    from pathlib import Path
+
+    from tpupedia import plan
+
+    records = [r for r in results.load(plan.DEFAULT_RECORDS) if any(s.get("predicted_s") for s in r["stages"])]
+    assert {r["family"] for r in records} >= {"cogvideox", "wan"}
+    for r in records:
+        for s in r["stages"]:
+            assert s["predicted_s"] == pytest.approx(sum(p["calls"] * p["predicted_s"] for p in s["programs"]))
+            assert s["predicted_compile_s"] >= max(p["compile_seconds"] for p in s["programs"])
+    reported = {(r["family"], s["stage"], what): s[key]["seconds"] for r in records for s in r["stages"]
+                for what, key in (("run", "reported"), ("compile", "reported_compile")) if s.get(key)}
+    assert reported[("cogvideox", "decode", "run")] == 0.65 and reported[("wan", "denoise", "run")] == pytest.approx(68.5)
+    path = Path(__file__).resolve().parents[1] / "docs" / "hooks.py"
+    spec = importlib.util.spec_from_file_location("docs_hooks", path)
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    table = hooks._plan_predictions_table()
+    rows = sum(1 for r in records for s in r["stages"] if s.get("predicted_s") is not None)
+    assert table.count("s** (predicted)") == rows and "0.65 s" in table
+
+
+def test_the_cost_page_quotes_the_recorded_few_step_plans_as_predictions():
+    """The cost page's predicted few-step rows (both editions) are the recorded plans' denoise
+    stages: the step time and the seconds a video, as `tpupedia plan FAMILY --release NAME` gave them."""
+    from pathlib import Path
+
+    from tpupedia import families, plan
+
+    root = Path(__file__).resolve().parents[1]
+    pages = [(root / "docs" / p).read_text(encoding="utf-8") for p in ("kb/cost-per-video.md", "zh/kb/cost-per-video.md")]
+    quoted = 0
+    for r in results.load(plan.DEFAULT_RECORDS):
+        release = next((x for x in families.get(r["family"]).few_step.values()
+                        if r["command"].startswith(f"tpupedia plan {r['family']} --release {x.name} ")), None)
+        if release is None or not r.get("predicted_s"):
+            continue
+        denoise = next(s for s in r["stages"] if s["stage"] == "denoise")
+        steps = r["request"]["steps"]
+        assert steps == release.steps
+        for page in pages:
+            assert f"`tpupedia plan {r['family']} --release {release.name} " in page
+            assert f"{steps} x {denoise['predicted_s'] / steps:.2f} = " in page, release.name
+        quoted += 1
+    assert quoted == 2

@@ -117,6 +117,9 @@ class AOTResult:
     compiled: Any = None
     vmem_required_bytes: float | None = None
     vmem_limit_bytes: float | None = None
+    compile_seconds: float | None = None
+    """How long the compiler took for this program on the host that compiled it (kept with a
+    cached compile, so a plan read back from the cache still knows it); `None` where unknown."""
 
     def summary(self) -> str:
         if self.fits and self.memory is not None:
@@ -330,16 +333,19 @@ def compile_aot(fn: Callable[..., Any], *args: Any, **jit_kwargs: Any) -> AOTRes
             oom_message=" ".join(line.strip() for line in text.strip().splitlines()[:2]),
             vmem_required_bytes=float(v.group(1)) * _UNIT[v.group(2)] if v else None,
             vmem_limit_bytes=float(v.group(3)) * _UNIT[v.group(4)] if v else None,
+            compile_seconds=round(time.perf_counter() - start, 3),
         )
-        _cache_write(key, result, time.perf_counter() - start)
+        _cache_write(key, result)
         return result
+    seconds = round(time.perf_counter() - start, 3)
     result = AOTResult(
         fits=True,
         memory=MemoryPerChip.from_compiled(compiled),
         collectives=collective_counts(compiled.as_text()),
         compiled=compiled,
+        compile_seconds=seconds,
     )
-    _cache_write(key, result, time.perf_counter() - start)
+    _cache_write(key, result)
     return result
 
 
@@ -435,7 +441,7 @@ def _cache_read(key: str | None) -> AOTResult | None:
         memory = MemoryPerChip(**kept["memory"]) if kept["memory"] else None
         compiled = CachedCompile(kept["hlo"], kept["cost"]) if kept["hlo"] is not None else None
         rest = {k: v for k, v in kept.items() if k not in ("memory", "hlo", "cost", "seconds")}
-        result = AOTResult(memory=memory, compiled=compiled, **rest)
+        result = AOTResult(memory=memory, compiled=compiled, compile_seconds=kept.get("seconds"), **rest)
     except (OSError, ValueError, KeyError, TypeError, EOFError):
         return None
     with contextlib.suppress(OSError):
@@ -443,7 +449,7 @@ def _cache_read(key: str | None) -> AOTResult | None:
     return result
 
 
-def _cache_write(key: str | None, result: AOTResult, seconds: float = 0.0) -> None:
+def _cache_write(key: str | None, result: AOTResult) -> None:
     if key is None:
         return
     cost = None
@@ -454,10 +460,11 @@ def _cache_write(key: str | None, result: AOTResult, seconds: float = 0.0) -> No
             cost = {k: float(v) for k, v in (raw or {}).items()}
         except Exception:  # noqa: BLE001 - a cost analysis the compiler cannot give is not kept
             cost = None
-    kept = {f.name: getattr(result, f.name) for f in fields(result) if f.name not in ("memory", "compiled")}
+    kept = {f.name: getattr(result, f.name) for f in fields(result)
+            if f.name not in ("memory", "compiled", "compile_seconds")}
     kept |= {"memory": asdict(result.memory) if result.memory else None,
              "hlo": result.compiled.as_text() if result.compiled is not None else None, "cost": cost,
-             "seconds": round(seconds, 3)}
+             "seconds": result.compile_seconds or 0.0}
     path = _cache_path(key)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     files.write_atomic(path, lambda tmp: tmp.write_bytes(gzip.compress(json.dumps(kept).encode(), 1)))

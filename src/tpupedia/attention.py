@@ -35,6 +35,7 @@ none does, so a wrong answer is never returned silently. Query rows with no visi
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from dataclasses import dataclass
@@ -49,6 +50,7 @@ from tpupedia.errors import TpupediaError
 
 __all__ = [
     "AttentionError",
+    "recording",
     "AttentionLayoutWarning",
     "LANE",
     "BACKENDS",
@@ -175,6 +177,37 @@ def capped_block_sizes(block_sizes: Any, q_len: int, kv_len: int) -> tuple[int, 
     (`tpupedia.predict` counts the padded blocks with them)."""
     bs = _cap_block_sizes(_as_block_sizes(block_sizes), q_len, kv_len)
     return bs.block_q, bs.block_kv, bs.block_kv_compute
+
+
+_RECORDS: list[list[list[int]]] = []
+
+
+@contextlib.contextmanager
+def recording():
+    """Record every splash call made through the torchax overrides inside the block
+    (`install_attention`, `padded_attend`): yields a list that fills with `[batch, heads, q_len,
+    kv_len, head_dim, block_q, block_kv, block_kv_compute]` per call (the global shapes and the
+    blocks asked, which `capped_block_sizes` shrinks to the call's sequence as the kernel runs
+    them). A call is recorded where the model makes it, while its program is
+    traced (the jitted kernel below is traced once per shape, the model's call is not), so a
+    program's calls are recorded while it is lowered (`tpupedia.plan` counts a step's attention
+    work with it, `tpupedia.predict.splash_flops`)."""
+    calls: list[list[int]] = []
+    _RECORDS.append(calls)
+    try:
+        yield calls
+    finally:
+        _RECORDS.remove(calls)
+
+
+def _record(q_shape, kv_len: int, block_sizes: Any) -> None:
+    """Add one splash call to every open `recording`: its shapes and the blocks it runs at."""
+    if not _RECORDS:
+        return
+    b, h, sq, d = (int(n) for n in q_shape)
+    bs = default_block_sizes(sq, kv_len) if block_sizes is None else _as_block_sizes(block_sizes)
+    for calls in _RECORDS:  # the blocks as asked: `capped_block_sizes` gives what the call runs at
+        calls.append([b, h, sq, int(kv_len), d, bs.block_q, bs.block_kv, bs.block_kv_compute])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -521,6 +554,8 @@ def install_attention(
             raise AttentionError(f"dropout_p={dropout_p}: attention dropout is not supported "
                                  "(inference only); pass 0.0")
         info.calls += 1
+        if resolved == "splash":
+            _record(query.shape, key.shape[2], block_sizes)
         return call_jax(jitted, query, key, value, attn_mask, is_causal=bool(is_causal),
                         scale=None if scale is None else float(scale))
 
@@ -545,9 +580,13 @@ def padded_attend(backend: str, *, mesh=None, interpret=None, block_sizes=None, 
                                    mesh=mesh if resolve_backend(backend) == "splash" else None,
                                    batch_axis=batch_axis, head_axis=head_axis, block_sizes=block_sizes))
 
+    splash = resolve_backend(backend) == "splash"
+
     def attend(q, k, v, valid):
         from torchax.interop import call_jax
 
+        if splash:
+            _record(q.shape, k.shape[2], block_sizes)
         return call_jax(fn, q, k, v, valid)
 
     return attend

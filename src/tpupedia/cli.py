@@ -163,6 +163,8 @@ def _plan(args: argparse.Namespace) -> int:
     pipeline.PIPELINE.check_size_given(request, ["--resolution"] if args.resolution else [])
     options = common.Options(mesh=common.parse_mesh(args.mesh) if args.mesh else None, sharding=args.sharding,
                              attention=args.attention, block_sizes=_block_sizes(args.block_sizes))
+    if args.search or args.cheapest:
+        return _tune(args, request, options, model)
     result = plan.make(args.model_family, request, options, model=model, topology=args.topology,
                        layers=args.layers, vae_tiling=args.vae_tiling, resident=args.batch,
                        stages=tuple(s.strip() for s in args.stages.split(",")) if args.stages else plan.STAGES)
@@ -172,6 +174,60 @@ def _plan(args: argparse.Namespace) -> int:
     if args.record:
         print(f"  recorded in {plan.record(result, args.record, command='tpupedia ' + ' '.join(args.argv))}")
     result.check()  # a run that will not fit: PlanError, one line naming the stage and the fix, exit 2
+    return 0
+
+
+def _tune(args: argparse.Namespace, request, options, model) -> int:
+    """`plan --search` and `plan --cheapest` (`tpupedia.tune`): every line a prediction, said so."""
+    from tpupedia import tune
+
+    layers = args.layers or 1
+    stages = tuple(s.strip() for s in args.stages.split(",")) if args.stages else ("text", "denoise")
+    make = dict(model=model, layers=layers, stages=stages, vae_tiling=args.vae_tiling)
+    print(f"predicted, not measured: stages {', '.join(stages)}, {layers} layer(s) per model compiled and scaled "
+          "to full depth; compile times at this host's speed")
+    if args.cheapest:
+        priced = tune.cheapest(args.model_family, request, options, videos=args.videos, deadline=args.deadline,
+                               kind="spot" if args.spot else "on_demand", searched=args.search, **make)
+        for c in priced:
+            cost = (f"{c.video_s:.1f} s a video + {c.compile_s:.0f} s of compiles / {c.videos} = "
+                    f"${c.dollars_per_video:.3f} a video at ${c.price_per_chip_hour:.2f} per chip-hour"
+                    if c.fits else f"does not fit: {c.note}")
+            print(f"  {c.topology:8s} {c.chips} chips: {cost}")
+        best = priced[0]
+        if not best.fits or (args.deadline is not None and best.video_s > args.deadline):
+            fastest = min((c for c in priced if c.fits), key=lambda c: c.video_s, default=None)
+            raise CommandLineError("no slice " + ("fits" if fastest is None else
+                                   f"meets --deadline {args.deadline:g} s: the fastest, {fastest.topology}, is "
+                                   f"predicted at {fastest.video_s:.1f} s a video"))
+        print(f"cheapest: {best.topology}, ${best.dollars_per_video:.3f} a video (predicted; prices in "
+              "tpupedia.hardware.PRICES, with their source)")
+        if best.settings:
+            print("  " + tune.command_line(args.model_family, best.settings, f"--topology {best.topology}"))
+        return 0
+    ranked = tune.search(args.model_family, request, options, topology=args.topology, **make)
+    for c in ranked:
+        s = c.settings
+        label = (f"mesh dp={s['mesh'][0]},tp={s['mesh'][1]} sharding {s['sharding']}"
+                 + (f" blocks {'/'.join(map(str, s['block_sizes']))}" if s["block_sizes"] else "")
+                 + (f" vae tiling {s['vae_tiling']}" if "vae_tiling" in s else ""))
+        verdict = (f"predicted {c.predicted_s:.1f} s a video" if c.fits
+                   else c.error or f"does not fit: {c.plan.advice()}")
+        print(f"  {label:52s} {verdict}")
+    if not ranked or not ranked[0].fits:
+        raise CommandLineError(f"no setting fits {args.topology}: try a larger slice (--cheapest names one)")
+    print("fastest predicted: " + tune.command_line(args.model_family, ranked[0].settings))
+    if len({c.settings["block_sizes"] for c in ranked}) > 1:
+        print("  block sizes rank by their padding alone: the splash model runs every block size at one efficiency "
+              "(upstream's profile); measure the winners on the slice (notebook splash_attention's sweep)")
+    for symptom in tune.diagnose(ranked[0].plan):
+        print(f"  symptom, {symptom.name}: {symptom.evidence}; try {symptom.settings[0]}")
+    if getattr(request, "step_cache", None) is None:  # not ranked: it changes the video
+        cached = tune.with_step_cache(args.model_family, request, options, ranked[0].settings, topology=args.topology,
+                                      **make)
+        print(f"with --step-cache {tune.STEP_CACHE} (it changes the video: notebook fewer_steps): "
+              + (f"predicted {cached.predicted_s:.1f} s a video" if cached.fits else cached.error
+                 or f"does not fit: {cached.plan.advice()}"))
     return 0
 
 
@@ -648,6 +704,17 @@ def build_parser() -> argparse.ArgumentParser:
         _add_lora_flag(q, name)
         _add_release_flag(q, spec)
         q.add_argument("--json", default=None, help="also write the plan as JSON to this file")
+        q.add_argument("--search", action="store_true",
+                       help="plan every mesh, sharding table and splash block size this slice allows and rank those "
+                            "that fit by predicted time (default --layers 1); prints the best's generate command")
+        q.add_argument("--cheapest", action="store_true",
+                       help="price one video on each single-host v5e and v6e slice at the listed prices and name the "
+                            "cheapest that fits (and meets --deadline); with --search, each slice at its best setting")
+        q.add_argument("--deadline", type=float, default=None, metavar="SECONDS",
+                       help="with --cheapest: the predicted seconds one video may take (compiles not counted)")
+        q.add_argument("--videos", type=int, default=1,
+                       help="with --cheapest: videos one process makes, sharing its compiles (default 1)")
+        q.add_argument("--spot", action="store_true", help="with --cheapest: Spot prices instead of on-demand")
         q.add_argument("--record", default=None, nargs="?", const="docs/results/plans.json",
                        help="merge the plan into a results file (default docs/results/plans.json)")
         q.set_defaults(func=_plan)

@@ -118,7 +118,11 @@ def _hardware(fn: Callable[[Any], float]) -> Callable[[Path], float]:
 
 def _quoted(q: Any) -> Figure:
     """A family's `QuotedFigure` (`tpupedia.models.spec`) as a `Figure`: its record found by its
-    `match` (`stages`: the plan's stage names), the value its `read` names."""
+    `match` (`stages`: the plan's stage names), the value its `read` names; a `computed` one is
+    the family module's own function."""
+    text = q.text or (lambda v: f"{v:.{q.decimals}f}")
+    if q.read == "computed":
+        return Figure(q.name, lambda root: q.compute(), text, q.source, quotes=q.quotes)  # no record to read
     file = {"plan_peak": "plans.json", "plan_oom": "plans.json", "dryrun_peak": "dryruns.json",
             "upstream_step": "upstream.json"}[q.read]
     match = {k: (lambda s, want=v: [x["stage"] for x in s] == list(want)) if k == "stages" else v
@@ -130,7 +134,7 @@ def _quoted(q: Any) -> Figure:
         "dryrun_peak": lambda root: (lambda r: (r["arguments_bytes"] + r["temporaries_bytes"]) / _GIB)(find(root)),
         "upstream_step": lambda root: find(root)["step_s"],
     }[q.read]
-    return Figure(q.name, value, lambda v: f"{v:.{q.decimals}f}", q.source, quotes=q.quotes)
+    return Figure(q.name, value, text, q.source, quotes=q.quotes)
 
 
 def _family_figures() -> list[Figure]:

@@ -18,12 +18,15 @@ import math
 import os
 import re
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from tpupedia.errors import TpupediaError
 
 __all__ = [
     "Chip",
     "CHIPS",
+    "PRICES",
+    "price",
     "HardwareError",
     "chip",
     "Topology",
@@ -134,6 +137,26 @@ CHIPS: dict[str, Chip] = {
              "HGX B200 (1,000 W); dense bf16 is half the datasheet's 4.5 PFLOP/s sparse figure"),
     )
 }
+
+
+_SKYPILOT = ("SkyPilot's GCP catalog, catalogs/v8/gcp/vms.csv in skypilot-org/skypilot-catalog at commit 006059e0f1, "
+             "read 2026-11-27 (the docs' cost page cites the same file)")
+PRICES: dict[str, dict[str, Any]] = {
+    "v5e": dict(on_demand=1.20, spot=0.24493, region="us-central1",
+                source=_SKYPILOT + ": tpu-v5litepod-1 $1.2 an hour, tpu-v5litepod-8 $9.6"),
+    "v6e": dict(on_demand=2.70, spot=0.544, region="us-central1", source=_SKYPILOT),
+}
+"""List prices in US dollars per chip-hour, on demand and Spot, in one region, with their source:
+what `tpupedia plan --cheapest` prices a slice at. Prices change and differ by region; a user
+with their own passes `--price CHIP=DOLLARS`."""
+
+
+def price(chip_name: str, kind: str = "on_demand") -> float:
+    """The listed price of one `chip_name` chip for an hour (`PRICES`), `kind` `on_demand` or `spot`."""
+    if chip_name not in PRICES or kind not in ("on_demand", "spot"):
+        raise HardwareError(f"no {kind} price for {chip_name!r} here: prices are listed for "
+                            f"{', '.join(PRICES)} (on_demand, spot)")
+    return float(PRICES[chip_name][kind])
 
 
 def chip(name: str) -> Chip:

@@ -66,6 +66,8 @@ class ProgramCost:
     aliased: float | None
     oom_required: float | None = None
     compile_seconds: float = 0.0
+    """The compiler's time for the program as compiled (`aot.AOTResult.compile_seconds`: on the
+    host that first compiled it, read back with a kept compile)."""
     component: str = ""
     """The checkpoint component whose weights these are: programs of one component share them."""
     vmem_required: float | None = None
@@ -73,6 +75,14 @@ class ProgramCost:
     kernel's tiles, not the chip's HBM, were too large (`aot.AOTResult.vmem_required_bytes`)."""
     vmem_limit: float | None = None
     """The scoped VMEM the chip's compiler allows a kernel, from the same refusal."""
+    work: dict[str, float] | None = None
+    """One call's `tpupedia.predict.Work` at full depth (FLOPs, HBM and ICI bytes per chip, splash
+    FLOPs over all chips); `None` where nothing is predicted (CPU devices, a program that did not fit)."""
+    predicted_s: float | None = None
+    """One call's time on the plan's chips, predicted from `work` (`Work.seconds`)."""
+    predicted_compile_s: float | None = None
+    """The compile time expected at full depth on the planning host: `compile_seconds`, plus each
+    missing layer at what one more layer cost the compiler (a prediction, labelled so)."""
 
     @property
     def peak(self) -> float | None:
@@ -111,6 +121,20 @@ class StageCost:
         """Every program compiled and fits, and the peak with what stays resident is within `hbm`."""
         return all(p.fits for p in self.programs) and self.peak is not None and self.peak <= hbm
 
+    @property
+    def predicted_s(self) -> float | None:
+        """The stage's predicted time in one video: each program's predicted call times its calls."""
+        if not self.programs or any(p.predicted_s is None for p in self.programs):
+            return None
+        return sum(p.calls * p.predicted_s for p in self.programs)
+
+    @property
+    def predicted_compile_s(self) -> float | None:
+        """The stage's programs' expected compile time at full depth, on the planning host."""
+        if not self.programs or any(p.predicted_compile_s is None for p in self.programs):
+            return None
+        return sum(p.predicted_compile_s for p in self.programs)
+
 
 @dataclass
 class Plan:
@@ -142,6 +166,36 @@ class Plan:
 
     def stage(self, name: str) -> StageCost:
         return next(s for s in self.stages if s.stage == name)
+
+    @property
+    def predicted_s(self) -> float | None:
+        """One video's predicted time on the chips: the planned stages' sum (compiles and loading
+        not included; `None` where a stage has no prediction)."""
+        times = [s.predicted_s for s in self.stages]
+        return None if not times or None in times else sum(times)
+
+    @property
+    def predicted_compile_s(self) -> float | None:
+        """The compile time the planned stages' programs are expected to take, on the planning host."""
+        times = [s.predicted_compile_s for s in self.stages]
+        return None if not times or None in times else sum(times)
+
+    def reported(self, stage: str, what: str = "run") -> dict[str, Any] | None:
+        """What upstream reported for `stage` of this video on the same slice and mesh, if it did
+        (a denoise run: `tpupedia.predict.REPORTED`'s step time times the plan's steps where there
+        is one; otherwise `REPORTED_STAGES`), as a dict with `seconds` and `source`: what a
+        predicted stage time is checked against."""
+        from tpupedia import predict
+
+        r = self.request
+        resolution = f"{r['width']}x{r['height']}"
+        if self.topology != "v6e:2x4" or r.get("image") or r.get("step_cache"):  # not the run upstream timed
+            return None
+        step = predict.reported(self.family, resolution) if stage == "denoise" and what == "run" else None
+        if step and step["frames"] == r["frames"] and dict(zip(("dp", "tp"), step["mesh"])) == self.mesh:
+            return {"seconds": step["step_s"] * r["steps"], "source": step["source"]}
+        found = predict.reported_stage(self.family, stage, what, resolution, r["frames"])
+        return found if found and self.mesh == {"dp": 2, "tp": 4} else None
 
     @property
     def fits(self) -> bool:
@@ -205,10 +259,13 @@ class Plan:
     def as_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         for s, d in zip(self.stages, out["stages"]):
-            d |= {"weights": s.weights, "peak": s.peak}
+            d |= {"weights": s.weights, "peak": s.peak, "predicted_s": s.predicted_s,
+                  "predicted_compile_s": s.predicted_compile_s, "reported": self.reported(s.stage),
+                  "reported_compile": self.reported(s.stage, "compile")}
             for p, pd in zip(s.programs, d["programs"]):
                 pd["peak"] = p.peak
-        return out | {"fits": self.fits, "binding": self.binding, "advice": self.advice()}
+        return out | {"fits": self.fits, "binding": self.binding, "advice": self.advice(),
+                      "predicted_s": self.predicted_s, "predicted_compile_s": self.predicted_compile_s}
 
     def summary(self) -> str:
         g = _GIB
@@ -222,12 +279,21 @@ class Plan:
                 + (", batch (models resident)" if self.resident else "")
                 + (f", VAE tiling {'on' if self.vae_tiling else 'off'}" if any(s.stage == "decode" for s in self.stages)
                    else "")
-                + (f", VAE in {r['vae_dtype']}" if r.get("vae_dtype") else ""))
+                + (f", VAE in {r['vae_dtype']}" if r.get("vae_dtype") else "")
+                + (f", step cache {r['step_cache']}" if r.get("step_cache") else ""))
         lines = [head, f"  {self.memory}: {self.hbm / g:.2f} GiB"]
         for s in self.stages:
             peak = "does not compile" if s.peak is None else f"peak {s.peak / g:.2f} GiB"
             lines.append(f"  {s.stage:8s} {peak} per {unit} (weights {s.weights / g:.2f} GiB, "
-                         f"resident from other stages {s.resident / g:.2f} GiB)")
+                         f"resident from other stages {s.resident / g:.2f} GiB)"
+                         + (f"; predicted {_seconds(s.predicted_s)} per video, compile {_seconds(s.predicted_compile_s)}"
+                            if s.predicted_s is not None else ""))
+            if s.predicted_s is not None:
+                for what, predicted in (("run", s.predicted_s), ("compile", s.predicted_compile_s)):
+                    found = self.reported(s.stage, what)
+                    if found:
+                        lines.append(f"    reported upstream ({found['source']}): {what} {_seconds(found['seconds'])}, "
+                                     f"predicted {predicted / found['seconds'] - 1:+.0%}")
             for p in s.programs:
                 if p.peak is None:
                     need = f" (the compiler asks {p.oom_required / g:.2f} GiB of temporaries)" if p.oom_required else ""
@@ -237,10 +303,22 @@ class Plan:
                     lines.append(f"    {p.name} x{p.calls}: does not fit{need}")
                 else:
                     lines.append(f"    {p.name} x{p.calls}: arguments {p.arguments / g:.2f} + temporaries "
-                                 f"{p.temporaries / g:.2f} + outputs {p.outputs / g:.2f} GiB")
+                                 f"{p.temporaries / g:.2f} + outputs {p.outputs / g:.2f} GiB"
+                                 + (f"; predicted {_seconds(p.predicted_s)} per call" if p.predicted_s is not None
+                                    else ""))
         lines.append(f"  binding stage: {self.binding}; " + ("fits" if self.fits else f"does not fit: {self.advice()}"))
+        if self.predicted_s is not None:
+            lines.append(f"  predicted, not measured: {_seconds(self.predicted_s)} per video on the {self.chips} chips "
+                         f"(stages {', '.join(s.stage for s in self.stages)}), after {_seconds(self.predicted_compile_s)}"
+                         " of compiles at the planning host's speed (tpupedia.predict: the compiler's counts, splash "
+                         "at upstream's profiled efficiency, collectives at ring bandwidth)")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+
+def _seconds(s: float) -> str:
+    """`0.84 s`, `1.7 min`: a time in the unit that reads."""
+    return f"{s:.2f} s" if s < 100 else f"{s / 60:.1f} min"
 
 
 def _pipeline_module(family: str):
@@ -257,7 +335,7 @@ def _pipeline_module(family: str):
 def make(family: str, request: Any, options: Any, *, model: str | None = None, configs: dict[str, dict] | None = None,
          topology: str = "v6e:2x4", layers: int | None = None, vae_tiling: str = "auto",
          resident: bool = False, dtype: str = "bfloat16", stages: Sequence[str] = STAGES,
-         run_devices: Sequence[Any] | None = None) -> Plan:
+         run_devices: Sequence[Any] | None = None, predict: bool = True) -> Plan:
     """Compile every program of `request` (the family's `Request`) for `topology` and report.
 
     `model`: the checkpoint planned, a hub id or folder (`StagedPipeline.plan_configs`: the
@@ -266,8 +344,11 @@ def make(family: str, request: Any, options: Any, *, model: str | None = None, c
     `vae_tiling`: `on`, `off`, or `auto` (untiled if that fits, else tiled: the choice a run
     makes, `Plan.vae_tiling`). `stages`: a subset of `STAGES`
     to plan (the others are left out of the plan, not counted as free). `run_devices`: plan for
-    these TPU devices (the run's own, `preflight`) instead of `topology`. Bad arguments raise
-    `PlanError` or the pipeline's `PipelineError` before anything is built.
+    these TPU devices (the run's own, `preflight`) instead of `topology`. `predict`: for a
+    `topology`, also predict each program's time per call and its compile time
+    (`ProgramCost.predicted_s`, `tpupedia.predict.Work`); with `layers`, each layered component's
+    programs are compiled once more at `layers + 1`, and every missing layer adds the difference.
+    Bad arguments raise `PlanError` or the pipeline's `PipelineError` before anything is built.
     """
     module = _pipeline_module(family)
     if vae_tiling not in TILING:
@@ -300,6 +381,10 @@ def make(family: str, request: Any, options: Any, *, model: str | None = None, c
             else devices.make_mesh(shape, ("dp", "tp"), devices=list(run_devices)))
     pipe = _abstract_pipeline(pipe_cls, configs, mesh, options, dtype, layers)
     notes: list[str] = []
+    timing = topo if predict and run_devices is None else None  # predicted times: for a slice's chips
+
+    def _cost(program: aot.Program, extra: dict[str, float]) -> ProgramCost:
+        return _compiled(program, extra, timing)
 
     request = _resolved(module, request, configs)
     programs = {}
@@ -364,18 +449,26 @@ def make(family: str, request: Any, options: Any, *, model: str | None = None, c
             request, vae, tiling, said = lowered, narrow, narrow_tiling, narrow_said
     notes += said
     costs |= vae
+    if timing is not None and layers is not None:  # the programs' work at full depth: one layer more, scaled
+        deeper = _abstract_pipeline(pipe_cls, configs, mesh, options, dtype, layers + 1)
+        for stage in ("text", "image", "denoise"):
+            if stage in costs:
+                _deepen(costs[stage], _stage_programs(deeper, stage, _with_tiling(request, tiling)), configs,
+                        layers, timing)
     if "decode" not in stages:
         notes.append(f"stages planned: {', '.join(s for s in STAGES if s in stages)} (the others are not in this plan)")
     weights = {s: StageCost(s, c, 0.0).weights for s, c in costs.items()}
     planned = [StageCost(s, costs[s], sum(w for o, w in weights.items() if o != s) if resident else 0.0)
                for s in STAGES if s in costs]
     r = request
+    cache = getattr(r, "step_cache", None) or getattr(r, "deepcache", None)  # a family's own DeepCache flag too
     backend = common.attention_backend(options.attention, mesh)
     attention = backend + (f" {'/'.join(map(str, pipe.block_sizes))}" if backend == "splash" else "")
     return Plan(family=family, checkpoint=model, topology=name, chips=chips, mesh=dict(mesh.shape),
                 request={"width": r.width, "height": r.height, "frames": r.frames, "steps": r.steps,
                          "guidance": r.guidance} | ({"image": True} if r.image is not None else {})
-                        | ({"vae_dtype": r.vae_dtype} if getattr(r, "vae_dtype", None) else {}),
+                        | ({"vae_dtype": r.vae_dtype} if getattr(r, "vae_dtype", None) else {})
+                        | ({"step_cache": str(cache)} if cache is not None else {}),
                 layers=layers, resident=resident, hbm=hbm, stages=planned, vae_tiling=tiling, notes=notes,
                 attention=attention, memory=memory, host_copy=host_copy, fuse_host=fuse_host)
 
@@ -463,19 +556,52 @@ def memory_budget(run_devices: Sequence[Any], host_copy: float = 0.0, what: str 
     return max(available - host_copy, 0) / n, label
 
 
-def _cost(program: aot.Program, extra: dict[str, float]) -> ProgramCost:
+def _compiled(program: aot.Program, extra: dict[str, float], timing: Any = None) -> ProgramCost:
+    """Compile `program` and read its costs; with `timing` (a `hardware.Topology`) also its
+    predicted time per call, from its work as compiled (its splash calls recorded as it is traced)."""
+    from tpupedia import attention, predict
+
     add = extra.get(program.component, 0.0) if program.component else 0.0
     start = time.perf_counter()
-    result = program.compile()
-    seconds = time.perf_counter() - start
+    with attention.recording() as splash_calls:
+        result = program.compile()
+    seconds = result.compile_seconds if result.compile_seconds is not None else time.perf_counter() - start
     mem = result.memory
+    work = predict.program_work(result, timing.num_chips, splash_calls) if timing is not None and result.fits else None
     return ProgramCost(
         stage=program.stage, name=program.name, calls=program.calls, fits=result.fits,
         weights=program.weights_bytes + add, arguments=mem.arguments + add if mem else None,
         temporaries=mem.temporaries if mem else None, outputs=mem.outputs if mem else None,
         aliased=mem.aliased if mem else None, oom_required=result.oom_required_bytes,
         compile_seconds=round(seconds, 2), component=program.component or "",
-        vmem_required=result.vmem_required_bytes, vmem_limit=result.vmem_limit_bytes)
+        vmem_required=result.vmem_required_bytes, vmem_limit=result.vmem_limit_bytes,
+        work=None if work is None else dataclasses.asdict(work),
+        predicted_s=None if work is None else work.seconds(timing.chip, timing.num_chips),
+        predicted_compile_s=None if work is None else round(seconds, 2))
+
+
+def _deepen(costs: list[ProgramCost], deeper: list[aot.Program], configs: dict[str, dict], layers: int,
+            timing: Any) -> None:
+    """Scale the predicted work and compile time of a stage's programs, compiled with `layers`
+    layers per model, to each component's full depth (`make`): `deeper` are the same programs
+    built `layers + 1` deep; a component with no more layers than `layers` keeps its figures,
+    and a program whose deeper twin cannot be matched loses its prediction."""
+    from tpupedia import predict
+    from tpupedia.pipelines import common
+
+    for cost, program in zip(costs, deeper):
+        full = common.depth(configs.get(cost.component, {})) if cost.component else None
+        if cost.work is None or full is None or full <= layers:
+            continue
+        more = _compiled(program, {}, timing)
+        if more.work is None or more.name != cost.name or len(costs) != len(deeper):
+            cost.work = cost.predicted_s = cost.predicted_compile_s = None
+            continue
+        work = predict.Work(**cost.work).deeper(predict.Work(**more.work), full, layers)
+        cost.work = dataclasses.asdict(work)
+        cost.predicted_s = work.seconds(timing.chip, timing.num_chips)
+        cost.predicted_compile_s = round(cost.compile_seconds + (full - layers)
+                                         * max(more.compile_seconds - cost.compile_seconds, 0.0), 2)
 
 
 def _preflight_key(family: str, request: Any, options: Any, configs: dict, run_devices: Sequence[Any],

@@ -34,7 +34,9 @@ So a step is predicted in three parts, each reported (`StepPrediction`):
    (`hardware.Chip.ring_bytes_per_s`), counted as not hidden behind compute: an upper estimate.
 
 The prediction is their sum. It is a prediction wherever it appears, and the results page sets
-it beside the four step times reported upstream on a v6e-8 (`REPORTED`). Introduced in notebook
+it beside the four step times reported upstream on a v6e-8 (`REPORTED`). The same three parts
+time every program `tpupedia plan` compiles (`Work`, `program_work`): the plan's step programs
+record their splash calls as they are traced (`attention.recording`). Introduced in notebook
 `plan_without_tpu`.
 """
 
@@ -42,15 +44,15 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, astuple, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tpupedia import attention, dryrun, families, hardware, results
+from tpupedia import aot, attention, dryrun, families, hardware, results
 from tpupedia.errors import TpupediaError
 
 __all__ = ["PredictError", "SPLASH_FAMILY", "SPLASH_REPORT", "SPLASH_EFFICIENCY", "splash_flops", "splash_efficiency", "REPORTED",
-           "StepPrediction", "predict_step", "DEFAULT_RECORDS", "record"]
+           "REPORTED_STAGES", "reported_stage", "Work", "program_work", "StepPrediction", "predict_step", "DEFAULT_RECORDS", "record"]
 
 DEFAULT_RECORDS = "docs/results/predictions.json"
 
@@ -95,6 +97,58 @@ def splash_efficiency(report: dict[str, Any] = SPLASH_REPORT, family: str = SPLA
 
 SPLASH_EFFICIENCY = splash_efficiency()
 """The kernel model's share of the bf16 peak (`SPLASH_REPORT`): about 0.83."""
+
+
+@dataclass(frozen=True)
+class Work:
+    """What one call of a program does, in the units the prediction times: per chip, the compiled
+    program's FLOPs and HBM bytes (`aot.compiled_cost`) and the bytes it sends in collectives
+    (`aot.collective_traffic`); over all chips, the FLOPs of its splash calls (`splash_flops`, the
+    blocks padded). Work adds, subtracts and scales, so a program compiled at `n` and `n + 1`
+    layers gives its work at full depth (`deeper`)."""
+
+    flops: float = 0.0
+    bytes: float = 0.0
+    ici_bytes: float = 0.0
+    attention_flops: float = 0.0
+
+    def __add__(self, other: "Work") -> "Work":
+        return Work(*(a + b for a, b in zip(astuple(self), astuple(other))))
+
+    def __sub__(self, other: "Work") -> "Work":
+        return self + -1 * other
+
+    def __rmul__(self, k: float) -> "Work":
+        return Work(*(k * a for a in astuple(self)))
+
+    def deeper(self, next_layer: "Work", layers: int, compiled: int) -> "Work":
+        """The work at `layers` layers, from this program's at `compiled` layers and `next_layer`,
+        the same program's at `compiled + 1`: each layer past the first compiled ones adds the
+        difference (the dry-run scales the weights by depth the same way)."""
+        return self + max(layers - compiled, 0) * (next_layer - self)
+
+    def times(self, chip: hardware.Chip, chips: int) -> tuple[float, float, float]:
+        """`(xla, attention, ici)` seconds: the compiler's FLOPs at the bf16 peak plus its bytes at
+        the HBM bandwidth; splash at `SPLASH_EFFICIENCY` of the chips' peak; the collectives' bytes
+        at a one-axis ring's bandwidth, not overlapped (the module docstring)."""
+        return (self.flops / chip.bf16_flops + self.bytes / chip.hbm_bytes_per_s,
+                self.attention_flops / (chips * chip.bf16_flops * SPLASH_EFFICIENCY),
+                self.ici_bytes / chip.ring_bytes_per_s)
+
+    def seconds(self, chip: hardware.Chip, chips: int) -> float:
+        """The predicted time of one call: the sum of `times`."""
+        return sum(self.times(chip, chips))
+
+
+def program_work(result: aot.AOTResult, chips: int, splash_calls: list[list[int]] = ()) -> Work | None:
+    """The `Work` of one call of a compiled program (`None`: no cost analysis, a compile that did
+    not fit or was not for a TPU). `splash_calls`: its splash calls as `attention.recording`
+    records them, shapes then blocks."""
+    cost = aot.compiled_cost(result)
+    if cost is None:
+        return None
+    sent = sum(aot.collective_traffic(result.compiled.as_text(), chips).values())
+    return Work(cost["flops"], cost["bytes"], sent, sum(splash_flops(c[:5], tuple(c[5:8])) for c in splash_calls))
 
 
 REPORTED = tuple(dict(model=spec.name, **r) for spec in families.video() for r in getattr(spec.facts, "REPORTED_STEPS", ()))
@@ -191,39 +245,43 @@ def predict_step(model: str, topology: str = "v6e:2x4", resolution: str | None =
                            "the compiler costed (" + "; ".join(r.summary().splitlines()[1] for r in reports) + ")")
     topo = hardware.parse_topology(topology)
     chip, n_chips = topo.chip, topo.num_chips
-
-    def timed(cost) -> float:  # the compiler's counts, per chip: FLOPs at the peak plus bytes at HBM bandwidth
-        return cost["flops"] / chip.bf16_flops + cost["bytes"] / chip.hbm_bytes_per_s
-
-    full = one.layers_full
-    layer = timed(two.compiled_cost) - timed(one.compiled_cost)
-    xla = timed(one.compiled_cost) + (full - 1) * layer
-    first, second = Counter(map(tuple, one.attention_calls)), Counter(map(tuple, two.attention_calls))
-    per_layer = second - first
-    if not per_layer:
-        raise PredictError(f"{model}: a second layer made no attention call to scale")
-    calls = first + Counter({c: n * (full - 1) for c, n in per_layer.items()})
     blocks = tuple(block_sizes or spec.facts.SPLASH_BLOCK_SIZES)
-    flops = sum(n * splash_flops(c, blocks) for c, n in calls.items())
+
+    def work(report) -> Work:  # the dry-run scaled its traffic to full depth as if every byte were per layer
+        sent = sum(report.collective_bytes.values()) * report.layers_compiled / report.layers_full
+        attend = sum(splash_flops(c, blocks) for c in report.attention_calls)
+        return Work(report.compiled_cost["flops"], report.compiled_cost["bytes"], sent, attend)
+
+    if not Counter(map(tuple, two.attention_calls)) - Counter(map(tuple, one.attention_calls)):
+        raise PredictError(f"{model}: a second layer made no attention call to scale")
+    full = work(one).deeper(work(two), one.layers_full, 1)
+    xla, attention_s, ici = full.times(chip, n_chips)
+    layer = (work(two) - work(one)).times(chip, n_chips)[0]
     efficiency = SPLASH_EFFICIENCY
-    attention = flops / (n_chips * chip.bf16_flops * efficiency)
-
-    def raw(report) -> float:  # the dry-run scaled its traffic to full depth as if every byte were per layer
-        return sum(report.collective_bytes.values()) * report.layers_compiled / report.layers_full
-
-    sent = raw(one) + (full - 1) * (raw(two) - raw(one))
-    ici = sent / chip.ring_bytes_per_s
     notes = []
     if blocks != tuple(spec.facts.SPLASH_BLOCK_SIZES) or model != SPLASH_FAMILY:
         notes.append(f"splash at {efficiency:.0%} of peak as in upstream's HunyuanVideo-1.5 profile, at block sizes "
                      f"{'/'.join(map(str, blocks))}: the kernel's efficiency at other shapes is assumed, not measured")
     return StepPrediction(
         model=model, topology=topo.name, chips=n_chips, mesh=one.mesh, sharding=sharding, width=one.width,
-        height=one.height, frames=one.frames, layers=full, block_sizes=list(blocks), xla_s=xla, xla_layer_s=layer,
-        compiler_estimate_s=one.compiled_cost["seconds"],
-        attention_s=attention, attention_flops=flops, splash_efficiency=efficiency, ici_s=ici, ici_bytes=sent,
-        step_s=xla + attention + ici, reported_step_s=reported_step_s, reported_source=reported_source, notes=notes,
-        batch=batch, steps=steps)
+        height=one.height, frames=one.frames, layers=one.layers_full, block_sizes=list(blocks), xla_s=xla,
+        xla_layer_s=layer, compiler_estimate_s=one.compiled_cost["seconds"], attention_s=attention_s,
+        attention_flops=full.attention_flops, splash_efficiency=efficiency, ici_s=ici, ici_bytes=full.ici_bytes,
+        step_s=xla + attention_s + ici, reported_step_s=reported_step_s, reported_source=reported_source,
+        notes=notes, batch=batch, steps=steps)
+
+
+REPORTED_STAGES = tuple(dict(model=spec.name, **r) for spec in families.video()
+                        for r in getattr(spec.facts, "REPORTED_STAGES", ()))
+"""Stage run and compile times reported upstream on a TPU v6e-8 (mesh dp=2, tp=4), from each
+family module's `REPORTED_STAGES`: what `tpupedia plan` sets its predicted stage times against."""
+
+
+def reported_stage(model: str, stage: str, what: str, resolution: str, frames: int) -> dict[str, Any] | None:
+    """The upstream report (`REPORTED_STAGES`) of `stage`'s `what` (`run` or `compile`) for
+    `model` at `resolution` (`WIDTHxHEIGHT`) and `frames`, if any."""
+    return next((r for r in REPORTED_STAGES if (r["model"], r["stage"], r["what"], r["resolution"], r["frames"])
+                 == (model, stage, what, resolution, frames)), None)
 
 
 def reported(model: str, resolution: str) -> dict[str, Any] | None:

@@ -20,7 +20,7 @@ from tpupedia.models import ModelInputError, checkpoints, tokenizer_files
 from tpupedia.models.shapes import ShapeFacts
 from tpupedia.models.spec import FamilySpec, QuotedFigure
 
-__all__ = ["REPORTED_STEPS",
+__all__ = ["REPORTED_STEPS", "REPORTED_STAGES",
     "FAMILY", "FULL_ID", "FULL_ID_I2V", "FULL_LAYERS", "CACHE_BLOCKS", "CACHE_TEXT_STREAM", "TEMPORAL_COMPRESSION", "SPATIAL_COMPRESSION", "PATCH_SIZE",
     "PATCH_SIZE_T", "LATENT_CHANNELS", "DEFAULT_SHAPES", "shape_facts", "TEXT_TOKENS", "CFG_BATCH", "SPLASH_BLOCK_SIZES",
     "SCHEDULER_CONFIG", "SHARDING", "SPEC", "ModelInputError",
@@ -74,6 +74,29 @@ REPORTED_STEPS = (
 """Step times reported upstream on a TPU v6e-8 (yangwhale/gpu-tpu-pedia, commit 3fa9ce1), with the
 mesh and sharding table the run used: what `tpupedia.predict` sets its predictions against (the
 results page; `docs/results/upstream.json` holds the same runs, checked equal by tests/test_predict.py)."""
+
+REPORTED_STAGES = (
+    dict(stage="decode", what="run", resolution="1280x720", frames=81, seconds=0.86,
+         source="tpu/CogVideoX/README.md (three stages, 720x1280, 81 frames: TorchAx VAE, later runs)"),
+    dict(stage="decode", what="run", resolution="1360x768", frames=81, seconds=0.65,
+         source="tpu/CogVideoX/README.md (three stages, 768x1360, 81 frames: TorchAx VAE, later runs)"),
+    dict(stage="denoise", what="run", resolution="1360x768", frames=81, seconds=56.6,
+         source="tpu/CogVideoX/README.md (three stages, 768x1360: stage 2 later runs, 56.6 s for 50 steps; upstream "
+                "itself notes that its 720x1280 run, with fewer pixels, took 103.8 s, and suspects the conditions)"),
+    dict(stage="denoise", what="compile", resolution="1280x720", frames=81, seconds=130,
+         source="tpu/CogVideoX/README.md (three stages, 720x1280: stage 2 JIT ~130 s)"),
+    dict(stage="denoise", what="compile", resolution="1360x768", frames=81, seconds=137,
+         source="tpu/CogVideoX/README.md (three stages, 768x1360: stage 2 JIT ~137 s)"),
+    dict(stage="decode", what="compile", resolution="1280x720", frames=81, seconds=80,
+         source="tpu/CogVideoX/README.md (three stages, 720x1280: TorchAx VAE JIT ~80 s)"),
+    dict(stage="decode", what="compile", resolution="1360x768", frames=81, seconds=126,
+         source="tpu/CogVideoX/README.md (three stages, 768x1360: TorchAx VAE JIT ~126 s)"),
+)
+"""Stage times other than a denoising step reported upstream on a TPU v6e-8, mesh dp=2, tp=4
+(yangwhale/gpu-tpu-pedia, commit 3fa9ce1): a stage's run time in one video (`what="run"`) or its
+programs' compile time (`"compile"`, on the TPU VM's host), what `tpupedia plan`'s predictions are
+set against (`tpupedia.predict.reported_stage`). The text stage's ~2 s is left out: it is the
+stage script's wall time, weights loading included."""
 
 
 # Sharding tables for the transformer (diffusers `CogVideoXTransformer3DModel` names; notebook `sharding`

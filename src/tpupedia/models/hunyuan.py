@@ -51,7 +51,7 @@ __all__ = ["REPORTED_STEPS", "SPLASH_PROFILE", "FAMILY", "FULL_ID", "FULL_LAYERS
            "LATENT_CHANNELS", "DEFAULT_SHAPES", "SHARDING", "SPEC", "shape_facts", "TEXT_SLOTS", "SPLASH_BLOCK_SIZES", "ENV_MODEL", "ModelInputError",
            "full_transformer_config", "tiny_transformer_config", "tiny_vae_config", "tiny_text_encoder_configs",
            "tiny_qwen_tokenizer", "default_request", "check_frames", "check_size", "latent_frames", "latent_shape",
-           "video_tokens", "step_flops", "build", "step_inputs", "static_forward", "make_static",
+           "video_tokens", "sequence_tokens", "UPSTREAM_TEXT_TOKENS", "step_flops", "build", "step_inputs", "static_forward", "make_static",
            "PaddingAttnProcessor", "make_jit_friendly", "padded_forward", "conditioning", "blocks", "final", "deepcache_full",
            "deepcache_cached", "CACHE_BLOCKS", "CACHE_TEXT_STREAM", "KEEP_ALL_TEXT_BELOW", "kept_text_tokens", "mask_elements", "tiny_checkpoint", "model_source", "named_source", "component_configs",
            "FULL_ID_I2V", "image_to_video", "image_tokens", "video_size", "full_image_encoder_config",
@@ -99,6 +99,14 @@ LORA_LOADER = None
 `load_lora_adapter` (`tpupedia.lora`)."""
 TEXT_SLOTS = {"qwen": (1000, 3584), "byt5": (256, 1472), "image": (729, 1152)}
 """Tokens and width of each conditioning slot of a step (text-to-video passes a zero image)."""
+UPSTREAM_TEXT_TOKENS = 1256
+"""Upstream's count of the text beside the video tokens: the Qwen2.5-VL and ByT5 slots, without
+the 729 image slots (yangwhale/gpu-tpu-pedia at 3fa9ce1, `tpu/HunyuanVideo-1.5/docs/
+dit_implementation_analysis.md`, "Token 数量计算": 111,600 + 1,256 = 112,856 at 720p and 121
+frames; also `generate_hunyuan_gpu_staged/README.md`). Upstream's TPU stage 2 passes
+`vision_states=None` for text-to-video, so its attention calls had no image slots. diffusers'
+transformer, and this course, keep them (zeros, masked) in every joint attention call:
+`sequence_tokens` counts them, and the step's FLOPs and floor are of that sequence."""
 SPLASH_BLOCK_SIZES = (3072, 2048, 1024)
 """Splash `(block_q, block_kv, block_kv_compute)` for the joint attention: upstream's sizes for
 this model (yangwhale/gpu-tpu-pedia at 3fa9ce1,
@@ -119,10 +127,10 @@ SPLASH_PROFILE = dict(
     source="yangwhale/gpu-tpu-pedia, commit 3fa9ce1, tpu/HunyuanVideo-1.5/generate_hunyuan_torchax_staged/"
            "TORCHAX_MIGRATION_GUIDE.md, section 6.1.3 (profiler, one block)",
     chip="v6e", chips=8, seconds=0.035, width=1280, height=720, frames=121, batch=2, heads=16, head_dim=128,
-    text_tokens=1256,
+    text_tokens=UPSTREAM_TEXT_TOKENS,
     assumed="the profile is of the guide's 121-frame 720p run, its guidance pair as a batch of 2 (what its stage-2 "
-            "script runs), one joint attention call per block over video and text tokens, at the family's splash "
-            "block sizes",
+            "script runs), one joint attention call per block over video and text tokens (no image slots: that "
+            "script passes no vision states for text-to-video), at the family's splash block sizes",
 )
 """Upstream's one splash-kernel report with a shape behind it: about 35 ms of one block's time in
 splash attention on a v6e-8 (reported upstream). `assumed` says what the report leaves unsaid and
@@ -381,17 +389,30 @@ def video_tokens(width: int, height: int, frames: int, facts: ShapeFacts = DEFAU
     return facts.latent_frames(frames) // (facts.patch_t or 1) * (height // per) * (width // per)
 
 
+def sequence_tokens(width: int, height: int, frames: int) -> int:
+    """Tokens of one sample's joint attention call at full size: the video tokens and every
+    conditioning slot (`TEXT_SLOTS`: Qwen2.5-VL, ByT5 and the 729 image slots, which diffusers
+    keeps, as zeros, for text-to-video too). `kept_text_tokens` keeps all the slots at full size,
+    so this is the sequence the splash kernel runs: 113,585 at 720p and 121 frames (upstream
+    counts 112,856 without the image slots: `UPSTREAM_TEXT_TOKENS`)."""
+    return video_tokens(width, height, frames) + sum(n for n, _ in TEXT_SLOTS.values())
+
+
 def mask_elements(width: int, height: int, frames: int) -> int:
     """Elements of the (1, 1, S, S) mask diffusers builds per sample, S = video + all text slots."""
-    s = video_tokens(width, height, frames) + sum(n for n, _ in TEXT_SLOTS.values())
+    s = sequence_tokens(width, height, frames)
     return s * s
 
 
 def step_flops(width: int, height: int, frames: int, layers: int = FULL_LAYERS, batch: int = 2,
-               heads: int = 16, head_dim: int = 128, text_tokens: int = 1256, mlp_ratio: float = 4.0) -> dict[str, float]:
+               heads: int = 16, head_dim: int = 128, text_tokens: int | None = None,
+               mlp_ratio: float = 4.0) -> dict[str, float]:
     """Matmul FLOPs of one step: dual-stream blocks, so every token (video and text) goes through
-    q, k, v, out (4 d^2) and the MLP (2 * mlp_ratio * d^2) once per layer."""
+    q, k, v, out (4 d^2) and the MLP (2 * mlp_ratio * d^2) once per layer. The text is every
+    conditioning slot (`sequence_tokens`) unless `text_tokens` says otherwise."""
     d = heads * head_dim
+    if text_tokens is None:
+        text_tokens = sum(n for n, _ in TEXT_SLOTS.values())
     s = latent_frames(frames) * (height // SPATIAL_COMPRESSION) * (width // SPATIAL_COMPRESSION) + text_tokens
     linear = batch * layers * 2 * s * (4 + 2 * mlp_ratio) * d * d
     attention = batch * layers * 4 * s * s * d
@@ -703,6 +724,51 @@ SHARDING: dict[str, list] = {
     "replicated": [],
 }
 
+def _floor_720p(step_s: float | None = None) -> float:
+    """The 720p, 121-frame step's FLOPs (`step_flops`, over `sequence_tokens`) at the bf16 peak of a
+    v6e-8: seconds, or with `step_s` the share of that peak a step of `step_s` seconds runs at."""
+    from tpupedia import hardware
+
+    peak = 8 * hardware.chip("v6e").bf16_flops
+    total = step_flops(1280, 720, 121)["total"]
+    return total / peak if step_s is None else total / (step_s * peak)
+
+
+_SEQUENCE_FIGURES = (
+    # The sequence the splash kernel runs at 720p and 121 frames, and what follows from it. Upstream's
+    # 112,856 leaves the image slots out (`UPSTREAM_TEXT_TOKENS`); a page that quotes it says so
+    # (tests/test_figures.py).
+    QuotedFigure("hunyuan.720p_121f.tokens", "computed", match={}, decimals=0,
+                 compute=lambda: sequence_tokens(1280, 720, 121), text=lambda v: f"{v:,.0f}",
+                 source="tpupedia.models.hunyuan.sequence_tokens: 111,600 video tokens + the Qwen2.5-VL, ByT5 "
+                        "and image slots",
+                 quotes=(("docs/**/*.md", r"(\d{3},\d{3})\^2 = 12\.9 G"),
+                         ("docs/**/*.md", r"(\d{3},\d{3}) (?:tokens|个 token)\s+[x×]\s+2,048"),
+                         ("docs/**/*.md", r"HunyuanVideo-1\.5 (?:has|有) (\d{3},\d{3})"),
+                         ("docs/**/*.md", r"joint sequence[^.]{0,40}?(\d{3},\d{3}) tokens"),
+                         ("docs/**/*.md", r"联合序列[^。]{0,40}?(\d{3},\d{3}) 个 token"),
+                         ("lessons/*.py", r"mask over (\d{3},\d{3})"))),
+    QuotedFigure("hunyuan.720p_121f.step_flops", "computed", match={}, decimals=2,
+                 compute=lambda: step_flops(1280, 720, 121)["total"], text=lambda v: f"{v / 1e16:.2f}e16",
+                 source="tpupedia.models.hunyuan.step_flops(1280, 720, 121): matmul FLOPs of a step, batch 2, "
+                        "over that sequence",
+                 quotes=(("docs/**/*.md", r"compiled step does (\d\.\d\de16) FLOPs"),
+                         ("docs/**/*.md", r"编译后的单步要做 (\d\.\d\de16) FLOPs"))),
+    QuotedFigure("hunyuan.720p_121f.floor_s", "computed", match={}, decimals=2, compute=_floor_720p,
+                 source="tpupedia.models.hunyuan.step_flops(1280, 720, 121) over 8 v6e chips at the bf16 peak "
+                        "(tpupedia.hardware)",
+                 quotes=(("docs/**/*.md", r"at least (\d\.\d\d) s on a v6e-8"),
+                         ("docs/**/*.md", r"至少需要 (\d\.\d\d) 秒"),
+                         ("docs/**/*.md", r"HunyuanVideo-1\.5 720p[^\n]*\(`tp=8`\) \| (\d\.\d\d) s \|"),
+                         ("docs/**/*.md", r"HunyuanVideo-1\.5 720p[^\n]*（`tp=8`） \| (\d\.\d\d) 秒 \|"))),
+    QuotedFigure("hunyuan.720p_121f.mfu_tp_fc2", "computed", match={}, decimals=0,
+                 compute=lambda: _floor_720p(REPORTED_STEPS[0]["step_s"]), text=lambda v: f"{v:.0%}",
+                 source="tpupedia.models.hunyuan.step_flops(1280, 720, 121) over upstream's TP + fc2 replicated "
+                        "step (REPORTED_STEPS) on 8 v6e chips at the bf16 peak",
+                 quotes=(("docs/**/*.md", r"7\.29 \((\d+%) of peak\)"),
+                         ("docs/**/*.md", r"7\.29（峰值的 (\d+%)）"))),
+)
+
 _STEP_SOURCES = (
     "steps: tencent/HunyuanVideo-1.5's README (news of Dec 05, 2025) and assets/step_distillation_comparison.md: "
     "\"8 or 12 steps: recommended default setting\" (the comparisons are at 8), \"4 steps: faster generation with "
@@ -749,6 +815,7 @@ SPEC = FamilySpec(
                             "stages": ("decode",)},
                      source="docs/results/plans.json: tpupedia plan hunyuan --stages decode --vae-tiling off "
                             "(AOT here, does not fit)"),
+        *_SEQUENCE_FIGURES,
     ),
 )
 """This family in the registry (`tpupedia.families`)."""

@@ -23,7 +23,7 @@ Introduced with the family registry (issue 20); notebook `plan_without_tpu` plan
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -36,10 +36,10 @@ MASKS = ("padding", "causal_padding")
 text padding only (valid(q) & valid(k)), or causal on top of it (an LLM)."""
 
 
-FIGURE_READS = ("plan_peak", "plan_oom", "dryrun_peak", "upstream_step")
+FIGURE_READS = ("plan_peak", "plan_oom", "dryrun_peak", "upstream_step", "computed")
 """What a `QuotedFigure` reads from its record: a plan stage's peak per chip, what a plan's
 program that did not fit asked for, a dry-run's arguments + temporaries (GiB each), or a
-reported step time (s)."""
+reported step time (s); `computed`: no record, the family module computes it (`compute`)."""
 
 
 @dataclass(frozen=True)
@@ -61,10 +61,16 @@ class QuotedFigure:
     """`plan_peak`: the stage whose peak it is."""
     quotes: tuple[tuple[str, str], ...] = ()
     """`(glob, regex)` pairs: prose that quotes the number (the consistency test checks each)."""
+    compute: Callable[[], float] | None = None
+    """`computed`: the function of the family module that gives the number."""
+    text: Callable[[float], str] | None = None
+    """How pages print it, when `decimals` alone does not say (`113,585`, `1.26e16`, `24%`)."""
 
     def __post_init__(self):
         if self.read not in FIGURE_READS:
             raise ValueError(f"{self.name}: read {self.read!r} is not one of {', '.join(FIGURE_READS)}")
+        if (self.read == "computed") != (self.compute is not None):
+            raise ValueError(f"{self.name}: a `computed` figure, and only one, has a `compute` function")
 
 
 @dataclass(frozen=True)

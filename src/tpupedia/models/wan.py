@@ -35,7 +35,7 @@ from tpupedia.models import ModelInputError, checkpoints, tokenizer_files
 from tpupedia.models.shapes import ShapeFacts
 from tpupedia.models.spec import FamilySpec, FewStepRelease, ReleaseAdapter
 
-__all__ = ["REPORTED_STEPS", "FAMILY", "FULL_ID", "FULL_ID_22", "CACHE_BLOCKS", "CACHE_TEXT_STREAM", "FULL_LAYERS", "DEFAULT_SHAPES", "TEXT_TOKENS", "TEXT_DIM",
+__all__ = ["REPORTED_STEPS", "REPORTED_STAGES", "FAMILY", "FULL_ID", "FULL_ID_22", "CACHE_BLOCKS", "CACHE_TEXT_STREAM", "FULL_LAYERS", "DEFAULT_SHAPES", "TEXT_TOKENS", "TEXT_DIM",
            "SPLASH_BLOCK_SIZES", "SCHEDULER_CONFIG", "SHARDING", "SPEC", "ENV_MODEL", "ModelInputError",
            "full_transformer_config", "full_configs", "tiny_transformer_config", "tiny_vae_config",
            "tiny_text_encoder_config", "TI2V_VAE", "default_request", "shape_facts", "check_frames", "check_size",
@@ -104,6 +104,17 @@ REPORTED_STEPS = (
 )
 """Wan 2.1 14B step times reported upstream on a TPU v6e-8 (yangwhale/gpu-tpu-pedia, commit
 3fa9ce1), with the mesh and sharding table the runs used (`tpupedia.predict`)."""
+
+REPORTED_STAGES = (
+    dict(stage="decode", what="run", resolution="848x480", frames=81, seconds=0.50,
+         source="tpu/Wan2.1/README.md (three-stage table, 480p: Stage3 VAE decoder ~0.50 s)"),
+    dict(stage="denoise", what="compile", resolution="848x480", frames=81, seconds=93,
+         source="tpu/Wan2.1/README.md (three-stage table, 480p: Stage2 warm-up, JIT, ~93 s)"),
+)
+"""Wan 2.1 14B stage times other than a denoising step reported upstream on a TPU v6e-8, mesh dp=2,
+tp=4: a stage's run time (`what="run"`) or its compile time (`"compile"`), what `tpupedia plan`'s
+predictions are set against (`tpupedia.predict.reported_stage`). The text stage's ~3 s is the
+stage's wall time and left out."""
 
 
 # The scheduler the Wan 2.1 14B diffusers checkpoints ship (scheduler/scheduler_config.json):

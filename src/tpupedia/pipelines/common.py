@@ -33,11 +33,21 @@ from tpupedia.pipelines import stages
 
 __all__ = ["PipelineError", "Request", "Options", "validate", "mesh_shape", "check_workdir", "SEED_LIMIT", "parse_mesh", "default_mesh_shape", "StageReport",
            "StagedPipeline", "run", "run_batch", "attention_backend", "torch_dtype", "to_jax_array", "to_torch",
-           "timed", "load_stock", "step_times", "denoise_loop", "STAGE_INPUTS", "request_stages", "batch_requests", "stage_settings", "config_fingerprint", "ATTENTION", "DTYPES", "SHARDINGS"]
+           "timed", "load_stock", "step_times", "denoise_loop", "STAGE_INPUTS", "request_stages", "batch_requests", "stage_settings", "config_fingerprint", "ATTENTION", "DTYPES", "SHARDINGS",
+           "DEPTH_FIELDS", "depth"]
 
 ATTENTION = ("auto", "splash", "reference")
 DTYPES = ("auto", "bfloat16", "float32")
 SHARDINGS = ("tp", "fsdp", "replicated")
+DEPTH_FIELDS = ("num_layers", "num_hidden_layers")
+"""The config fields that give a component's depth (diffusers', transformers'): a plan's shallow
+model sets them to its `layers`."""
+
+
+def depth(config: dict) -> int | None:
+    """A component's number of layers from its config (`DEPTH_FIELDS`), `None` for one without
+    (a VAE)."""
+    return next((int(config[k]) for k in DEPTH_FIELDS if isinstance(config.get(k), int)), None)
 
 
 class PipelineError(TpupediaError, ValueError):
@@ -456,7 +466,7 @@ class StagedPipeline:
 
         config = dict(self.configs[subfolder])
         if self.layers is not None:
-            for key in ("num_layers", "num_hidden_layers"):  # diffusers / transformers depth fields
+            for key in DEPTH_FIELDS:
                 if key in config:
                     config[key] = min(self.layers, config[key])
                     if isinstance(config.get("layer_types"), list):  # transformers checks one entry per layer

@@ -14,7 +14,7 @@
 # ---
 
 # %% [markdown]
-# # 15 · Appendix: a port in plain JAX and torchax
+# # 16 · Appendix: a port in plain JAX and torchax
 #
 # Every notebook so far leaned on `tpupedia`: the stage files, the sharding tables, the plans.
 # A reader who brings a fourth model needs to see the path without them. Here is one family's

@@ -1,0 +1,115 @@
+"""`tpupedia.tune`: the settings a user controls ranked by predicted time, and the cheapest slice."""
+
+import pytest
+
+from tpupedia import devices, hardware, plan, tune
+from tpupedia.cli import main
+
+pytestmark = pytest.mark.skipif(not devices.has_libtpu(), reason="AOT compiles for a TPU need libtpu")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from tpupedia import presets
+    from tpupedia.models import cogvideox
+    from tpupedia.pipelines import cogvideox as pipeline
+
+    configs = cogvideox.component_configs(str(cogvideox.tiny_checkpoint(tmp_path_factory.mktemp("cogvideox"))))
+    request = pipeline.Request(prompt="a cat", **(cogvideox.default_request(presets.get("tiny")) | {"steps": 3}))
+    return configs, request, pipeline.Options(attention="splash")
+
+
+def test_the_grid_is_every_mesh_the_batch_allows_times_tables_and_blocks():
+    grid = tune.settings_grid((3328, 2816, 256), 8, 2, splash=True)
+    assert {g["mesh"] for g in grid} == {(1, 8), (2, 4)} and len(grid) == 2 * 2 * 2
+    assert {g["sharding"] for g in grid} == {"tp", "fsdp"}
+    assert {g["block_sizes"] for g in grid} == {(3328, 2816, 256), (1024, 1024, 512)}
+    assert {g["mesh"] for g in tune.settings_grid((1024, 1024, 512), 8, 1, splash=False)} == {(1, 8)}  # no guidance
+    assert {g["block_sizes"] for g in tune.settings_grid((1024, 1024, 512), 1, 2, splash=True)} == {(1024, 1024, 512)}
+
+
+def test_a_search_ranks_the_settings_that_fit_by_their_plans_predicted_time(tiny):
+    configs, request, options = tiny
+    grid = [{"mesh": (2, 2), "sharding": "tp", "block_sizes": None},
+            {"mesh": (1, 4), "sharding": "fsdp", "block_sizes": (128, 128, 128)},
+            {"mesh": (4, 1), "sharding": "tp", "block_sizes": None}]  # dp=4 for a batch of 2: refused, kept as said
+    ranked = tune.search("cogvideox", request, options, topology="v6e:2x2", grid=grid, configs=configs,
+                         stages=("denoise",), dtype="float32")
+    fit = [c for c in ranked if c.fits]
+    assert len(fit) == 2 and [c.predicted_s for c in fit] == sorted(c.predicted_s for c in fit)
+    assert ranked[-1].settings["mesh"] == (4, 1) and ranked[-1].plan is None and "dp" in ranked[-1].error
+    best = fit[0]
+    again = plan.make("cogvideox", request, tune._options(options, best.settings), configs=configs,
+                      topology="v6e:2x2", stages=("denoise",), dtype="float32")
+    assert again.predicted_s == pytest.approx(best.predicted_s)  # the rank is the plan's own prediction
+    line = tune.command_line("cogvideox", best.settings)
+    dp, tp = best.settings["mesh"]
+    assert line.startswith(f"tpupedia generate cogvideox --preset full --mesh dp={dp},tp={tp} --sharding ")
+
+
+def test_the_cheapest_slice_is_priced_from_the_prediction_and_the_listed_price(tiny):
+    configs, request, options = tiny
+    slices = ("v5e:2x2", "v6e:2x2")
+    priced = tune.cheapest("cogvideox", request, options, slices=slices, videos=10, configs=configs,
+                           stages=("denoise",), dtype="float32")
+    assert sorted(c.topology for c in priced) == sorted(slices) and all(c.fits for c in priced)
+    for c in priced:
+        chip = hardware.parse_topology(c.topology).chip.name
+        assert c.price_per_chip_hour == hardware.PRICES[chip]["on_demand"]
+        assert c.dollars_per_video == pytest.approx(4 * c.price_per_chip_hour * (c.video_s + c.compile_s / 10) / 3600)
+    assert priced[0].dollars_per_video <= priced[1].dollars_per_video
+    fastest = min(priced, key=lambda c: c.video_s)
+    tight = tune.cheapest("cogvideox", request, options, slices=slices, deadline=fastest.video_s * 1.0001,
+                          configs=configs, stages=("denoise",), dtype="float32", prices={"v5e": 0.0, "v6e": 0.0})
+    assert tight[0].topology == fastest.topology  # free, so only the deadline decides
+    with pytest.raises(plan.PlanError, match="videos=0"):
+        tune.cheapest("cogvideox", request, options, videos=0)
+
+
+def test_a_missing_price_is_refused_naming_the_chips_that_have_one():
+    with pytest.raises(hardware.HardwareError, match="no on_demand price for 'v5p'.*v5e, v6e"):
+        hardware.price("v5p")
+
+
+def test_plan_cheapest_refuses_a_deadline_no_slice_meets(capsys, monkeypatch):
+    slow = tune.SliceCost("v6e:2x4", 8, 2.7, 100.0, 60.0, 1, True)
+    monkeypatch.setattr(tune, "cheapest", lambda *a, **k: [slow])
+    assert main(["plan", "cogvideox", "--cheapest", "--deadline", "10"]) == 2
+    err = capsys.readouterr().err
+    assert "no slice meets --deadline 10 s: the fastest, v6e:2x4, is predicted at 100.0 s a video" in err
+
+
+def test_a_diagnosis_names_the_largest_part_of_the_denoising_and_what_moves_it(tiny):
+    configs, request, options = tiny
+    found = plan.make("cogvideox", request, options, configs=configs, topology="v6e:2x2", stages=("denoise",),
+                      dtype="float32")
+    parts = tune.stage_parts(found)
+    assert sum(parts.values()) == pytest.approx(found.stage("denoise").predicted_s)
+    first, *rest = tune.diagnose(found)
+    largest = max(parts, key=parts.get)
+    assert first.name == {"xla": "compute", "attention": "attention", "ici": "communication"}[largest]
+    assert first.settings == tune.SYMPTOMS[first.name][1] and f"{largest} " in first.evidence
+    assert all(s.name in ("memory", "compile") for s in rest)
+    compile_said = any(s.name == "compile" for s in rest)
+    assert compile_said == (found.predicted_compile_s > found.predicted_s)
+
+
+def test_a_decode_adds_tiling_to_the_grid_and_a_step_cache_is_predicted_beside_the_ranking(tiny):
+    configs, request, options = tiny
+    grid = tune.settings_grid((1024, 1024, 512), 4, 2, splash=True, tiling=True)
+    assert {g["vae_tiling"] for g in grid} == {"off", "on"} and len(grid) == 2 * 2 * 1 * 2  # the blocks given are 1024/1024/512
+    settings = {"mesh": (2, 2), "sharding": "tp", "block_sizes": None}
+    plain = plan.make("cogvideox", request, options, configs=configs, topology="v6e:2x2", stages=("denoise",),
+                      dtype="float32")
+    cached = tune.with_step_cache("cogvideox", request, options, settings, topology="v6e:2x2",
+                                  cache="deepcache:1:3:3", configs=configs, stages=("denoise",), dtype="float32")
+    full, skip = cached.plan.stage("denoise").programs  # a full step (which also keeps the cache) and a cached one
+    assert cached.settings["step_cache"] == "deepcache:1:3:3" and full.calls + skip.calls == request.steps
+    assert cached.plan.request["step_cache"] == "deepcache:1:3:3" and "step_cache" not in plain.request  # its own run
+    assert skip.calls >= 1 and skip.predicted_s < full.predicted_s  # a cached step runs only the last block
+    (step,) = plain.stage("denoise").programs
+    assert full.predicted_s >= step.predicted_s  # the full step does all the work, and keeps the cache too
+    assert "--step-cache deepcache:1:3:3" in tune.command_line("cogvideox", cached.settings)
+    shallow = tune.with_step_cache("cogvideox", request, options, settings, topology="v6e:2x2", cache="deepcache:1:3:3",
+                                   configs=configs, layers=1, stages=("denoise",), dtype="float32")
+    assert shallow.fits and shallow.plan.layers == 2  # one block past the cached tail, or nothing to skip
