@@ -233,3 +233,12 @@ def test_the_cost_page_quotes_the_recorded_few_step_plans_as_predictions():
             assert f"{steps} x {denoise['predicted_s'] / steps:.2f} = " in page, release.name
         quoted += 1
     assert quoted == 2
+
+
+def test_upstream_totals_are_the_reported_steps_times_the_steps_where_upstream_rounds_them():
+    """A reported total that upstream gives only in rounded minutes is its step times its steps,
+    as the cost page computes it (7.29 s x 50 = 364.5 s, not 6.1 min's 366 or a rounded 365)."""
+    for r in results.load("docs/results/upstream.json"):
+        if r.get("total_note"):
+            assert r["total_s"] == pytest.approx(r["step_s"] * r["steps"]), r["name"]
+            assert f"{r['step_s']:.2f} s x {r['steps']} steps" in r["total_note"]

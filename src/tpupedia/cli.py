@@ -699,7 +699,8 @@ def build_parser() -> argparse.ArgumentParser:
         if _pipeline_module(spec.name).PIPELINE.image_to_video:
             q.add_argument("--image", default=None, metavar="PICTURE",
                            help="plan image-to-video (the release's image-to-video checkpoint; the picture "
-                                "is only checked, its size does not matter)")
+                                "is read for its aspect only: a family that sizes the video from the picture plans "
+                                "that size)")
         _add_family_flags(q, _pipeline_module(spec.name))
         _add_lora_flag(q, name)
         _add_release_flag(q, spec)
