@@ -113,3 +113,15 @@ def test_a_decode_adds_tiling_to_the_grid_and_a_step_cache_is_predicted_beside_t
     shallow = tune.with_step_cache("cogvideox", request, options, settings, topology="v6e:2x2", cache="deepcache:1:3:3",
                                    configs=configs, layers=1, stages=("denoise",), dtype="float32")
     assert shallow.fits and shallow.plan.layers == 2  # one block past the cached tail, or nothing to skip
+
+
+def test_the_cheapest_slice_with_a_search_prices_each_slice_at_its_fastest_setting(tiny):
+    configs, request, options = tiny
+    grid = [{"mesh": (2, 2), "sharding": "fsdp", "block_sizes": None},
+            {"mesh": (2, 2), "sharding": "tp", "block_sizes": None}]
+    (priced,) = tune.cheapest("cogvideox", request, options, slices=("v6e:2x2",), searched=True, grid=grid,
+                              configs=configs, stages=("denoise",), dtype="float32")
+    ranked = tune.search("cogvideox", request, options, topology="v6e:2x2", grid=grid, configs=configs,
+                         stages=("denoise",), dtype="float32")
+    assert priced.settings == ranked[0].settings and priced.video_s == pytest.approx(ranked[0].predicted_s)
+    assert "--topology v6e:2x2" in tune.command_line("cogvideox", priced.settings, "--topology v6e:2x2")

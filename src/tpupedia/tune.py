@@ -169,12 +169,13 @@ class SliceCost:
 
 def cheapest(family: str, request: Any, options: Any, *, slices: Sequence[str] = SLICES, videos: int = 1,
              deadline: float | None = None, kind: str = "on_demand", searched: bool = False,
-             prices: dict[str, float] | None = None, **make: Any) -> list[SliceCost]:
+             prices: dict[str, float] | None = None, grid: list[dict] | None = None, **make: Any) -> list[SliceCost]:
     """Price one video of `request` on each of `slices` and return them cheapest first, those that
     fit and meet `deadline` (seconds per video, predicted, compiles excluded) ahead of the rest.
     Per slice: the plan at `options` (or, with `searched`, the fastest setting `search` finds),
     `videos` videos sharing one process's compiles, at `prices` (chip name to dollars per
-    chip-hour) or the listed `kind` price (`hardware.price`)."""
+    chip-hour) or the listed `kind` price (`hardware.price`); `grid`: what `search` tries (default
+    `settings_grid` for each slice)."""
     if not isinstance(videos, int) or isinstance(videos, bool) or videos < 1:
         raise plan.PlanError(f"videos={videos!r}: a positive number of videos sharing one process's compiles")
     if deadline is not None and not deadline > 0:
@@ -185,7 +186,7 @@ def cheapest(family: str, request: Any, options: Any, *, slices: Sequence[str] =
         dollars = (prices or {}).get(chip)
         dollars = hardware.price(chip, kind) if dollars is None else dollars
         if searched:
-            best = search(family, request, options, topology=topology, **make)[0]
+            best = search(family, request, options, topology=topology, grid=grid, **make)[0]
             found, settings = best.plan, best.settings
             note = best.error
         else:
