@@ -192,7 +192,7 @@ def _tune(args: argparse.Namespace, request, options, model) -> int:
         for c in priced:
             cost = (f"{c.video_s:.1f} s a video + {c.compile_s:.0f} s of compiles / {c.videos} = "
                     f"${c.dollars_per_video:.3f} a video at ${c.price_per_chip_hour:.2f} per chip-hour"
-                    if c.fits else f"does not fit: {c.note}")
+                    if c.fits else c.note)
             print(f"  {c.topology:8s} {c.chips} chips: {cost}")
         best = priced[0]
         if not best.fits or (args.deadline is not None and best.video_s > args.deadline):
@@ -211,8 +211,7 @@ def _tune(args: argparse.Namespace, request, options, model) -> int:
         label = (f"mesh dp={s['mesh'][0]},tp={s['mesh'][1]} sharding {s['sharding']}"
                  + (f" blocks {'/'.join(map(str, s['block_sizes']))}" if s["block_sizes"] else "")
                  + (f" vae tiling {s['vae_tiling']}" if "vae_tiling" in s else ""))
-        verdict = (f"predicted {c.predicted_s:.1f} s a video" if c.fits
-                   else c.error or f"does not fit: {c.plan.advice()}")
+        verdict = f"predicted {c.predicted_s:.1f} s a video" if c.fits else c.why_not
         print(f"  {label:52s} {verdict}")
     if not ranked or not ranked[0].fits:
         raise CommandLineError(f"no setting fits {args.topology}: try a larger slice (--cheapest names one)")
@@ -226,8 +225,7 @@ def _tune(args: argparse.Namespace, request, options, model) -> int:
         cached = tune.with_step_cache(args.model_family, request, options, ranked[0].settings, topology=args.topology,
                                       **make)
         print(f"with --step-cache {tune.STEP_CACHE} (it changes the video: notebook fewer_steps): "
-              + (f"predicted {cached.predicted_s:.1f} s a video" if cached.fits else cached.error
-                 or f"does not fit: {cached.plan.advice()}"))
+              + (f"predicted {cached.predicted_s:.1f} s a video" if cached.fits else cached.why_not))
     return 0
 
 

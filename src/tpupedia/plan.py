@@ -589,12 +589,13 @@ def _deepen(costs: list[ProgramCost], deeper: list[aot.Program], configs: dict[s
     from tpupedia import predict
     from tpupedia.pipelines import common
 
+    matched = len(costs) == len(deeper)
     for cost, program in zip(costs, deeper):
         full = common.depth(configs.get(cost.component, {})) if cost.component else None
         if cost.work is None or full is None or full <= layers:
             continue
-        more = _compiled(program, {}, timing)
-        if more.work is None or more.name != cost.name or len(costs) != len(deeper):
+        more = _compiled(program, {}, timing) if matched else None
+        if more is None or more.work is None or more.name != cost.name:
             cost.work = cost.predicted_s = cost.predicted_compile_s = None
             continue
         work = predict.Work(**cost.work).deeper(predict.Work(**more.work), full, layers)

@@ -254,9 +254,10 @@ def predict_step(model: str, topology: str = "v6e:2x4", resolution: str | None =
 
     if not Counter(map(tuple, two.attention_calls)) - Counter(map(tuple, one.attention_calls)):
         raise PredictError(f"{model}: a second layer made no attention call to scale")
-    full = work(one).deeper(work(two), one.layers_full, 1)
+    shallow, deeper = work(one), work(two)
+    full = shallow.deeper(deeper, one.layers_full, 1)
     xla, attention_s, ici = full.times(chip, n_chips)
-    layer = (work(two) - work(one)).times(chip, n_chips)[0]
+    layer = (deeper - shallow).times(chip, n_chips)[0]
     efficiency = SPLASH_EFFICIENCY
     notes = []
     if blocks != tuple(spec.facts.SPLASH_BLOCK_SIZES) or model != SPLASH_FAMILY:

@@ -52,6 +52,13 @@ class Candidate:
     def predicted_s(self) -> float | None:
         return None if self.plan is None else self.plan.predicted_s
 
+    @property
+    def why_not(self) -> str:
+        """Why it does not fit, in one line (the error, or the plan's advice); `""` when it fits."""
+        if self.fits:
+            return ""
+        return self.error or f"does not fit: {self.plan.advice()}"
+
 
 def settings_grid(family_blocks: Sequence[int], chips: int, guidance_batch: int, splash: bool,
                   tiling: bool = False) -> list[dict[str, Any]]:
@@ -71,6 +78,21 @@ def _options(options: Any, settings: dict[str, Any]) -> Any:
                                block_sizes=settings["block_sizes"])
 
 
+def _planned(family: str, request: Any, options: Any, settings: dict[str, Any], topology: str,
+             **make: Any) -> Candidate:
+    """`request` planned on `topology` with `settings` over `options` (none: `options` as given),
+    their VAE tiling over `make`'s; a plan that cannot be made is kept with its error, not raised
+    (a mesh or table this model cannot take is a candidate that lost, not a failure)."""
+    if settings:
+        options = _options(options, settings)
+    if "vae_tiling" in settings:
+        make = make | {"vae_tiling": settings["vae_tiling"]}
+    try:
+        return Candidate(settings, plan.make(family, request, options, topology=topology, **make))
+    except TpupediaError as err:
+        return Candidate(settings, error=str(err).splitlines()[0])
+
+
 def search(family: str, request: Any, options: Any, *, topology: str = "v6e:2x4", grid: list[dict] | None = None,
            **make: Any) -> list[Candidate]:
     """Plan `request` on `topology` at every setting of `grid` (default `settings_grid`) and return
@@ -88,14 +110,7 @@ def search(family: str, request: Any, options: Any, *, topology: str = "v6e:2x4"
         tiling = "decode" in make.get("stages", plan.STAGES) and make.get("vae_tiling", "auto") == "auto"
         grid = settings_grid(spec.facts.SPLASH_BLOCK_SIZES, chips, pipe.guidance_batch(request, configs), splash,
                              tiling)
-    found = []
-    for settings in grid:
-        kwargs = make | ({"vae_tiling": settings["vae_tiling"]} if "vae_tiling" in settings else {})
-        try:
-            found.append(Candidate(settings, plan.make(family, request, _options(options, settings),
-                                                       topology=topology, **kwargs)))
-        except TpupediaError as err:  # a mesh or table this model cannot take: said, not fatal
-            found.append(Candidate(settings, error=str(err).splitlines()[0]))
+    found = [_planned(family, request, options, settings, topology, **make) for settings in grid]
     return sorted(found, key=lambda c: (not c.fits, c.predicted_s if c.predicted_s is not None else float("inf")))
 
 
@@ -116,15 +131,10 @@ def with_step_cache(family: str, request: Any, options: Any, settings: dict[str,
     from tpupedia.pipelines import stepcache
 
     step_cache = stepcache.parse_step_cache(cache)
-    cached = dataclasses.replace(request, step_cache=step_cache)
-    kwargs = make | ({"vae_tiling": settings["vae_tiling"]} if "vae_tiling" in settings else {})
-    if kwargs.get("layers") is not None:  # a cached step keeps some blocks and skips others: compile enough of them
-        kwargs["layers"] = max(kwargs["layers"], getattr(step_cache, "tail", 1) + 1)
-    try:
-        found = plan.make(family, cached, _options(options, settings), topology=topology, **kwargs)
-    except TpupediaError as err:
-        return Candidate(settings | {"step_cache": cache}, error=str(err).splitlines()[0])
-    return Candidate(settings | {"step_cache": cache}, found)
+    if make.get("layers") is not None:  # a cached step keeps some blocks and skips others: compile enough of them
+        make = make | {"layers": max(make["layers"], getattr(step_cache, "tail", 1) + 1)}
+    return _planned(family, dataclasses.replace(request, step_cache=step_cache), options,
+                    settings | {"step_cache": cache}, topology, **make)
 
 
 def command_line(family: str, settings: dict[str, Any], extra: str = "") -> str:
@@ -152,6 +162,7 @@ class SliceCost:
     videos: int
     fits: bool
     note: str = ""
+    """Why the slice cannot run it (`Candidate.why_not`); `""` when it fits."""
     settings: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -182,24 +193,14 @@ def cheapest(family: str, request: Any, options: Any, *, slices: Sequence[str] =
         raise plan.PlanError(f"deadline={deadline!r}: a positive number of seconds per video")
     priced = []
     for topology in slices:
-        chip = hardware.parse_topology(topology).chip.name
-        dollars = (prices or {}).get(chip)
-        dollars = hardware.price(chip, kind) if dollars is None else dollars
-        if searched:
-            best = search(family, request, options, topology=topology, grid=grid, **make)[0]
-            found, settings = best.plan, best.settings
-            note = best.error
-        else:
-            try:
-                found, settings, note = plan.make(family, request, options, topology=topology, **make), {}, ""
-            except TpupediaError as err:
-                found, settings, note = None, {}, str(err).splitlines()[0]
-        fits = found is not None and found.fits
-        if found is not None and not fits:
-            note = found.advice()
-        priced.append(SliceCost(topology, hardware.parse_topology(topology).num_chips, dollars,
-                                found.predicted_s if fits else None, found.predicted_compile_s if fits else None,
-                                videos, fits, note, settings))
+        topo = hardware.parse_topology(topology)
+        dollars = (prices or {}).get(topo.chip.name)
+        dollars = hardware.price(topo.chip.name, kind) if dollars is None else dollars
+        best = (search(family, request, options, topology=topology, grid=grid, **make)[0] if searched
+                else _planned(family, request, options, {}, topology, **make))
+        priced.append(SliceCost(topology, topo.num_chips, dollars, best.predicted_s if best.fits else None,
+                                best.plan.predicted_compile_s if best.fits else None, videos, best.fits,
+                                best.why_not, best.settings))
 
     def rank(c: SliceCost):
         meets = c.fits and c.video_s is not None and (deadline is None or c.video_s <= deadline)
