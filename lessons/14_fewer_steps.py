@@ -39,7 +39,7 @@
 # The full preset downloads `zai-org/CogVideoX1.5-5B`, released under the **CogVideoX LICENSE**
 # (linked from its model card on the Hugging Face Hub): read it before you run the full preset.
 #
-# *Reading time: about 21 minutes.*
+# *Reading time: about 23 minutes.*
 
 # %%
 # %xmode Minimal
@@ -365,11 +365,56 @@ for spec in families.video():
             print(f"    note: {release.note}")
 
 # %% [markdown]
-# The Lightning note matters. The adapters were distilled for their authors' own 4-step sampler;
-# stock `WanPipeline` with the adapters loaded keeps the checkpoint's UniPC solver, and so does
-# this release, because it must give stock's frames. The tests check each release against stock
-# diffusers on tiny checkpoints of the same layout (`tests/test_few_step.py`); on random tiny
-# weights the frames say nothing about quality, and nothing here measures it.
+# The Lightning note matters. The adapters were distilled with their authors' own 4-step Euler
+# sampler (ModelTC/Wan2.2-Lightning, `wan/utils/fm_solvers_euler.py`; their `generate.py` warns
+# when adapters meet any other solver). Stock `WanPipeline` with the adapters loaded keeps the
+# checkpoint's UniPC. The release runs the authors' Euler (`--solver euler`; `--solver unipc`
+# gives stock's choice). Do the two samplers differ? Step both through the same four made-up
+# velocities from the same start. The cell reads the tiny Wan 2.2 checkpoint's scheduler config,
+# Wan 2.2's own values, under either preset.
+
+# %%
+import torch
+
+from tpupedia.models import wan as wan_family
+from tpupedia.pipelines import schedulers
+from tpupedia.pipelines import wan as wan_pipeline
+
+wan_configs = wan_family.component_configs(str(wan_family.tiny_checkpoint(experts=2)))
+draw = torch.Generator().manual_seed(0)
+start = torch.randn(1, 16, 2, 4, 4, generator=draw)
+velocities = [torch.randn(start.shape, generator=draw) for _ in range(4)]
+sigmas, paths = {}, {}
+for solver in schedulers.SOLVERS:
+    sampler = wan_pipeline.solver_scheduler(wan_configs["scheduler"], solver, shift=5.0)
+    sampler.set_timesteps(4)
+    sigmas[solver] = sampler.sigmas.double().numpy()
+    x, paths[solver] = start, []
+    for t, v in zip(sampler.timesteps, velocities):
+        x = sampler.step(v, t, x, return_dict=False)[0]
+        paths[solver].append(x)
+    print(f"{solver:>6}: sigmas {np.round(sigmas[solver], 4).tolist()}")
+apart = [float((a - b).abs().max()) for a, b in zip(paths["unipc"], paths["euler"])]
+print("max |unipc - euler| after each step:", [f"{d:.1e}" for d in apart])
+
+# %% [markdown]
+# Both visit nearly the same noise levels: the Euler's are the authors' formula, sigmas
+# `linspace(1, 0, 5)` shifted by `5 s / (1 + 4 s)`, and UniPC's differ only by its integer
+# timesteps. The first step is the same Euler move in both. From the second step on, UniPC's
+# predictor-corrector also reuses the velocities of earlier steps, and the paths part. A distilled
+# model's four velocities were trained for the Euler path.
+
+# %% tags=["check"]
+uniform = np.linspace(1, 0, 5)
+np.testing.assert_allclose(sigmas["euler"], 5 * uniform / (1 + 4 * uniform), atol=1e-6)
+np.testing.assert_allclose(sigmas["unipc"], sigmas["euler"], atol=1e-3)
+assert apart[0] < 1e-3 and min(apart[1:]) > 0.1, apart
+
+# %% [markdown]
+# The tests check each release against stock diffusers on tiny checkpoints of the same layout
+# (`tests/test_few_step.py`). For Lightning, stock `WanPipeline` is handed the same Euler
+# (`pipe.scheduler = schedulers.uniform_euler(1000, 5.0)`). On random tiny weights the frames say
+# nothing about quality, and nothing here measures it.
 #
 # A name that is not a release, or another family's, is refused before anything loads:
 
@@ -378,7 +423,7 @@ _ = expect(lambda: families.few_step("cogvideox", "lightning"), families.Release
 
 # %% tags=["check"]
 lightning = families.few_step("wan", "lightning")
-assert lightning.request_fields() == {"steps": 4, "guidance": 1.0, "guidance_2": 1.0, "shift": 5.0}
+assert lightning.request_fields() == {"steps": 4, "guidance": 1.0, "guidance_2": 1.0, "shift": 5.0, "solver": "euler"}
 assert [a.component for a in lightning.adapters] == ["transformer", "transformer_2"]
 assert all(r.sources for spec in families.video() for r in spec.few_step.values())
 
@@ -500,6 +545,39 @@ assert abs(ceiling["bound"] - cache_request.steps / (n + (cache_request.steps - 
 # is large. At full size (42 blocks for CogVideoX1.5-5B) it is a few percent, and a schedule that
 # caches half the steps nears 2x; what it costs in quality is a question for real weights and
 # real prompts, which the knowledge-base page on step caches collects from upstream reports.
+
+# %% [markdown]
+# ### Calibrate once, keep the file
+#
+# A calibration pass costs a whole uncached denoise, so a threshold on one video costs more than
+# it saves. diffusers asks for MagCache's ratios once per model instead
+# (`MagCacheConfig(mag_ratios=...)`, printed by a run with `calibrate=True`). Here `@FILE` after
+# the threshold does the same. The first run writes its calibration record there, atomically.
+# Each later run reads it, runs no calibration pass, and turns it into full steps at its own
+# threshold. The file names its model (the family and the transformer's config fingerprint), and
+# a run on another model refuses it before anything loads. Three runs share one file: the first
+# calibrates, the second reads, the third reads at threshold 0, which caches nothing.
+
+# %%
+from pathlib import Path
+
+saved = Path("magcache-calibration.json")
+saved.unlink(missing_ok=True)  # start without it: the first run calibrates
+shared = {}
+for threshold in ("0.06", "0.06", "0"):
+    saving = dataclasses.replace(cache_request, step_cache=stepcache.parse_step_cache(f"magcache:{threshold}@{saved}"))
+    run = pipeline.run(saving, pipeline.Options(quiet=True), preset=preset, workdir="fbcache", stage="denoise",
+                       log=lambda _: None)[-1].timings
+    how = f"wrote {saved}" if "calibration_written" in run else f"read {saved}"
+    print(f"magcache:{threshold}: {how}; full steps {run['full_steps']}")
+    shared[len(shared)] = run
+
+# %% tags=["check"]
+assert "calibration_written" in shared[0] and "calibration_s" in shared[0]
+assert all("calibration_read" in shared[k] and "calibration_s" not in shared[k] for k in (1, 2))
+assert shared[1]["full_steps"] == shared[0]["full_steps"]  # the same record, the same schedule
+assert shared[2]["full_steps"] == list(range(cache_request.steps))  # threshold 0: every step in full
+assert len(shared[0]["full_steps"]) < cache_request.steps
 
 # %% [markdown]
 # ### Exercise 3: a threshold's schedule, by hand

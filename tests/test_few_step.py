@@ -29,7 +29,7 @@ def test_each_release_has_its_defaults_in_its_family_module_with_sources():
                                         "wan": ("lightning",)}
     lightning = families.few_step("wan", "lightning")
     assert lightning is wan.LIGHTNING and lightning.model == wan.FULL_ID_22 in wan.SPEC.releases
-    assert lightning.request_fields() == {"steps": 4, "guidance": 1.0, "guidance_2": 1.0, "shift": 5.0}
+    assert lightning.request_fields() == {"steps": 4, "guidance": 1.0, "guidance_2": 1.0, "shift": 5.0, "solver": "euler"}
     assert [(a.repo, a.filename, a.component, a.rank) for a in lightning.adapters] == [
         ("lightx2v/Wan2.2-Lightning", "Wan2.2-T2V-A14B-4steps-lora-rank64-Seko-V1.1/high_noise_model.safetensors",
          "transformer", 64),
@@ -95,14 +95,14 @@ def _wan_request(**changes):
 
 def test_lightning_on_tiny_weights_gives_stock_frames(tmp_path):
     """Wan 2.2's two experts (tiny), each with a rank-64 adapter in the Lightning files' key layout built in
-    code, fused on the host: 4 steps, guidance off for both experts, UniPC at shift 5 give the frames of stock
-    `WanPipeline` with the same files loaded (`load_lora_weights`, `load_into_transformer_2=True`), fused,
-    `guidance_scale=guidance_scale_2=1`, its scheduler rebuilt with `flow_shift=5` (fp32, 1e-4). The adapters
+    code, fused on the host: 4 steps, guidance off for both experts, the authors' Euler at shift 5 give the
+    frames of stock `WanPipeline` with the same files loaded (`load_lora_weights`, `load_into_transformer_2=True`),
+    fused, `guidance_scale=guidance_scale_2=1`, its scheduler the same Euler (`schedulers.uniform_euler`; fp32, 1e-4). The adapters
     are not no-ops (both experts' fused weights differ from the checkpoint's), and guidance off means no
     guidance pair."""
     from diffusers import WanPipeline
 
-    from tpupedia.pipelines import stages
+    from tpupedia.pipelines import schedulers, stages
     from tpupedia.pipelines import wan as pipeline
 
     release = families.few_step("wan", "lightning")
@@ -125,7 +125,7 @@ def test_lightning_on_tiny_weights_gives_stock_frames(tmp_path):
         source, configs, request, pipeline.Options(), torch.float32, "decode")).tensors["frames"].numpy()
     pipe, call = pipeline.stock(source, request)
     assert isinstance(pipe, WanPipeline) and call["guidance_scale"] == call["guidance_scale_2"] == 1.0
-    assert pipe.scheduler.config.flow_shift == 5.0
+    assert type(pipe.scheduler) is type(schedulers.uniform_euler()) and pipe.scheduler.config.shift == 5.0
     pipe.load_lora_weights(adapters[0].path, adapter_name="high")
     pipe.load_lora_weights(adapters[1].path, adapter_name="low", load_into_transformer_2=True)
     pipe.fuse_lora(components=["transformer"], adapter_names=["high"], lora_scale=1.0)
@@ -175,7 +175,7 @@ def test_generate_prints_what_a_release_applied_and_flags_win(capsys, monkeypatc
     assert "steps 6 (--steps given; the release's is 4)" in line and "guidance 1.0" in line and "shift 5.0" in line
     assert "@transformer_2" in line and "Euler" in line
     (request, kw), = seen
-    assert (request.steps, request.guidance, request.guidance_2, request.shift) == (6, 1.0, 1.0, 5.0)
+    assert (request.steps, request.guidance, request.guidance_2, request.shift, request.solver) == (6, 1.0, 1.0, 5.0, "euler")
     assert [a.component for a in request.lora] == ["transformer", "transformer_2"]
     assert kw["model"] == str(wan.tiny_checkpoint(experts=2))
 

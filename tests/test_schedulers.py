@@ -211,3 +211,35 @@ def test_unsupported_schedulers_are_refused():
     with pytest.raises(schedulers.SchedulerError, match="stochastic_sampling"):
         schedulers.flow_match_tables(stochastic)
     assert issubclass(schedulers.SchedulerError, ValueError)
+
+
+@pytest.mark.parametrize("steps, shift", [(4, 5.0), (8, 3.0)])
+def test_uniform_euler_is_the_lightning_authors_schedule_and_step(steps, shift):
+    """`uniform_euler` against ModelTC/Wan2.2-Lightning's `fm_solvers_euler.py` (92efeb4) written out:
+    `get_timesteps` = linspace(1000, 0, steps + 1), sigmas = that / 1000, `timestep_shift`
+    `shift * s / (1 + (shift - 1) * s)`, the model given `1000 * sigma` unrounded, and a step
+    `sample.float() + (sigma_next - sigma) * output` kept in float32 (bf16 output too). Stock
+    diffusers' `FlowMatchEulerDiscreteScheduler` at the same shift and steps is another schedule."""
+    scheduler = schedulers.uniform_euler(1000, shift)
+    scheduler.set_timesteps(steps)
+    s = np.linspace(1000, 0, steps + 1, dtype=np.float32) / 1000
+    sigmas = shift * s / (1 + (shift - 1) * s)
+    np.testing.assert_allclose(scheduler.sigmas.numpy(), sigmas, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(scheduler.timesteps.numpy(), 1000 * sigmas[:-1], rtol=1e-6)
+    tables = schedulers.flow_match_tables(scheduler)
+    np.testing.assert_allclose(tables["dt"], np.diff(sigmas), atol=1e-6)
+    stock = FlowMatchEulerDiscreteScheduler(shift=shift)
+    stock.set_timesteps(steps)
+    assert float(np.abs(stock.timesteps.numpy() - scheduler.timesteps.numpy()).max()) > 1.0  # a different schedule
+
+    gen = torch.Generator().manual_seed(0)
+    sample = torch.randn(1, 4, 2, 3, 3, generator=gen)
+    for i, t in enumerate(scheduler.timesteps):
+        output = torch.randn(sample.shape, generator=gen).to(torch.bfloat16)
+        expected = sample.float() + (torch.tensor(sigmas[i + 1]) - torch.tensor(sigmas[i])) * output.float()
+        ours = schedulers.flow_match_euler_step(tables, i, jnp.asarray(sample.numpy()),
+                                                jnp.asarray(output.float().numpy()).astype(jnp.bfloat16), keep_float32=True)
+        sample = scheduler.step(output, t, sample, return_dict=False)[0]
+        assert sample.dtype == torch.float32 and ours.dtype == jnp.float32
+        np.testing.assert_allclose(sample.numpy(), expected.numpy(), atol=1e-6)
+        np.testing.assert_allclose(np.asarray(ours), sample.numpy(), atol=1e-6)

@@ -32,6 +32,7 @@ MAG_RATIOS = [1.0, 1.0, 1.01, 0.99, 1.02, 1.0]
     ("magcache:0.06", stepcache.StepCache("magcache", threshold=0.06)),
     ("fbcache:full=0,1,3", stepcache.StepCache("fbcache", full=(0, 1, 3))),
     ("deepcache:11:45:4", stepcache.StepCache("deepcache", deepcache=stepcache.Schedule(11, 45, 4))),
+    ("magcache:0.06@runs/cal.json", stepcache.StepCache("magcache", threshold=0.06, calibration_file="runs/cal.json")),
 ])
 def test_step_caches_parse_and_print_back(text, expected):
     cache = stepcache.parse_step_cache(text)
@@ -44,6 +45,9 @@ def test_step_caches_parse_and_print_back(text, expected):
     ("fbcache:-1", ["the threshold must be a finite number >= 0"]),
     ("magcache:full=0,x", ["full= takes step numbers"]),
     ("deepcache:11:45", ["deepcache takes START:END:INTERVAL"]),
+    ("fbcache:full=0,1@cal.json", ["@FILE names a threshold's saved calibration"]),
+    ("deepcache:1:4:2@cal.json", ["@FILE names a threshold's saved calibration", "fbcache:0.05@cal.json"]),
+    ("magcache:0.06@", ["@FILE names"]),
 ])
 def test_a_bad_step_cache_is_one_line_naming_it(text, names):
     with pytest.raises(stepcache.StepCacheError) as err:
@@ -122,8 +126,11 @@ CASES = {  # family, pipeline, request, stock's cache config (CogVideoX's First-
     "cogvideox-magcache": (cogvideox_family, cogvideox, cogvideox.Request(
         prompt="a panda", negative_prompt="blurry", frames=9, height=32, width=32, steps=STEPS, guidance=6.0, seed=3),
         "magcache", 0.06),
-    "wan-fbcache": (wan_family, wan, wan.Request(  # guidance off: stock decides each branch of the pair apart
+    "wan-fbcache": (wan_family, wan, wan.Request(  # guidance off: one transformer call a step
         prompt="a fox", negative_prompt="blurry", frames=5, height=32, width=32, steps=STEPS, guidance=1.0, seed=3),
+        "fbcache", 0.15),
+    "wan-fbcache-guided": (wan_family, wan, wan.Request(  # the guidance pair: stock decides each branch apart
+        prompt="a fox", negative_prompt="blurry", frames=5, height=32, width=32, steps=STEPS, guidance=5.0, seed=3),
         "fbcache", 0.15),
     "wan-magcache": (wan_family, wan, wan.Request(  # the guidance pair: stock's two branches decide alike
         prompt="a fox", negative_prompt="blurry", frames=5, height=32, width=32, steps=STEPS, guidance=5.0, seed=3),
@@ -151,7 +158,10 @@ def test_replaying_stock_hooks_skips_gives_stock_latents(case, checkpoints, tmp_
     expected, decisions = _stock(pipeline, family, checkpoints[family.FAMILY], request, config)
     calls = len(decisions) // STEPS  # Wan's guidance pair: two calls a step, each its own cache context
     per_step = [decisions[i * calls:(i + 1) * calls] for i in range(STEPS)]
-    assert all(len(set(d)) == 1 for d in per_step), per_step  # the branches agree (one decision a step here)
+    # Wan's pair is two calls in stock, each in its own cache context, so each branch decides apart; here the
+    # pair is one batch with one schedule, which replays stock where the branches agree, as they do here
+    # (for First-Block-Cache at every threshold from 0.05 to 0.3 on this checkpoint and seed)
+    assert all(len(set(d)) == 1 for d in per_step), per_step
     full = [i for i, d in enumerate(per_step) if d[0]]
     print(f"{case}: stock ran steps {full} in full, cached the others")
     assert 0 < len(full) < STEPS, full  # the hook cached some steps, not all
@@ -163,6 +173,79 @@ def test_replaying_stock_hooks_skips_gives_stock_latents(case, checkpoints, tmp_
     error = float(np.abs(latents - expected).max())
     print(f"{case}: max abs error vs stock with its hook: {error:.2e} (latents up to {np.abs(expected).max():.2f})")
     assert latents.shape == expected.shape and error <= 1e-4, error
+
+
+# --- a saved calibration: calibrate once, reuse ----------------------------------------------------
+
+def test_a_saved_calibration_is_written_once_then_read_instead_of_a_calibration_pass(checkpoints, tmp_path):
+    """`magcache:THRESHOLD@FILE`, Wan (tiny): the first run calibrates and saves the record there
+    (atomically, validated when read); the next run reads it, runs no calibration pass, and picks the
+    same full steps, so the same latents; another threshold reads the same file; at another step count
+    MagCache's ratios interpolate as diffusers' do, where First-Block-Cache's per-step changes are
+    refused before anything loads; a file made on another model is refused before it loads."""
+    path = tmp_path / "cal.json"
+    request = wan.Request(prompt="a fox", negative_prompt="blurry", frames=5, height=32, width=32, steps=STEPS,
+                          guidance=5.0, seed=3, step_cache=stepcache.parse_step_cache(f"magcache:0.06@{path}"))
+    source = checkpoints["wan"]
+    first, timings = _ours(wan, source, request, tmp_path / "first")
+    assert timings["calibration_written"] == str(path) and "calibration_s" in timings
+    saved = stepcache.read_calibration(path)
+    assert saved.ratio == timings["calibration"]["ratio"] and len(saved.change) == STEPS
+    assert saved.identity == wan.Wan.cache_identity(wan_family.component_configs(str(source)))
+    assert "step_cache_calibration" not in stepcache.settings(request.step_cache)  # the run began without it
+    pinned = stepcache.settings(request.step_cache.pinned())["step_cache_calibration"]  # the next begins with it
+    assert pinned == __import__("hashlib").sha256(path.read_bytes()).hexdigest()[:16]
+    again, replay = _ours(wan, source, request, tmp_path / "again")
+    assert replay["calibration_read"] == str(path) and "calibration_s" not in replay
+    assert replay["full_steps"] == timings["full_steps"] and np.array_equal(again, first)
+    strict = dataclasses.replace(request, step_cache=stepcache.parse_step_cache(f"magcache:0@{path}"))
+    _, stricter = _ours(wan, source, strict, tmp_path / "strict")
+    assert "calibration_s" not in stricter and len(stricter["full_steps"]) > len(timings["full_steps"])
+    assert stepcache.StepCache("magcache", threshold=0.06).full_steps(9, saved) == \
+        stepcache.magcache_full_steps(saved.ratio, 0.06, 9)  # interpolated to 9 steps
+    with pytest.raises(stepcache.StepCacheError, match=f"calibrated at {STEPS} steps and this run has 9"):
+        wan.validate(dataclasses.replace(request, steps=9, step_cache=stepcache.parse_step_cache(f"fbcache:0.1@{path}")),
+                     wan.Options())
+    other = cogvideox_family.component_configs(str(checkpoints["cogvideox"]))
+    with pytest.raises(stepcache.StepCacheError, match="calibrated on another model .*family 'wan', not 'cogvideox'"):
+        cogvideox.validate(cogvideox.Request(prompt="x", frames=9, height=32, width=32, steps=STEPS,
+                                             step_cache=request.step_cache), cogvideox.Options(), configs=other)
+
+
+@pytest.mark.parametrize("text, match", [
+    ("{", "not readable JSON"), ('{"format": "other"}', "not a step-cache calibration"),
+    ('{"format": "tpupedia-step-cache-calibration", "version": 1, "steps": 2, "change": [null, -1], "ratio": [1, 1]}',
+     "numbers >= 0"),
+])
+def test_a_bad_calibration_file_is_one_line_before_any_model_loads(text, match, tmp_path):
+    path = tmp_path / "cal.json"
+    path.write_text(text)
+    with pytest.raises(stepcache.StepCacheError, match=match) as err:
+        wan.validate(wan.Request(prompt="x", steps=STEPS, step_cache=stepcache.parse_step_cache(f"fbcache:0.1@{path}")),
+                     wan.Options())
+    assert str(path) in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(stepcache.StepCacheError, match="whose folder does not exist"):
+        stepcache.parse_step_cache(f"fbcache:0.1@{tmp_path}/nowhere/cal.json").check(STEPS)
+
+
+def test_bench_stepcache_records_a_calibrated_cache_against_the_plain_run(checkpoints, capsys):
+    """`tpupedia bench stepcache wan --step-cache fbcache:0.15`: the plain and the cached video from one
+    seed; the record has the steps the calibration kept, its pass timed apart, the FLOPs' bound of
+    exactly those steps, and PSNR/SSIM against the plain video. Without --step-cache: one line."""
+    from tpupedia import bench, cli
+
+    request = wan.Request(prompt="a fox", negative_prompt="blurry", frames=5, height=32, width=32, steps=STEPS,
+                          guidance=1.0, seed=3, step_cache=stepcache.parse_step_cache("fbcache:0.15"))
+    record = bench.bench_stepcache("wan", TINY, request, wan.Options(quiet=True), model=str(checkpoints["wan"]))
+    result = record["result"]
+    assert record["bench"] == "stepcache" and record["config"]["step_cache"] == "fbcache:0.15"
+    assert record["config"]["family"] == "wan" and "--step-cache fbcache:0.15 --steps 6" in record["command"]
+    assert 0 < result["full_steps"] < STEPS and result["calibration_s"] > 0
+    assert 1 < result["bound"] <= STEPS / result["full_steps"]  # a cached step costs more than nothing
+    assert 0 < result["ssim"] <= 1 and math.isfinite(result["psnr_db"]) and result["plain_s"] > 0 < result["cached_s"]
+    assert cli.main(["bench", "stepcache", "wan", "--preset", "tiny", "--prompt", "x"]) == 2
+    assert capsys.readouterr().err.strip().endswith("give --step-cache SPEC (e.g. fbcache:0.05, magcache:0.06@cal.json, "
+                                                   "deepcache:11:45:4)")
 
 
 # --- every family: the two programs, their FLOPs, and HunyuanVideo-1.5 -------------------------------

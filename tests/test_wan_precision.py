@@ -112,11 +112,21 @@ def test_a_bad_shift_is_refused_before_loading(shift):
         pipeline.validate(pipeline.Request(prompt="x", shift=shift), pipeline.Options())
 
 
-def test_the_command_line_has_a_shift_flag_for_wan():
+def test_the_command_line_has_shift_and_solver_flags_for_wan(capsys):
     from tpupedia import cli
 
-    args = cli.build_parser().parse_args(["generate", "wan", "--prompt", "x", "--shift", "5"])
-    assert args.shift == 5.0
+    args = cli.build_parser().parse_args(["generate", "wan", "--prompt", "x", "--shift", "5", "--solver", "euler"])
+    assert (args.shift, args.solver) == (5.0, "euler")
+    assert cli.main(["generate", "wan", "--preset", "tiny", "--prompt", "x", "--solver", "heun"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith("solver='heun' is not one of unipc, euler")
+
+
+def test_the_solver_is_in_the_denoise_settings_only_when_not_unipc():
+    """Stage files made before the solver existed (UniPC) still match; an Euler run's do not match UniPC's."""
+    configs = family.component_configs(str(family.tiny_checkpoint()))
+    unipc, euler = (pipeline.settings("denoise", "tiny", configs, pipeline.Request(prompt="x", solver=s), dtype="float32")
+                    for s in ("unipc", "euler"))
+    assert "solver" not in unipc and euler.pop("solver") == "euler" and euler == unipc
 
 
 def test_the_components_kept_in_float32_are_loaded_compiled_and_recorded_so(tmp_path):

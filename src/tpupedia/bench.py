@@ -32,6 +32,7 @@ __all__ = [
     "DEFAULT_PIPELINE_RESULTS",
     "bench_generate",
     "stock_steps",
+    "bench_stepcache",
     "bench_deepcache",
     "step_cache_bound",
 ]
@@ -305,7 +306,7 @@ def _pipeline_config(pipeline: Any, preset: Any, request: Any, options: Any, mod
     """A pipeline request and options as a results record's `config` (prompts left out)."""
     from tpupedia.pipelines import common
 
-    config = {k: (str(getattr(request, k)) if k == "deepcache" and v is not None else v)
+    config = {k: (str(getattr(request, k)) if k in ("deepcache", "step_cache") and v is not None else v)
               for k, v in asdict(request).items()
               if k not in ("prompt", "negative_prompt") and not (k == "image" and v is None)}
     return config | {"source": model or f"preset:{preset.name}", "attention": common.attention_backend(options.attention),
@@ -313,47 +314,75 @@ def _pipeline_config(pipeline: Any, preset: Any, request: Any, options: Any, mod
                      "dtype": str(common.torch_dtype(options, preset)).removeprefix("torch.")}
 
 
-def bench_deepcache(family: str, preset: Any, request: Any, options: Any, model: str | None = None) -> dict[str, Any]:
-    """Video family `family` (one whose request takes a `deepcache` schedule)
-    twice from the same seed, without and with `request.deepcache`: the steps recomputed, the
-    denoising time (steps that compiled left out, scaled to all steps) and PSNR/SSIM of the
-    cached video against the uncached one. Notebook `hunyuan_tuning_and_i2v`; `tpupedia bench deepcache FAMILY` writes
-    the record."""
+def bench_stepcache(family: str, preset: Any, request: Any, options: Any, model: str | None = None, *,
+                    bench: str = "stepcache") -> dict[str, Any]:
+    """Video family `family` twice from the same seed, without and with its step cache
+    (`request.step_cache`, or HunyuanVideo-1.5's `request.deepcache`): the steps run in full (a
+    threshold's from its calibration pass, whose time is recorded apart), the denoising time (each
+    program's first call left out, the per-step mean scaled to all steps), the speed-up against
+    the bound the two compiled programs' FLOPs allow (`step_cache_bound`), and PSNR/SSIM of the
+    cached video against the uncached one. Notebooks `hunyuan_tuning_and_i2v` (DeepCache) and
+    `fewer_steps`; `tpupedia bench stepcache FAMILY --step-cache SPEC` writes the record."""
     import dataclasses
     import importlib
     import tempfile
 
+    import jax
     from safetensors.numpy import load_file
 
-    from tpupedia import families, metrics
-    from tpupedia.pipelines import common
+    from tpupedia import devices, families, metrics
+    from tpupedia.pipelines import common, stepcache
 
     pipeline = importlib.import_module(families.get(family, "video").pipeline)
+    field_name = "deepcache" if getattr(request, "deepcache", None) is not None else "step_cache"
+    cache = getattr(request, field_name)
+    if cache is None:
+        raise common.PipelineError(f"bench {bench} {family}: give a step cache (--step-cache SPEC)")
 
     runs = {}
-    for name, schedule in (("plain", None), ("cached", request.deepcache)):
+    for name, value in (("plain", None), ("cached", cache)):
         with tempfile.TemporaryDirectory(prefix="tpupedia-bench-") as workdir, common.step_times():
-            reports = pipeline.run(dataclasses.replace(request, deepcache=schedule), options, preset=preset, model=model,
-                                  workdir=workdir, force=True, log=lambda _: None)
+            reports = pipeline.run(dataclasses.replace(request, **{field_name: value}), options, preset=preset,
+                                   model=model, workdir=workdir, force=True, log=lambda _: None)
             frames = load_file(f"{workdir}/decode.safetensors")["frames"]
-        step_s = {r.stage: r.timings for r in reports}["denoise"]["step_s"]
-        full = set(schedule.full_steps(request.steps)) if schedule else set(range(request.steps))
+        timings = {r.stage: r.timings for r in reports}["denoise"]
+        full = set(timings.get("full_steps", range(request.steps)))
         cached_steps = set(range(request.steps)) - full
         compiling = {min(full)} | ({min(cached_steps)} if cached_steps else set())  # each program's first call
-        timed = [s for i, s in enumerate(step_s) if i not in compiling]
-        runs[name] = {"frames": frames, "full_steps": len(full),
+        timed = [t for i, t in enumerate(timings["step_s"]) if i not in compiling]
+        runs[name] = {"frames": frames, "full": sorted(full), "full_steps": len(full),
+                      "calibration_s": timings.get("calibration_s"),
                       "seconds": sum(timed) / len(timed) * request.steps}  # per-step mean, scaled to the run
     plain, cached = runs["plain"], runs["cached"]
+    source = pipeline.PIPELINE.source(preset, model, request)[0]
+    configs = families.get(family, "video").facts.component_configs(str(source))
+    tail = cache.tail  # the blocks a DeepCache step runs (both kinds carry it)
+    as_run = stepcache.StepCache("deepcache" if field_name == "deepcache" else cache.method, tail=tail,
+                                 full=tuple(cached["full"]))  # the bound of the steps the run ran in full
+    mesh = devices.make_mesh(common.mesh_shape(options, jax.device_count(), pipeline.PIPELINE.guidance_batch(request, configs)),
+                             ("dp", "tp"))
+    fields = {"step_cache": as_run} | ({"deepcache": None} if field_name == "deepcache" else {})
+    bound = step_cache_bound(family, dataclasses.replace(request, **fields), options, configs, mesh)
     quality = metrics.compare(cached["frames"], plain["frames"])
+    spec = str(cache) if field_name == "step_cache" else f"deepcache:{cache}"
     return {
-        "bench": "deepcache",
-        "config": _pipeline_config(pipeline, preset, request, options, model),
+        "bench": bench,
+        "config": _pipeline_config(pipeline, preset, request, options, model) | {"family": family},
         "machine": machine(),
         "result": {"steps": request.steps, "full_steps": cached["full_steps"], "plain_s": plain["seconds"],
-                   "cached_s": cached["seconds"], "speedup": plain["seconds"] / cached["seconds"], **quality},
+                   "cached_s": cached["seconds"], "speedup": plain["seconds"] / cached["seconds"],
+                   "bound": bound["bound"], "calibration_s": cached["calibration_s"], **quality},
         "measured_at": _dt.date.today().isoformat(),
-        "command": f"tpupedia bench deepcache {family} --preset {preset.name} --deepcache {request.deepcache} --steps {request.steps}",
+        "command": (f"tpupedia bench {bench} {family} --preset {preset.name} "
+                    + (f"--deepcache {cache}" if field_name == "deepcache" else f"--step-cache {spec}")
+                    + f" --steps {request.steps}"),
     }
+
+
+def bench_deepcache(family: str, preset: Any, request: Any, options: Any, model: str | None = None) -> dict[str, Any]:
+    """`bench_stepcache` for a family's own DeepCache flag (`request.deepcache`, HunyuanVideo-1.5),
+    recorded as `bench deepcache`. Notebook `hunyuan_tuning_and_i2v`."""
+    return bench_stepcache(family, preset, request, options, model, bench="deepcache")
 
 
 def step_cache_bound(family: str, request: Any, options: Any, configs: dict[str, dict], mesh: Any, *,

@@ -344,12 +344,14 @@ def _add_family_flags(parser: argparse.ArgumentParser, pipeline) -> None:
 
 
 def _family_values(args: argparse.Namespace, pipeline) -> dict:
-    """The family's request fields from the flags `_add_family_flags` added, each `parse`d."""
+    """The family's request fields from the flags `_add_family_flags` added, each `parse`d; a flag
+    not given is left out, so the field keeps its default (or a release's)."""
     out = {}
     for f in _family_fields(pipeline):
         value = getattr(args, f.name)
-        parse = f.metadata.get("parse")
-        out[f.name] = parse(value) if parse and value is not None else value
+        if value is not None:
+            parse = f.metadata.get("parse")
+            out[f.name] = parse(value) if parse else value
     return out
 
 
@@ -520,20 +522,30 @@ def _bench_generate(args: argparse.Namespace) -> int:
 
 
 def _bench_deepcache(args: argparse.Namespace) -> int:
-    from tpupedia import bench
     from tpupedia.pipelines import deepcache
 
     if args.steps is None:
         args.steps = 50  # the upstream schedule needs 50 steps
     if args.deepcache is None:
         args.deepcache = str(deepcache.UPSTREAM_DEFAULT)
+    return _bench_stepcache(args, "deepcache")
+
+
+def _bench_stepcache(args: argparse.Namespace, name: str = "stepcache") -> int:
+    from tpupedia import bench
+
+    if name == "stepcache" and args.step_cache is None:
+        raise CommandLineError(f"bench stepcache {args.model_family}: give --step-cache SPEC "
+                         "(e.g. fbcache:0.05, magcache:0.06@cal.json, deepcache:11:45:4)")
     preset, pipeline, request, options, _ = _generate_setup(args)
-    record = bench.bench_deepcache(args.model_family, preset, request, options, model=args.model)
+    record = bench.bench_stepcache(args.model_family, preset, request, options, model=args.model, bench=name)
     path = bench.merge_record(record, args.output, key=bench._pipeline_key)
     r = record["result"]
-    print(f"deepcache {request.deepcache} over {request.steps} steps: {r['full_steps']} full, "
-          f"denoise {r['plain_s']:.2f} s -> {r['cached_s']:.2f} s ({r['speedup']:.2f}x); "
-          f"PSNR {r['psnr_db']:.1f} dB, SSIM {r['ssim']:.4f} against the uncached video")
+    calibration = f" after a {r['calibration_s']:.1f} s calibration pass" if r["calibration_s"] is not None else ""
+    print(f"{record['command'].split(' --steps')[0].split()[-1]} over {request.steps} steps: {r['full_steps']} full"
+          f"{calibration}, denoise {r['plain_s']:.2f} s -> {r['cached_s']:.2f} s ({r['speedup']:.2f}x measured, "
+          f"{r['bound']:.2f}x the FLOPs' bound); PSNR {r['psnr_db']:.1f} dB, SSIM {r['ssim']:.4f} against the "
+          "uncached video")
     print(f"  written to {path}")
     return 0
 
@@ -756,6 +768,14 @@ def build_parser() -> argparse.ArgumentParser:
                           help="also run the stock diffusers pipeline on the host and report the step ratio "
                                "(auto: with the tiny preset, not with full)")
         bgen.set_defaults(func=_bench_generate)
+    sc = bsub.add_parser("stepcache", help="a family with and without a step cache: steps, time, the FLOPs' bound, "
+                                           "PSNR/SSIM")
+    scsub = sc.add_subparsers(dest="model_family", required=True)
+    for spec in families.video():
+        q = scsub.add_parser(spec.name, help=f"{spec.name} twice from one seed, without and with --step-cache")
+        _add_generate_arguments(q, spec, stages=False)
+        q.add_argument("--output", default="docs/results/pipelines.json", help="results file to merge into")
+        q.set_defaults(func=_bench_stepcache)
     dc = bsub.add_parser("deepcache", help="a family with and without DeepCache: steps, PSNR/SSIM, time")
     dcsub = dc.add_subparsers(dest="model_family", required=True)
     for spec in families.video():  # the families whose requests take a DeepCache schedule

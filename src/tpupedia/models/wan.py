@@ -182,7 +182,7 @@ LIGHTNING_REPO = "lightx2v/Wan2.2-Lightning"
 LIGHTNING_FOLDER = "Wan2.2-T2V-A14B-4steps-lora-rank64-Seko-V1.1"
 LIGHTNING = FewStepRelease(
     name="lightning", title="Wan2.2-T2V-A14B with the Lightning 4-step LoRAs (V1.1), one per expert, guidance off",
-    model=FULL_ID_22, steps=4, guidance=1.0, fields={"guidance_2": 1.0, "shift": 5.0},
+    model=FULL_ID_22, steps=4, guidance=1.0, fields={"guidance_2": 1.0, "shift": 5.0, "solver": "euler"},
     adapters=(ReleaseAdapter(LIGHTNING_REPO, f"{LIGHTNING_FOLDER}/high_noise_model.safetensors", "transformer", 64),
               ReleaseAdapter(LIGHTNING_REPO, f"{LIGHTNING_FOLDER}/low_noise_model.safetensors", "transformer_2", 64)),
     sources=(
@@ -194,9 +194,12 @@ LIGHTNING = FewStepRelease(
         "high-noise expert (diffusers' transformer), low_noise_model for the low-noise one (transformer_2); rank 64 by "
         "the folder's name; keys in the original Wan layout (diffusion_model.blocks.N.self_attn.q.lora_down.weight, "
         "lora_up, alpha), which diffusers' WanLoraLoaderMixin converts",
+        "solver euler: the Lightning code's generate.py (--sample_solver defaults to euler, and any other with "
+        "adapters warns that Euler is \"used in distillation\") and wan/utils/fm_solvers_euler.py (EulerScheduler: "
+        "sigmas evenly spaced from 1 to 0, shifted; ModelTC/Wan2.2-Lightning at 92efeb4)",
     ),
-    note="the Lightning authors sample with their Euler solver (their generate.py warns for any other); this run, "
-         "like stock WanPipeline with the adapters loaded, keeps the checkpoint's UniPC at shift 5.0",
+    note="the Lightning authors' Euler (evenly spaced sigmas, shifted), which their adapters were distilled with; stock "
+         "WanPipeline with the adapters loaded keeps the checkpoint's UniPC (--solver unipc)",
 )
 """Wan 2.2 A14B with the Lightning LoRAs: 4 steps, guidance off for both experts (`--release lightning`)."""
 FEW_STEP = {LIGHTNING.name: LIGHTNING}

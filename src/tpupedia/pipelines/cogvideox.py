@@ -286,7 +286,8 @@ class CogVideoX(common.StagedPipeline):
 
         setups = [setup]  # the DPM solver's noise comes from the setup's generator: another pass needs a new one
         state, timings = stepcache.run_loop(cache, request.steps, lambda full, calibration: loop(
-            setups.pop() if setups else self._denoise_setup(request), full, calibration))
+            setups.pop() if setups else self._denoise_setup(request), full, calibration),
+            identity=self.cache_identity(self.configs))
         x = state[0]
         return {"latents": common.to_torch(x).to(self.dtype)}, timings | {"padding_frames": setup.padding}
 

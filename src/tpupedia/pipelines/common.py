@@ -365,6 +365,12 @@ class StagedPipeline:
         return freed
 
     @classmethod
+    def cache_identity(cls, configs: dict[str, dict]) -> dict[str, str]:
+        """The model a step cache's saved calibration belongs to: the family and its (first)
+        transformer's config fingerprint (`tpupedia.pipelines.stepcache.read_calibration`)."""
+        return {"family": cls.family.FAMILY, "transformer": config_fingerprint(configs["transformer"])}
+
+    @classmethod
     def vae_choice(cls, options: Options) -> str:
         """The VAE implementation `options` asks for, or the family's default."""
         return options.vae or cls.vaes[0]
@@ -384,6 +390,8 @@ class StagedPipeline:
         validate(request, options, device_count, vaes=cls.vaes)
         if getattr(request, "step_cache", None) is not None:  # its schedule against the steps (the blocks: at load)
             request.step_cache.check(request.steps)
+            if configs is not None:  # a saved calibration made on another model
+                request.step_cache.check_identity(cls.cache_identity(configs))
         if request.lora:  # the files; with `configs`, their keys and shapes against the transformers (no weights)
             lora_adapters.check(request.lora, cls.family, configs)
         if kind and configs is not None and cls.image_to_video:  # the request and the checkpoint agree on a picture
@@ -785,6 +793,13 @@ def run(pipeline_cls: type[StagedPipeline], request: Request, options: Options, 
                       collective=collective)
 
 
+def pinned(request: Request) -> Request:
+    """`request` with its step cache's saved calibration pinned as the file is now
+    (`stepcache.StepCache.pinned`), so that all of a run's stage settings agree."""
+    cache = getattr(request, "step_cache", None)
+    return request if cache is None else dataclasses.replace(request, step_cache=cache.pinned())
+
+
 def run_stages(pipe: StagedPipeline, request: Request, *, stage: str = "all", workdir: Path,
                out: str | Path | None = None, force: bool = False, command: str = "",
                log: Callable[[str], None] = print, collective: bool = True,
@@ -804,6 +819,7 @@ def run_stages(pipe: StagedPipeline, request: Request, *, stage: str = "all", wo
     from tpupedia import distributed, results
 
     options, mesh = pipe.options, pipe.mesh
+    request = pinned(request)  # a saved calibration as it is now, for every stage
     runs = request_stages(request)
     wanted = runs if stage == "all" else (stage,)
     leader = distributed.is_leader() or not collective
@@ -974,7 +990,7 @@ def run_batch(pipeline_cls: type[StagedPipeline], prompts: str | Path, base: Req
     dtype = torch_dtype(options, preset)
 
     def decode_settings(request):  # what the decode stage file of `request` must say, no model loaded
-        return pipeline_cls.settings_for(label, configs, request, options, dtype, "decode")
+        return pipeline_cls.settings_for(label, configs, pinned(request), options, dtype, "decode")
 
     local = jax.local_devices()
     quiet = dataclasses.replace(options, quiet=True)
@@ -1046,6 +1062,8 @@ def describe(timings: dict) -> str:
         full = timings["full_steps"]
         parts.append(f"step cache {timings['step_cache']}: {len(full)} of {timings['steps']} steps in full"
                      + (f" after a {timings['calibration_s']:.1f} s calibration run" if "calibration_s" in timings else "")
+                     + (f" (calibration saved to {timings['calibration_written']})" if "calibration_written" in timings else "")
+                     + (f" (calibration read from {timings['calibration_read']})" if "calibration_read" in timings else "")
                      + f"; --step-cache {timings['replay']} replays them")
     return ", ".join(parts)
 

@@ -465,7 +465,7 @@ class Hunyuan(common.StagedPipeline):
             with programs[0].context(), self._precision():  # the token refiner's small masked attention
                 return common.denoise_loop(step, (x, None), request.steps, on_step, latents=lambda state: state[0])
 
-        (x, _), timings = stepcache.run_loop(cache, request.steps, loop)
+        (x, _), timings = stepcache.run_loop(cache, request.steps, loop, identity=self.cache_identity(self.configs))
         return {"latents": common.to_torch(x).to(self.dtype)}, timings | {"text_tokens": kept}
 
     def _denoise_setup(self, request: Request):

@@ -15,12 +15,14 @@ and the noise an argument drawn on the host (`dpm_noise`) in the order the stock
 | `CogVideoXDDIMScheduler` | `cogvideox_tables` | `ddim_step` |
 | `CogVideoXDPMScheduler` | `cogvideox_tables` | `dpm_step` (+ `dpm_noise` / `draw_dpm_noise`) |
 | `FlowMatchEulerDiscreteScheduler` | `flow_match_tables` | `flow_match_euler_step` |
+| `uniform_euler` (the Wan 2.2 Lightning authors' Euler) | `flow_match_tables` | `flow_match_euler_step(..., keep_float32=True)` |
 | `UniPCMultistepScheduler` (flow sigmas, Wan) | `unipc_tables` | `unipc_step` (+ `unipc_state`) |
 
 Numerics: the CogVideoX pure steps compute in float32. The stock step, given bf16 latents,
 computes in bf16; with float32 latents the two agree to float32 rounding (the tests: 1e-5).
 The flow-match step follows the stock dtype rules exactly (float32 sample, the `dt * output`
-product in the output's dtype, the result cast back).
+product in the output's dtype, the result cast back); the Lightning authors' Euler keeps the
+sample in float32 throughout.
 
 Introduced in notebook `cogvideox_pipeline` (CogVideoX text-to-video in three stages).
 """
@@ -34,7 +36,7 @@ import numpy as np
 from tpupedia.errors import TpupediaError
 
 __all__ = ["SchedulerError", "cogvideox_tables", "ddim_step", "dpm_step", "dpm_noise", "draw_dpm_noise",
-           "flow_match_tables", "flow_match_euler_step", "unipc_tables", "unipc_step", "unipc_state"]
+           "flow_match_tables", "flow_match_euler_step", "uniform_sigmas", "uniform_euler", "SOLVERS", "unipc_tables", "unipc_step", "unipc_state"]
 
 _PREDICTIONS = ("epsilon", "v_prediction", "sample")
 
@@ -217,17 +219,75 @@ def flow_match_tables(scheduler: Any) -> dict[str, np.ndarray]:
             "sigmas": sigmas.float().numpy(), "dt": dt.float().numpy()}
 
 
-def flow_match_euler_step(tables: dict, i: Any, latents: Any, model_output: Any) -> Any:
+def flow_match_euler_step(tables: dict, i: Any, latents: Any, model_output: Any, keep_float32: bool = False) -> Any:
     """`FlowMatchEulerDiscreteScheduler.step(model_output, timesteps[i], latents)` (deterministic
     Euler) as a pure function of a (traceable) step index: `latents + dt[i] * model_output`,
     with the stock dtypes: the sample in float32, the product in the output's dtype, the result
     cast back to the output's dtype. Op by op it is the stock step bit for bit; under `jax.jit`
-    XLA fuses the multiply-add (one rounding instead of two): one ulp (tests/test_schedulers.py)."""
+    XLA fuses the multiply-add (one rounding instead of two): one ulp (tests/test_schedulers.py).
+    `keep_float32`: the `uniform_euler` step instead, everything in float32 and the result kept so."""
     import jax.numpy as jnp
 
+    if keep_float32:
+        return latents.astype(jnp.float32) + tables["dt"][i].astype(jnp.float32) * model_output.astype(jnp.float32)
     dtype = model_output.dtype
     delta = tables["dt"][i].astype(dtype) * model_output  # torch casts the 0-dim dt to the output's dtype
     return (latents.astype(jnp.float32) + delta.astype(jnp.float32)).astype(dtype)
+
+
+SOLVERS = ("unipc", "euler")
+"""A Wan run's solvers: `unipc`, the checkpoint's `UniPCMultistepScheduler` (stock `WanPipeline`'s),
+and `euler`, the Wan 2.2 Lightning authors' Euler (`uniform_euler`), which their few-step adapters
+were distilled with."""
+
+
+def uniform_sigmas(steps: int) -> np.ndarray:
+    """`steps` sigmas evenly spaced from 1 down to (not including) 0, before any shift: the
+    Lightning authors' `get_timesteps(steps) / 1000` without its final 0 (`uniform_euler`)."""
+    return np.linspace(1.0, 0.0, steps + 1, dtype=np.float32)[:-1]
+
+
+def uniform_euler(num_train_timesteps: int = 1000, shift: float = 1.0) -> Any:
+    """The Euler solver the Wan 2.2 Lightning adapters were distilled with, as a diffusers
+    scheduler a stock pipeline can take (`pipe.scheduler = uniform_euler(...)`; notebook
+    `fewer_steps`). Its schedule is `uniform_sigmas(steps)` shifted as flow matching shifts
+    (`shift * s / (1 + (shift - 1) * s)`), the timesteps `1000 * sigma` unrounded and a terminal
+    0; its step `x + (sigma[i+1] - sigma[i]) * v` in float32, the result kept in float32.
+    ModelTC/Wan2.2-Lightning at 92efeb4, `wan/utils/fm_solvers_euler.py` (`EulerScheduler`,
+    `get_timesteps`, `timestep_shift`); stock diffusers' `FlowMatchEulerDiscreteScheduler` with
+    no sigmas given spaces the timesteps between its own shifted sigma bounds and then shifts
+    again, a different schedule. `flow_match_tables` reads it like any flow-match Euler."""
+    return _uniform_euler_class()(num_train_timesteps=num_train_timesteps, shift=shift)
+
+
+def _uniform_euler_class() -> type:
+    global _UNIFORM_EULER
+    if _UNIFORM_EULER is None:
+        from diffusers import FlowMatchEulerDiscreteScheduler
+        from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteSchedulerOutput
+
+        class UniformEulerScheduler(FlowMatchEulerDiscreteScheduler):
+            """`uniform_euler`'s scheduler: the flow-match Euler with evenly spaced sigmas, float32 steps."""
+
+            def set_timesteps(self, num_inference_steps: int | None = None, device: Any = None, **kwargs: Any) -> None:
+                if kwargs.get("sigmas") is None and kwargs.get("timesteps") is None:
+                    kwargs["sigmas"] = uniform_sigmas(num_inference_steps).tolist()
+                super().set_timesteps(num_inference_steps, device, **kwargs)
+
+            def step(self, model_output: Any, timestep: Any, sample: Any, *_: Any, return_dict: bool = True,
+                     **__: Any) -> Any:
+                if self.step_index is None:
+                    self._init_step_index(timestep)
+                dt = self.sigmas[self.step_index + 1] - self.sigmas[self.step_index]
+                prev = sample.float() + dt * model_output.float()
+                self._step_index += 1
+                return FlowMatchEulerDiscreteSchedulerOutput(prev_sample=prev) if return_dict else (prev,)
+
+        _UNIFORM_EULER = UniformEulerScheduler
+    return _UNIFORM_EULER
+
+
+_UNIFORM_EULER: type | None = None
 
 
 def unipc_tables(scheduler: Any) -> dict[str, np.ndarray]:

@@ -45,16 +45,21 @@ knowledge-base page `docs/kb/step-caches.md` says which cache to use when.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hashlib
 import inspect
 import math
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from tpupedia.errors import TpupediaError
 
 __all__ = ["StepCacheError", "DeepCacheError", "Schedule", "UPSTREAM_DEFAULT", "StepCache", "METHODS", "Calibration",
            "parse", "parse_step_cache", "fbcache_full_steps", "magcache_full_steps", "full_steps_from",
-           "traced", "speedup_bound", "MAGCACHE_MAX_SKIP", "MAGCACHE_RETENTION", "settings", "FIELD", "run_loop"]
+           "traced", "speedup_bound", "MAGCACHE_MAX_SKIP", "MAGCACHE_RETENTION", "settings", "FIELD", "run_loop",
+           "CALIBRATION_FORMAT", "write_calibration", "read_calibration"]
 
 
 class StepCacheError(TpupediaError, ValueError):
@@ -139,6 +144,19 @@ class StepCache:
     """`deepcache`: the blocks a cached step runs."""
     max_skip: int = MAGCACHE_MAX_SKIP
     retention: float = MAGCACHE_RETENTION
+    calibration_file: str | None = None
+    """A threshold's saved calibration (`METHOD:THRESHOLD@FILE`): read when the file exists, so no
+    calibration pass runs; written there by the calibration pass when it does not."""
+    calibration_hash: str | None = None
+    """The saved calibration's content hash as the run found it when it started (`pinned`)."""
+
+    def pinned(self) -> "StepCache":
+        """This cache with its saved calibration's hash as the file is now (none if it is not
+        there yet): a run pins it once, before its first stage, so that every stage's settings
+        agree even after the calibration pass writes the file."""
+        path = None if self.calibration_file is None else Path(self.calibration_file)
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path is not None and path.exists() else None
+        return dataclasses.replace(self, calibration_hash=digest)
 
     @property
     def calibrated(self) -> bool:
@@ -155,6 +173,8 @@ class StepCache:
             self.deepcache.check(steps, layers)
         if self.threshold is not None and (not math.isfinite(self.threshold) or self.threshold < 0):
             raise StepCacheError(f"step cache {self}: threshold {self.threshold} must be a finite number >= 0")
+        if self.calibration_file is not None:
+            self._check_file(steps)
         if self.full is not None:
             bad = [i for i in self.full if not isinstance(i, int) or not 0 <= i < steps]
             if bad:
@@ -162,6 +182,33 @@ class StepCache:
             if list(self.full) != sorted(set(self.full)) or not self.full or self.full[0] != 0:
                 raise StepCacheError(f"step cache {self}: the full steps must be increasing and start at 0 "
                                      "(the first step has nothing cached to reuse)")
+
+    def _check_file(self, steps: int) -> None:
+        path = Path(self.calibration_file)
+        if self.threshold is None:
+            raise StepCacheError(f"step cache {self}: a calibration file goes with a threshold (e.g. {self.method}:0.05@FILE)")
+        if not path.exists():
+            if not path.parent.is_dir():
+                raise StepCacheError(f"step cache {self}: the calibration would be written to {path}, whose folder "
+                                     "does not exist")
+            return
+        saved = read_calibration(path)
+        if self.method == "fbcache" and len(saved.change) != steps:
+            raise StepCacheError(f"step cache {self}: {path} was calibrated at {len(saved.change)} steps and this run has "
+                                 f"{steps}; fbcache's changes are per step (magcache's ratios interpolate): name a new "
+                                 "file to calibrate at this many steps")
+
+    def check_identity(self, identity: dict) -> None:
+        """Refuse a saved calibration made on another model (its `identity`: the family and the
+        transformer's config fingerprint, `Calibration.identity`)."""
+        if self.calibration_file is None or not Path(self.calibration_file).exists():
+            return
+        saved = read_calibration(self.calibration_file)
+        if saved.identity and identity and saved.identity != identity:
+            differ = sorted(k for k in identity if saved.identity.get(k) != identity[k])
+            raise StepCacheError(f"step cache {self}: {self.calibration_file} was calibrated on another model "
+                                 f"({', '.join(f'{k} {saved.identity.get(k)!r}, not {identity[k]!r}' for k in differ)}); "
+                                 "name a new file to calibrate this one")
 
     def full_steps(self, steps: int, calibration: "Calibration | None" = None) -> list[int]:
         """The steps that run every block, in order (step 0 always). A threshold needs the
@@ -180,10 +227,11 @@ class StepCache:
             return f"{self.method}:full={','.join(map(str, self.full))}"
         if self.deepcache is not None:
             return f"{self.method}:{self.deepcache}"
-        return f"{self.method}:{self.threshold:g}"
+        return f"{self.method}:{self.threshold:g}" + (f"@{self.calibration_file}" if self.calibration_file else "")
 
 
-_FORMS = ("fbcache:THRESHOLD (e.g. fbcache:0.05), magcache:THRESHOLD (e.g. magcache:0.06), "
+_FORMS = ("fbcache:THRESHOLD (e.g. fbcache:0.05), magcache:THRESHOLD (e.g. magcache:0.06), either with @FILE to "
+          "save its calibration or read it back (magcache:0.06@cal.json), "
           "deepcache:START:END:INTERVAL (e.g. deepcache:11:45:4), or METHOD:full=0,1,2,4 (the full steps)")
 
 
@@ -194,6 +242,10 @@ def parse_step_cache(text: str) -> StepCache:
     method, _, rest = str(text).partition(":")
     if method not in METHODS:
         raise StepCacheError(f"--step-cache {text!r}: {method!r} is not one of {', '.join(METHODS)}; use {_FORMS}")
+    rest, at, file = rest.partition("@")
+    if at and (method == "deepcache" or rest.startswith("full=") or not file):
+        raise StepCacheError(f"--step-cache {text!r}: @FILE names a threshold's saved calibration "
+                             f"(e.g. {'fbcache' if method == 'deepcache' else method}:0.05@cal.json); use {_FORMS}")
     if rest.startswith("full="):
         try:
             full = tuple(int(s) for s in rest.removeprefix("full=").split(","))
@@ -212,13 +264,17 @@ def parse_step_cache(text: str) -> StepCache:
                              f"use {_FORMS}") from None
     if not math.isfinite(threshold) or threshold < 0:
         raise StepCacheError(f"--step-cache {text!r}: the threshold must be a finite number >= 0")
-    return StepCache(method, threshold=threshold)
+    return StepCache(method, threshold=threshold, calibration_file=file or None)
 
 
 def settings(cache: StepCache | None) -> dict:
     """What a step cache adds to the denoise stage's settings (nothing when off, so stage files
-    made before step caches existed still match)."""
-    return {} if cache is None else {"step_cache": str(cache)}
+    made before step caches existed still match); a saved calibration the run read adds its
+    content's hash (`StepCache.pinned`), since the steps it picks depend on it."""
+    if cache is None:
+        return {}
+    return {"step_cache": str(cache)} | ({"step_cache_calibration": cache.calibration_hash}
+                                         if cache.calibration_hash else {})
 
 
 # --- calibration: every step full, the quantity each method thresholds ------------------------------
@@ -232,6 +288,8 @@ class Calibration:
 
     change: list[float] = field(default_factory=list)
     ratio: list[float] = field(default_factory=list)
+    identity: dict = field(default_factory=dict)
+    """The model it was made on: the family and its transformer's config fingerprint (saved files)."""
 
     def record(self, cache: dict, previous: dict | None) -> None:
         """Append step's quantities from its full step's `cache` and the step before's."""
@@ -246,6 +304,44 @@ class Calibration:
         now = jnp.linalg.norm(cache["stack"].astype(jnp.float32), axis=-1)
         then = jnp.linalg.norm(previous["stack"].astype(jnp.float32), axis=-1)
         self.ratio.append(float((now / (then + 1e-8)).mean()))
+
+
+CALIBRATION_FORMAT = "tpupedia-step-cache-calibration"
+"""The saved calibration file's `format` (`write_calibration`, `read_calibration`; version 1)."""
+
+
+def write_calibration(path: "str | os.PathLike", calibration: Calibration) -> Path:
+    """Save a calibration run's record as JSON, atomically: `format`, `version`, `identity`, and
+    one `change` (null at step 0) and one `ratio` per step. diffusers' MagCache asks for the same:
+    `mag_ratios` calibrated once per model (`MagCacheConfig(calibrate=True)` prints them)."""
+    import json
+
+    from tpupedia import files
+
+    record = {"format": CALIBRATION_FORMAT, "version": 1, "identity": calibration.identity, "steps": len(calibration.change),
+              "change": [None if math.isinf(c) else c for c in calibration.change], "ratio": list(calibration.ratio)}
+    return files.write_text_atomic(path, json.dumps(record, indent=1) + "\n")
+
+
+def read_calibration(path: "str | os.PathLike") -> Calibration:
+    """A saved calibration, validated: a file that is not one is one line naming it and what is wrong."""
+    import json
+
+    try:
+        record = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise StepCacheError(f"calibration file {path}: not readable JSON ({type(err).__name__}: {err})") from None
+    if not isinstance(record, dict) or record.get("format") != CALIBRATION_FORMAT or record.get("version") != 1:
+        raise StepCacheError(f"calibration file {path}: not a step-cache calibration (expected format "
+                             f"{CALIBRATION_FORMAT!r}, version 1, as --step-cache METHOD:THRESHOLD@FILE writes it)")
+    change, ratio, steps = record.get("change"), record.get("ratio"), record.get("steps")
+    numbers = (isinstance(change, list) and isinstance(ratio, list) and isinstance(steps, int) and steps >= 2
+               and len(change) == len(ratio) == steps and change[0] is None
+               and all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in change[1:] + ratio))
+    if not numbers:
+        raise StepCacheError(f"calibration file {path}: expected `steps` (>= 2) and that many `change` values (null, "
+                             "then numbers >= 0) and `ratio` values (numbers >= 0)")
+    return Calibration([math.inf, *map(float, change[1:])], [float(r) for r in ratio], dict(record.get("identity") or {}))
 
 
 def fbcache_full_steps(change: Sequence[float], threshold: float) -> list[int]:
@@ -407,27 +503,37 @@ FIELD = {"parse": parse_step_cache, "metavar": "METHOD:THRESHOLD|METHOD:full=STE
 """The `step_cache` field's metadata in each family's `Request`: the `--step-cache` flag."""
 
 
-def run_loop(cache: StepCache | None, steps: int, loop: Any, always_full: frozenset = frozenset()) -> tuple[Any, dict]:
+def run_loop(cache: StepCache | None, steps: int, loop: Any, always_full: frozenset = frozenset(),
+             identity: dict | None = None) -> tuple[Any, dict]:
     """Every family's denoising loop, with or without a step cache. `loop(full_steps, calibration)`
     runs all `steps` and returns `(result, timings)`: `full_steps` (a set) names the steps that
     run the full program, the others the cached one, and a `Calibration` records every step's
     cache. Without a cache, `loop(None, None)`. With a threshold, a calibration pass first (every
-    step full), then the steps it keeps plus `always_full` (Wan's first step of each expert); with
-    a schedule, the schedule alone. The timings gain the full steps, the replay that gives the
-    same frames, and the calibration."""
+    step full; read instead from the cache's `calibration_file` where it exists, and saved there
+    with `identity` where it does not), then the steps it keeps plus `always_full` (Wan's first
+    step of each expert); with a schedule, the schedule alone. The timings gain the full steps,
+    the replay that gives the same frames, and the calibration."""
     import time
 
     if cache is None:
         return loop(None, None)
     extra: dict = {}
     calibration = None
-    if cache.calibrated:
+    saved = cache.calibration_file is not None and Path(cache.calibration_file).exists()
+    if saved:
+        cache.check_identity(identity or {})
+        calibration = read_calibration(cache.calibration_file)
+        extra = {"calibration_read": cache.calibration_file}
+    elif cache.calibrated:
         start = time.perf_counter()
-        calibration = Calibration()
+        calibration = Calibration(identity=dict(identity or {}))
         loop(set(range(steps)), calibration)
         extra = {"calibration_s": time.perf_counter() - start,
                  "calibration": {"change": [None if math.isinf(c) else c for c in calibration.change],
                                  "ratio": calibration.ratio}}
+        if cache.calibration_file is not None:
+            write_calibration(cache.calibration_file, calibration)
+            extra["calibration_written"] = cache.calibration_file
     full = cache.full_steps(steps, calibration)
     if cache.calibrated:
         full = sorted(set(full) | set(always_full))

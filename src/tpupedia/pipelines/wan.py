@@ -37,6 +37,8 @@ not fit a chip: then the VAE runs in the run's dtype (`Request.vae_dtype`, resol
 `tpupedia plan` and the pre-run check, which say so; `--vae-dtype` chooses it by hand). The flow shift is the checkpoint's scheduler's
 unless `Request.shift` overrides it (`--shift`; diffusers' example uses 5.0 for 720p), which
 rebuilds UniPC's tables as `UniPCMultistepScheduler.from_config(config, flow_shift=shift)` does.
+`Request.solver="euler"` replaces UniPC with the Euler the Wan 2.2 Lightning adapters were
+distilled with (`schedulers.uniform_euler`: evenly spaced sigmas, shifted; no solver state).
 
 Same weights and seed as `WanPipeline(output_type="np")` (`WanImageToVideoPipeline` with a picture)
 give the same frames (float32: within 1e-4, tests/test_wan.py, tests/test_wan_image_to_video.py;
@@ -57,11 +59,11 @@ from typing import Any, Callable
 from tpupedia import lora
 from tpupedia.models import checkpoints
 from tpupedia.models import wan as family
-from tpupedia.pipelines import common, decoding, stepcache
+from tpupedia.pipelines import common, decoding, schedulers, stepcache
 from tpupedia.pipelines.common import Options, PipelineError, StageReport
 
 __all__ = ["PipelineError", "Request", "Options", "validate", "resolve", "settings", "Wan", "run", "run_batch",
-           "StageReport", "decode_frames", "decode_programs", "stock"]
+           "StageReport", "decode_frames", "decode_programs", "solver_scheduler", "stock"]
 
 
 @dataclass(frozen=True)
@@ -78,8 +80,12 @@ diffusers' examples load it, unless the plan shows that does not fit)."""
         "type": float, "help": "two-expert checkpoints (Wan 2.2 A14B): guidance of the low-noise expert "
                                "(default: --guidance)"})
     shift: float | None = field(default=None, metadata={
-        "type": float, "help": "UniPC's flow shift (default: the checkpoint's scheduler; diffusers' example "
+        "type": float, "help": "the solver's flow shift (default: the checkpoint's scheduler; diffusers' example "
                                "uses 5.0 for 720p, 3.0 for 480p)"})
+    solver: str = field(default="unipc", metadata={
+        "type": str, "metavar": "|".join(schedulers.SOLVERS),
+        "help": "unipc, the checkpoint's UniPC as stock WanPipeline runs it, or euler, the Euler the Wan 2.2 "
+                "Lightning adapters were distilled with (uniform sigmas, shifted; --release lightning's)"})
     vae_dtype: str | None = field(default=None, metadata={
         "type": str, "metavar": "|".join(family.VAE_DTYPES),
         "help": "the VAE's dtype (default: float32 as diffusers' Wan examples load it, or the run's dtype where "
@@ -119,6 +125,7 @@ def settings(stage: str, source_label: str, configs: dict[str, dict], request: R
                 "frames": request.frames, "height": request.height, "width": request.width,
                 "steps": request.steps, "guidance": request.guidance, "guidance_2": request.guidance_2,
                 "shift": request.shift, "seed": request.seed}
+        out |= {} if request.solver == "unipc" else {"solver": request.solver}  # stage files before solvers match
         out |= lora.settings(request.lora)  # each adapter's file, scale and component (none: no key)
         out |= stepcache.settings(request.step_cache)  # none: no key
     if stage == "decode":
@@ -148,6 +155,8 @@ class Wan(common.StagedPipeline):
         if request.guidance_2 is not None and configs is not None and len(family.experts(configs)) == 1:
             raise PipelineError(f"guidance_2={request.guidance_2}: this checkpoint has one transformer (Wan 2.1); the "
                                 "low-noise guidance is for two-expert checkpoints (Wan 2.2 A14B)")
+        if request.solver not in schedulers.SOLVERS:
+            raise PipelineError(f"solver={request.solver!r} is not one of {', '.join(schedulers.SOLVERS)}")
         if request.vae_dtype is not None and request.vae_dtype not in family.VAE_DTYPES:
             raise PipelineError(f"vae_dtype={request.vae_dtype!r} is not one of {', '.join(family.VAE_DTYPES)}")
         if request.vae_tiling:
@@ -339,14 +348,13 @@ class Wan(common.StagedPipeline):
         import numpy as np
         import torch
 
-        from tpupedia.pipelines import schedulers
 
         request = resolve(request, self.configs)
         setup = self._denoise_setup(request)
         programs = self._denoise_programs(request, setup)
         cache = request.step_cache
         per = 1 if cache is None else 2  # programs per expert: the step, or the full and the cached step
-        key = ("steps", request.steps, request.shift, setup.guided,  # what the compiled step closes over
+        key = ("steps", request.steps, request.shift, request.solver, setup.guided,  # what the compiled step closes over
                None if cache is None else (cache.method, cache.tail, cache.calibrated))
         compiled = self.held("denoise", key, lambda: [jax.jit(p.fn, **p.jit_kwargs) for p in programs])
         states = [p.args[:2] for p in programs[::per]]  # each expert's (weights, buffers)
@@ -389,14 +397,16 @@ class Wan(common.StagedPipeline):
 
         # a threshold's schedule runs each expert's first step in full
         firsts = frozenset(i for i in range(request.steps) if i == 0 or setup.expert[i] != setup.expert[i - 1])
-        carried, timings = stepcache.run_loop(cache, request.steps, loop, always_full=firsts)
+        carried, timings = stepcache.run_loop(cache, request.steps, loop, always_full=firsts,
+                                              identity=self.cache_identity(self.configs))
         x = carried[0]
         experts = {name: int(sum(1 for e in setup.expert if e == k)) for k, name in enumerate(family.experts(self.configs))}
         return {"latents": common.to_torch(x)}, timings | {"steps_per_expert": experts}
 
     def _denoise_setup(self, request: Request):
-        """What the steps need from the host: UniPC's tables from the checkpoint's scheduler with
-        `request.shift` as its `flow_shift` (the checkpoint's unless overridden), the initial
+        """What the steps need from the host: the solver's tables (`request.solver`: UniPC from the
+        checkpoint's scheduler, or `schedulers.uniform_euler`) with `request.shift` as its flow
+        shift (the checkpoint's unless overridden), the initial
         latents drawn from `torch.Generator(seed)` in float32 as `WanPipeline` draws them, which
         expert runs each step, and whether guidance is on."""
         import types
@@ -404,15 +414,11 @@ class Wan(common.StagedPipeline):
         import jax.numpy as jnp
         import numpy as np
         import torch
-        from diffusers import UniPCMultistepScheduler
         from diffusers.utils.torch_utils import randn_tensor
 
-        from tpupedia.pipelines import schedulers
-
-        config = {k: v for k, v in self.configs["scheduler"].items() if not k.startswith("_")}
-        scheduler = UniPCMultistepScheduler.from_config(config, flow_shift=family.flow_shift(self.configs, request.shift))
+        scheduler = solver_scheduler(self.configs["scheduler"], request.solver, family.flow_shift(self.configs, request.shift))
         scheduler.set_timesteps(request.steps)
-        tables = schedulers.unipc_tables(scheduler)
+        tables = (schedulers.unipc_tables if request.solver == "unipc" else schedulers.flow_match_tables)(scheduler)
         boundary = family.boundary_timestep(self.configs)
         expert = np.array([0 if boundary is None or t >= boundary else 1 for t in scheduler.timesteps.tolist()])
         shape = family.latent_shape(request.frames, request.height, request.width, self.shapes)
@@ -437,7 +443,6 @@ class Wan(common.StagedPipeline):
         from jax.sharding import PartitionSpec as P
 
         from tpupedia import aot, torchax_utils
-        from tpupedia.pipelines import schedulers
 
         backend = common.attention_backend(self.options.attention, self.mesh)
         tables, guided = setup.tables, setup.guided
@@ -493,7 +498,8 @@ class Wan(common.StagedPipeline):
                     if guided:
                         uncond, cond = out[:1], out[1:]
                         out = uncond + guidance.astype(out.dtype) * (cond - uncond)
-                    new = schedulers.unipc_step(tables, i, latents, out, state)
+                    new = (schedulers.unipc_step(tables, i, latents, out, state) if request.solver == "unipc" else
+                           (schedulers.flow_match_euler_step(tables, i, latents, out, keep_float32=True), state))
                     return new if record is None else (*new, record)
 
                 return step
@@ -767,17 +773,30 @@ def decode_programs(vae_config: dict, latent_frames: int, height: int, width: in
     return _cache_programs(vae, "decoder", mesh, dtype, decoding.STAGE, pieces)
 
 
+def solver_scheduler(config: dict, solver: str, shift: float | None) -> Any:
+    """The diffusers scheduler `solver` names, from the checkpoint's scheduler `config` with `shift`
+    as its flow shift (`None`: the config's): `UniPCMultistepScheduler.from_config(config,
+    flow_shift=shift)` as diffusers' Wan example rebuilds it, or `schedulers.uniform_euler`."""
+    from diffusers import UniPCMultistepScheduler
+
+    config = {k: v for k, v in dict(config).items() if not k.startswith("_")}
+    shift = config.get("flow_shift", 1.0) if shift is None else shift
+    if solver == "euler":
+        return schedulers.uniform_euler(config.get("num_train_timesteps", 1000), shift)
+    return UniPCMultistepScheduler.from_config(config, flow_shift=shift)
+
+
 def stock(source: str, request: Request, dtype: Any = None) -> tuple[Any, dict[str, Any]]:
     """Stock diffusers `WanPipeline` (`WanImageToVideoPipeline` for a request with a picture, read
     as `diffusers.utils.load_image` reads it) loaded from `source` (float32 unless `dtype`;
     `family.FLOAT32_COMPONENTS` in float32 whatever `dtype`, passed in as diffusers' examples pass
     a float32 VAE, the VAE in `request.vae_dtype` where set), its scheduler rebuilt with `request.shift`
     where given (`UniPCMultistepScheduler.from_config(pipe.scheduler.config, flow_shift=shift)`,
-    as the example sets it), and the keyword arguments of the call that makes `request`'s video
+    as the example sets it) or replaced by `request.solver`'s (`solver_scheduler`), and the keyword arguments of the call that makes `request`'s video
     from the same seed (both experts' scales), frames as `output_type="np"`: what the parity tests
     compare with and `tpupedia bench generate` times."""
     import torch
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanImageToVideoPipeline, WanPipeline
+    from diffusers import AutoencoderKLWan, WanImageToVideoPipeline, WanPipeline
     from transformers import CLIPVisionModel
 
     from tpupedia import pictures
@@ -793,8 +812,8 @@ def stock(source: str, request: Request, dtype: Any = None) -> tuple[Any, dict[s
                     dtype=getattr(torch, family.component_dtype(name, run, request.vae_dtype)))
                 for name in family.FLOAT32_COMPONENTS if name in configs}
     pipe = common.load_stock(WanImageToVideoPipeline if i2v else WanPipeline, source, dtype, **kept)
-    if request.shift is not None:
-        pipe.scheduler = UniPCMultistepScheduler.from_config(pipe.scheduler.config, flow_shift=request.shift)
+    if request.shift is not None or request.solver != "unipc":
+        pipe.scheduler = solver_scheduler(pipe.scheduler.config, request.solver, request.shift)
     picture = {"image": pictures.read(request.image)} if i2v else {}
     return pipe, picture | dict(prompt=request.prompt, negative_prompt=request.negative_prompt, num_frames=request.frames,
                       height=request.height, width=request.width, num_inference_steps=request.steps,
