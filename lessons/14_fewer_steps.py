@@ -39,7 +39,7 @@
 # The full preset downloads `zai-org/CogVideoX1.5-5B`, released under the **CogVideoX LICENSE**
 # (linked from its model card on the Hugging Face Hub): read it before you run the full preset.
 #
-# *Reading time: about 23 minutes.*
+# *Reading time: about 24 minutes.*
 
 # %%
 # %xmode Minimal
@@ -596,6 +596,27 @@ for threshold in (0.1, 0.05):
 # until step 9 adds 0.25
 assert stepcache.fbcache_full_steps(recorded, 0.1) == [0, 1, 4, 5, 9]
 assert stepcache.fbcache_full_steps(recorded, 0.05) == [0, 1, 3, 5, 8, 9]
+
+# %% [markdown]
+# ### Exercise 4: reuse a calibration at another step count
+#
+# The file written above records one value per step of the run that wrote it. **Predict** what
+# happens when a run with 3 more steps names it: with MagCache at threshold 0.06, and with
+# First-Block-Cache at 0.1. Then ask the step cache itself (`check` raises the refusal a run
+# would print; `full_steps` gives MagCache's schedule).
+
+# %% tags=["solution"]
+record = stepcache.read_calibration(saved)
+longer = len(record.ratio) + 3
+stretched = stepcache.parse_step_cache(f"magcache:0.06@{saved}").full_steps(longer, record)
+print(f"magcache at {longer} steps, from {len(record.ratio)} calibrated ratios: full steps {stretched}")
+refusal = expect(lambda: stepcache.parse_step_cache(f"fbcache:0.1@{saved}").check(longer), stepcache.StepCacheError,
+                 max_lines=1)
+
+# %% tags=["check"]
+assert len(record.ratio) == cache_request.steps
+assert stretched == stepcache.magcache_full_steps(record.ratio, 0.06, longer)  # the ratios, stretched
+assert f"calibrated at {cache_request.steps} steps and this run has {longer}" in str(refusal)  # changes do not
 
 # %% [markdown]
 # ## Takeaways
