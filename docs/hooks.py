@@ -159,8 +159,7 @@ def _stepcache_table() -> str:
              "PSNR | SSIM | measured on | date | command |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         c, m, x = r["config"], r["machine"], r["result"]
-        family = c.get("family", "hunyuan")  # the first DeepCache records predate the family key: HunyuanVideo-1.5's
-        request = f"{family}, {c['frames']} frames, {c['width']}x{c['height']}, {c['dtype']}, {c['source']}"
+        request = f"{c['family']}, {c['frames']} frames, {c['width']}x{c['height']}, {c['dtype']}, {c['source']}"
         cache = f"deepcache:{c['deepcache']}" if c.get("deepcache") else c["step_cache"]
         where = f"{m['devices']} x {m['device_kind']} ({m['platform']}, {m['cpu_count']} CPUs)"
         bound = f"{x['bound']:.2f}x" if x.get("bound") else "-"

@@ -367,15 +367,15 @@ def bench_stepcache(family: str, preset: Any, request: Any, options: Any, model:
     spec = str(cache) if field_name == "step_cache" else f"deepcache:{cache}"
     return {
         "bench": bench,
+        "step_cache": spec,
         "config": _pipeline_config(pipeline, preset, request, options, model) | {"family": family},
         "machine": machine(),
         "result": {"steps": request.steps, "full_steps": cached["full_steps"], "plain_s": plain["seconds"],
                    "cached_s": cached["seconds"], "speedup": plain["seconds"] / cached["seconds"],
                    "bound": bound["bound"], "calibration_s": cached["calibration_s"], **quality},
         "measured_at": _dt.date.today().isoformat(),
-        "command": (f"tpupedia bench {bench} {family} --preset {preset.name} "
-                    + (f"--deepcache {cache}" if field_name == "deepcache" else f"--step-cache {spec}")
-                    + f" --steps {request.steps}"),
+        "command": (f"tpupedia bench {bench} {family} --preset {preset.name} --{field_name.replace('_', '-')} {cache} "
+                    f"--steps {request.steps}"),
     }
 
 

@@ -536,13 +536,13 @@ def _bench_stepcache(args: argparse.Namespace, name: str = "stepcache") -> int:
 
     if name == "stepcache" and args.step_cache is None:
         raise CommandLineError(f"bench stepcache {args.model_family}: give --step-cache SPEC "
-                         "(e.g. fbcache:0.05, magcache:0.06@cal.json, deepcache:11:45:4)")
+                               "(e.g. fbcache:0.05, magcache:0.06@cal.json, deepcache:11:45:4)")
     preset, pipeline, request, options, _ = _generate_setup(args)
     record = bench.bench_stepcache(args.model_family, preset, request, options, model=args.model, bench=name)
     path = bench.merge_record(record, args.output, key=bench._pipeline_key)
     r = record["result"]
     calibration = f" after a {r['calibration_s']:.1f} s calibration pass" if r["calibration_s"] is not None else ""
-    print(f"{record['command'].split(' --steps')[0].split()[-1]} over {request.steps} steps: {r['full_steps']} full"
+    print(f"{record['step_cache']} over {request.steps} steps: {r['full_steps']} full"
           f"{calibration}, denoise {r['plain_s']:.2f} s -> {r['cached_s']:.2f} s ({r['speedup']:.2f}x measured, "
           f"{r['bound']:.2f}x the FLOPs' bound); PSNR {r['psnr_db']:.1f} dB, SSIM {r['ssim']:.4f} against the "
           "uncached video")

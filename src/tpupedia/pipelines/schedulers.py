@@ -29,6 +29,7 @@ Introduced in notebook `cogvideox_pipeline` (CogVideoX text-to-video in three st
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -36,7 +37,8 @@ import numpy as np
 from tpupedia.errors import TpupediaError
 
 __all__ = ["SchedulerError", "cogvideox_tables", "ddim_step", "dpm_step", "dpm_noise", "draw_dpm_noise",
-           "flow_match_tables", "flow_match_euler_step", "uniform_sigmas", "uniform_euler", "SOLVERS", "unipc_tables", "unipc_step", "unipc_state"]
+           "flow_match_tables", "flow_match_euler_step", "uniform_sigmas", "uniform_euler", "SOLVERS", "unipc_tables",
+           "unipc_step", "unipc_state"]
 
 _PREDICTIONS = ("epsilon", "v_prediction", "sample")
 
@@ -260,34 +262,30 @@ def uniform_euler(num_train_timesteps: int = 1000, shift: float = 1.0) -> Any:
     return _uniform_euler_class()(num_train_timesteps=num_train_timesteps, shift=shift)
 
 
+@functools.cache
 def _uniform_euler_class() -> type:
-    global _UNIFORM_EULER
-    if _UNIFORM_EULER is None:
-        from diffusers import FlowMatchEulerDiscreteScheduler
-        from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteSchedulerOutput
+    """The scheduler class, made on first use (diffusers is imported only then)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteSchedulerOutput
 
-        class UniformEulerScheduler(FlowMatchEulerDiscreteScheduler):
-            """`uniform_euler`'s scheduler: the flow-match Euler with evenly spaced sigmas, float32 steps."""
+    class UniformEulerScheduler(FlowMatchEulerDiscreteScheduler):
+        """`uniform_euler`'s scheduler: the flow-match Euler with evenly spaced sigmas, float32 steps."""
 
-            def set_timesteps(self, num_inference_steps: int | None = None, device: Any = None, **kwargs: Any) -> None:
-                if kwargs.get("sigmas") is None and kwargs.get("timesteps") is None:
-                    kwargs["sigmas"] = uniform_sigmas(num_inference_steps).tolist()
-                super().set_timesteps(num_inference_steps, device, **kwargs)
+        def set_timesteps(self, num_inference_steps: int | None = None, device: Any = None, **kwargs: Any) -> None:
+            if kwargs.get("sigmas") is None and kwargs.get("timesteps") is None:
+                kwargs["sigmas"] = uniform_sigmas(num_inference_steps).tolist()
+            super().set_timesteps(num_inference_steps, device, **kwargs)
 
-            def step(self, model_output: Any, timestep: Any, sample: Any, *_: Any, return_dict: bool = True,
-                     **__: Any) -> Any:
-                if self.step_index is None:
-                    self._init_step_index(timestep)
-                dt = self.sigmas[self.step_index + 1] - self.sigmas[self.step_index]
-                prev = sample.float() + dt * model_output.float()
-                self._step_index += 1
-                return FlowMatchEulerDiscreteSchedulerOutput(prev_sample=prev) if return_dict else (prev,)
+        def step(self, model_output: Any, timestep: Any, sample: Any, *_: Any, return_dict: bool = True,
+                 **__: Any) -> Any:
+            if self.step_index is None:
+                self._init_step_index(timestep)
+            dt = self.sigmas[self.step_index + 1] - self.sigmas[self.step_index]
+            prev = sample.float() + dt * model_output.float()
+            self._step_index += 1
+            return FlowMatchEulerDiscreteSchedulerOutput(prev_sample=prev) if return_dict else (prev,)
 
-        _UNIFORM_EULER = UniformEulerScheduler
-    return _UNIFORM_EULER
-
-
-_UNIFORM_EULER: type | None = None
+    return UniformEulerScheduler
 
 
 def unipc_tables(scheduler: Any) -> dict[str, np.ndarray]:

@@ -24,7 +24,11 @@ Here both become static schedules from a *calibration run* (every step full, rec
 quantity each method thresholds, `Calibration`): `full_steps_from` turns it into the list of
 full steps for a threshold. A list of full steps can also be given directly
 (`fbcache:full=0,1,2,4`), which is how notebook `fewer_steps` and the parity tests replay the
-skips stock diffusers' hook chose and get its latents (tests/test_stepcache.py).
+skips stock diffusers' hook chose and get its latents (tests/test_stepcache.py). A threshold
+with `@FILE` (`magcache:0.06@cal.json`) keeps the calibration run's record in that file
+(`write_calibration`) and later runs read it instead of calibrating (`read_calibration`), as
+diffusers' MagCache takes `mag_ratios` calibrated once per model; in a job of several hosts every
+host must see the same file.
 
 The blocks are cached as diffusers' hooks cache them, at trace time: `traced` swaps each block's
 `forward` while the step is traced (the first block, the cut, the last block record or add;

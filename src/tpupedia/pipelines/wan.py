@@ -348,7 +348,6 @@ class Wan(common.StagedPipeline):
         import numpy as np
         import torch
 
-
         request = resolve(request, self.configs)
         setup = self._denoise_setup(request)
         programs = self._denoise_programs(request, setup)
@@ -780,7 +779,7 @@ def solver_scheduler(config: dict, solver: str, shift: float | None) -> Any:
     from diffusers import UniPCMultistepScheduler
 
     config = {k: v for k, v in dict(config).items() if not k.startswith("_")}
-    shift = config.get("flow_shift", 1.0) if shift is None else shift
+    shift = family.flow_shift({"scheduler": config}, shift)
     if solver == "euler":
         return schedulers.uniform_euler(config.get("num_train_timesteps", 1000), shift)
     return UniPCMultistepScheduler.from_config(config, flow_shift=shift)
