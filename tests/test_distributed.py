@@ -103,7 +103,11 @@ def test_a_rerun_where_only_process_0_has_the_files_skips_them_on_every_process(
             shutil.copy(one_process / "runs" / f"{stage}{suffix}", hosts[0] / "runs")
     out = _launch_apart(monkeypatch, files.cache_dir(), hosts, "--workdir", "runs")
     assert "[p0] text: up to date" in out and "[p0] denoise: up to date" in out, out[-3000:]
-    assert "[p0] decode: wrote" in out and "[p1] " not in out, out[-3000:]  # one voice per job
+    assert "[p0] decode: wrote" in out, out[-3000:]
+    # one voice per job: process 1 logs nothing of its own (the only line it may print is the CPU
+    # collectives' transport, gloo inside jaxlib, announcing a connection: " is connected to ")
+    quiet = [line for line in out.splitlines() if line.startswith("[p1]") and line.strip() != "[p1]  is connected to"]
+    assert quiet == [], quiet
     _assert_same_tensors(hosts[0] / "runs", one_process / "runs", (("decode", "frames"),))
     assert _files(hosts[1]) == []
 
