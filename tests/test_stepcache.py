@@ -7,6 +7,7 @@ stock's latents after the last step (float32, within 1e-4 of latents of magnitud
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 
 import numpy as np
@@ -194,7 +195,7 @@ def test_a_saved_calibration_is_written_once_then_read_instead_of_a_calibration_
     assert saved.identity == wan.Wan.cache_identity(wan_family.component_configs(str(source)))
     assert "step_cache_calibration" not in stepcache.settings(request.step_cache)  # the run began without it
     pinned = stepcache.settings(request.step_cache.pinned())["step_cache_calibration"]  # the next begins with it
-    assert pinned == __import__("hashlib").sha256(path.read_bytes()).hexdigest()[:16]
+    assert pinned == hashlib.sha256(path.read_bytes()).hexdigest()[:16]
     again, replay = _ours(wan, source, request, tmp_path / "again")
     assert replay["calibration_read"] == str(path) and "calibration_s" not in replay
     assert replay["full_steps"] == timings["full_steps"] and np.array_equal(again, first)
