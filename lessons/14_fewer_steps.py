@@ -34,7 +34,7 @@
 # | preset | loads | memory | compute time |
 # |---|---|---|---|
 # | `tiny` (CPU, CI) | notebook `cogvideox_pipeline`'s random 2-layer CogVideoX checkpoint, 8 simulated devices; adapters written here from the configs | about 1 GB of host RAM | about 20 s, measured here on a 2-core CPU |
-# | `full` (TPU v6e-8) | `zai-org/CogVideoX1.5-5B` (sizes in notebook `cogvideox_pipeline`'s header); its transformer on the host in float32 in section 2 and exercise 2, to fuse adapters and compare them with the formula (about 22 GB each time) | per chip as notebook `cogvideox_pipeline`'s stages; the comparisons with stock diffusers run on the tiny preset only | the adapter run and the calibrated step-cache run each make a 50-step 720p video (about 107 s per video reported upstream, TPU v6e-8; calibration runs every step twice) |
+# | `full` (TPU v6e-8) | `zai-org/CogVideoX1.5-5B` (sizes in notebook `cogvideox_pipeline`'s header); its transformer on the host in float32 in section 2 and exercise 2, to fuse adapters and compare them with the formula (about 22 GB each time) | per chip as notebook `cogvideox_pipeline`'s stages; the comparisons with stock diffusers run on the tiny preset only | the adapter run and the calibrated step-cache run each make a 50-step 720p video (about 107 s per video reported upstream, TPU v6e-8; calibration runs every step twice); the saved-calibration section runs the denoise stage three more times, one calibration among them |
 #
 # The full preset downloads `zai-org/CogVideoX1.5-5B`, released under the **CogVideoX LICENSE**
 # (linked from its model card on the Hugging Face Hub): read it before you run the full preset.
