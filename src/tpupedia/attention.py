@@ -576,11 +576,10 @@ def padded_attend(backend: str, *, mesh=None, interpret=None, block_sizes=None, 
     settings and called through ``torchax.interop.call_jax``: what a family's padded forward
     (a processor that keeps the text padding as a ``(B, S)`` vector) calls, in the pipelines and
     in the dry-run. ``mesh`` is used by splash only (batch on ``batch_axis``, heads on ``head_axis``)."""
-    fn = jax.jit(functools.partial(padded_attention, backend=backend, interpret=interpret,
-                                   mesh=mesh if resolve_backend(backend) == "splash" else None,
-                                   batch_axis=batch_axis, head_axis=head_axis, block_sizes=block_sizes))
-
     splash = resolve_backend(backend) == "splash"
+    fn = jax.jit(functools.partial(padded_attention, backend=backend, interpret=interpret,
+                                   mesh=mesh if splash else None,
+                                   batch_axis=batch_axis, head_axis=head_axis, block_sizes=block_sizes))
 
     def attend(q, k, v, valid):
         from torchax.interop import call_jax

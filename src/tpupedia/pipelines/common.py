@@ -391,7 +391,7 @@ class StagedPipeline:
         if getattr(request, "step_cache", None) is not None:  # its schedule against the steps (the blocks: at load)
             request.step_cache.check(request.steps)
             if configs is not None:  # a saved calibration made on another model
-                request.step_cache.check_identity(cls.cache_identity(configs))
+                request.step_cache.saved_calibration(cls.cache_identity(configs))
         if request.lora:  # the files; with `configs`, their keys and shapes against the transformers (no weights)
             lora_adapters.check(request.lora, cls.family, configs)
         if kind and configs is not None and cls.image_to_video:  # the request and the checkpoint agree on a picture

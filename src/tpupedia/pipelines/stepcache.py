@@ -202,17 +202,19 @@ class StepCache:
                                  f"{steps}; fbcache's changes are per step (magcache's ratios interpolate): name a new "
                                  "file to calibrate at this many steps")
 
-    def check_identity(self, identity: dict) -> None:
-        """Refuse a saved calibration made on another model (its `identity`: the family and the
-        transformer's config fingerprint, `Calibration.identity`)."""
+    def saved_calibration(self, identity: dict) -> "Calibration | None":
+        """The saved calibration (`calibration_file`), read and validated, or `None` where there is
+        none yet; one made on another model (its `identity`: the family and the transformer's
+        config fingerprint, `Calibration.identity`) is refused."""
         if self.calibration_file is None or not Path(self.calibration_file).exists():
-            return
+            return None
         saved = read_calibration(self.calibration_file)
         if saved.identity and identity and saved.identity != identity:
             differ = sorted(k for k in identity if saved.identity.get(k) != identity[k])
             raise StepCacheError(f"step cache {self}: {self.calibration_file} was calibrated on another model "
                                  f"({', '.join(f'{k} {saved.identity.get(k)!r}, not {identity[k]!r}' for k in differ)}); "
                                  "name a new file to calibrate this one")
+        return saved
 
     def full_steps(self, steps: int, calibration: "Calibration | None" = None) -> list[int]:
         """The steps that run every block, in order (step 0 always). A threshold needs the
@@ -295,6 +297,10 @@ class Calibration:
     identity: dict = field(default_factory=dict)
     """The model it was made on: the family and its transformer's config fingerprint (saved files)."""
 
+    def lists(self) -> dict[str, list]:
+        """`change` (null at step 0) and `ratio` as JSON lists: the run's timings and the saved file."""
+        return {"change": [None if math.isinf(c) else c for c in self.change], "ratio": list(self.ratio)}
+
     def record(self, cache: dict, previous: dict | None) -> None:
         """Append step's quantities from its full step's `cache` and the step before's."""
         import jax.numpy as jnp
@@ -322,8 +328,8 @@ def write_calibration(path: "str | os.PathLike", calibration: Calibration) -> Pa
 
     from tpupedia import files
 
-    record = {"format": CALIBRATION_FORMAT, "version": 1, "identity": calibration.identity, "steps": len(calibration.change),
-              "change": [None if math.isinf(c) else c for c in calibration.change], "ratio": list(calibration.ratio)}
+    record = {"format": CALIBRATION_FORMAT, "version": 1, "identity": calibration.identity,
+              "steps": len(calibration.change), **calibration.lists()}
     return files.write_text_atomic(path, json.dumps(record, indent=1) + "\n")
 
 
@@ -522,19 +528,14 @@ def run_loop(cache: StepCache | None, steps: int, loop: Any, always_full: frozen
     if cache is None:
         return loop(None, None)
     extra: dict = {}
-    calibration = None
-    saved = cache.calibration_file is not None and Path(cache.calibration_file).exists()
-    if saved:
-        cache.check_identity(identity or {})
-        calibration = read_calibration(cache.calibration_file)
+    calibration = cache.saved_calibration(identity or {})
+    if calibration is not None:
         extra = {"calibration_read": cache.calibration_file}
     elif cache.calibrated:
         start = time.perf_counter()
         calibration = Calibration(identity=dict(identity or {}))
         loop(set(range(steps)), calibration)
-        extra = {"calibration_s": time.perf_counter() - start,
-                 "calibration": {"change": [None if math.isinf(c) else c for c in calibration.change],
-                                 "ratio": calibration.ratio}}
+        extra = {"calibration_s": time.perf_counter() - start, "calibration": calibration.lists()}
         if cache.calibration_file is not None:
             write_calibration(cache.calibration_file, calibration)
             extra["calibration_written"] = cache.calibration_file
