@@ -4,8 +4,11 @@ the bucket once; the guides name the model licences."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import yaml
@@ -124,7 +127,7 @@ def test_xpk_storage_attach_has_the_flags_xpk_requires():
     # The one-time weight download is written out, into the folder the run reads.
     _, command = _split_env(shlex.split(_xpk_create_flags()["--command"]))
     model_dir = command[command.index("--model") + 1]
-    assert f"--local-dir {model_dir}" in text and "huggingface-cli download zai-org/CogVideoX1.5-5B" in text
+    assert f"--local-dir {model_dir}" in text and "hf download zai-org/CogVideoX1.5-5B" in text
 
 
 def test_guides_name_the_model_licences():
@@ -134,3 +137,36 @@ def test_guides_name_the_model_licences():
         assert "Tencent Hunyuan Community License" in text, page
         assert "Apache-2.0" in text, page
         assert all(place in text for place in ("European Union", "United Kingdom", "South Korea")), page
+
+
+_HUB_CLI = re.compile(r"(?:hf|huggingface-cli) \S")
+_INLINE_CODE = re.compile(r"(?<!`)`([^`]+)`(?!`)")
+
+
+def _hub_commands(path: Path) -> list[str]:
+    """Hugging Face CLI commands a page or deploy file gives: code lines (comments included) and inline code."""
+    text = path.read_text()
+    lines = [line.strip().lstrip("#").strip() for line in text.splitlines()]
+    spans = _INLINE_CODE.findall(" ".join(text.split()))
+    return [c for c in lines + spans if _HUB_CLI.match(c)]
+
+
+def test_hub_commands_are_ones_the_pinned_huggingface_hub_installs():
+    """`huggingface_hub` installs `hf` (no `huggingface-cli`): every Hub command the docs and deploy files give runs
+    that program, and each `hf download` uses only flags its `--help` lists."""
+    hub = importlib.metadata.distribution("huggingface_hub")
+    scripts = {ep.name for ep in hub.entry_points if ep.group == "console_scripts"}
+    assert "hf" in scripts and "huggingface-cli" not in scripts, (hub.version, scripts)
+    usage = subprocess.run([sys.executable, "-c", "import sys; from huggingface_hub.cli.hf import main; "
+                            "sys.argv = ['hf', 'download', '--help']; main()"],
+                           capture_output=True, text=True, check=True).stdout
+    known = set(re.findall(r"--[a-z][a-z-]*", usage))
+    paths = [*DOCS.rglob("*.md"), *DEPLOY.glob("*.sh"), *DEPLOY.glob("*.yaml")]
+    commands = [(path, c) for path in paths for c in _hub_commands(path)]
+    downloads = [(path, shlex.split(c)) for path, c in commands if c.startswith("hf download ")]
+    assert len(downloads) >= 6, commands  # the guides, the deploy files, the knowledge base, both editions
+    for path, command in commands:
+        assert command.split()[0] in scripts, (path, command)
+    for path, words in downloads:
+        assert not words[2].startswith("-"), (path, words)  # REPO_ID first
+        assert {w.split("=")[0] for w in words if w.startswith("--")} <= known, (path, words)

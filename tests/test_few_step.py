@@ -76,7 +76,7 @@ def test_a_release_adapter_that_cannot_be_had_is_one_line_naming_where_to_get_it
         families.release_adapters("wan", release, release.model, pretrained=True)
     message = str(info.value)
     assert len(message.splitlines()) == 1
-    assert "huggingface-cli download lightx2v/Wan2.2-Lightning Wan2.2-T2V-A14B-4steps-lora-rank64-Seko-V1.1/" in message
+    assert "hf download lightx2v/Wan2.2-Lightning Wan2.2-T2V-A14B-4steps-lora-rank64-Seko-V1.1/" in message
     assert "--lora PATH@transformer" in message
     assert families.release_adapters("wan", release, release.model, pretrained=True, local_only=True) == (None, None)
     only_low = families.release_adapters("wan", release, release.model, pretrained=True, local_only=True,

@@ -16,7 +16,7 @@
 #   model card first) go into the bucket once, from one machine, not from every pod at run time.
 #   With the bucket mounted at /data on that machine (gcsfuse), or to a local folder followed by
 #   `gcloud storage cp -r CogVideoX1.5-5B gs://BUCKET/models/`:
-#     huggingface-cli download zai-org/CogVideoX1.5-5B --local-dir /data/models/CogVideoX1.5-5B
+#     hf download zai-org/CogVideoX1.5-5B --local-dir /data/models/CogVideoX1.5-5B
 #   The run then loads them with `--model /data/models/CogVideoX1.5-5B` and HF_HUB_OFFLINE=1, so
 #   no pod contacts the Hub. (`--model` and `--preset` are mutually exclusive in the CLI;
 #   TPUPEDIA_PRESET=full still selects bf16 and the real TPU devices.)

@@ -111,10 +111,10 @@ def simulate_cpu_devices(n: int = 8, chip: bool = False) -> list[jax.Device]:
     Returns the CPU devices. Raises `DeviceSetupError` if JAX has already chosen its devices
     and they are not `n` CPU devices.
 
-    `chip`: on a host with a TPU chip attached (Colab, Kaggle, a one-chip VM), keep the chip as a
+    `chip`: on a host with TPU chips attached (Colab's v5e-1, Kaggle's v5e-8, a one-chip VM), keep them as a
     second backend beside the CPU devices. CPU stays the default backend (listed first in
     `jax_platforms`), so `jax.devices()`, meshes and models are the `n` CPU devices as on a laptop,
-    while `kernel_chip()` returns the chip for the Pallas kernels notebook `splash_attention` compiles
+    while `kernel_chip()` returns the (first) chip for the Pallas kernels notebook `splash_attention` compiles
     on it. If JAX cannot open the chip (another process holds it, say), this warns once, says why,
     and goes on with the CPU devices alone; `chip_error()` keeps the reason.
     """
@@ -299,7 +299,7 @@ def host_bounds(topo: Topology) -> tuple[int, int, int] | None:
 
     libtpu lays a v5e or v6e slice out in hosts of 2x2 chips by default, so it refuses a slice
     smaller than one such host ("v5e:1x1 is not divisible by ... 2x2x1"). A single chip or a
-    1x2 pair is a host of its own (a v5litepod-1 VM, a Colab or Kaggle TPU of one chip): its
+    1x2 pair is a host of its own (a v5litepod-1 VM, Colab's v5e-1): its
     bounds are its own shape. Larger slices keep libtpu's default."""
     if len(topo.shape) != 2 or topo.num_chips >= MULTIHOST_CHIPS_PER_HOST:
         return None

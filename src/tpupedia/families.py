@@ -135,6 +135,6 @@ def release_adapters(family: str, release: FewStepRelease, source: str, pretrain
                 continue
             why = (str(err).strip().splitlines() or [type(err).__name__])[0]
             raise ReleaseError(f"release {release.name}: adapter {a.where} for {a.component} cannot be had ({why}); "
-                               f"fetch it with `huggingface-cli download {a.repo} {a.filename}`, or give a local copy "
+                               f"fetch it with `hf download {a.repo} {a.filename}`, or give a local copy "
                                f"with --lora PATH@{a.component}") from None
     return tuple(out)

@@ -73,7 +73,7 @@ def start(name: str | None = None) -> presets.Preset:
     devices before JAX initialises, and call `quiet` (the Hub's download bars kept for a preset that
     downloads its checkpoints). Returns the preset.
 
-    On a host with one TPU chip (Colab, Kaggle, a v5e-1 VM) the tiny preset keeps the chip beside
+    On a host with TPU chips (Colab's v5e-1, Kaggle's v5e-8, a v5e-1 VM) the tiny preset keeps them beside
     its simulated CPU devices: meshes and models live on the CPU devices, and Pallas kernels can
     compile on the chip (`devices.kernel_chip`)."""
     preset = presets.get(name) if name else presets.current()

@@ -133,7 +133,7 @@ def check_source(source: str, what: str = "--model", example: str = "zai-org/Cog
         if not isinstance(try_to_load_from_cache(source, "model_index.json"), str):
             raise CheckpointError(f"{what} {source}: no such folder here, and with HF_HUB_OFFLINE=1 the hub id must be "
                                   f"in the local Hugging Face cache, which has no model_index.json for it (download "
-                                  f"it first, e.g. huggingface-cli download {source} --local-dir DIR, then --model DIR)")
+                                  f"it first, e.g. hf download {source} --local-dir DIR, then --model DIR)")
 
 
 CONFIG_FILES = {"pipeline": "model_index.json", "scheduler": "scheduler/scheduler_config.json",
@@ -183,7 +183,7 @@ def hub_unreachable(err: BaseException) -> str | None:
 def _unreachable_message(source: str, file: str, why: str) -> str:
     if why == "offline":
         return (f"checkpoint {source}: {file} is not in the local Hugging Face cache, and with HF_HUB_OFFLINE=1 the "
-                f"Hub is not asked (download it first, e.g. huggingface-cli download {source}, or unset HF_HUB_OFFLINE)")
+                f"Hub is not asked (download it first, e.g. hf download {source}, or unset HF_HUB_OFFLINE)")
     return (f"checkpoint {source}: could not reach the Hugging Face Hub for {file}, and the local cache does not hold "
             "it (check the network or HF_ENDPOINT; on a host without one, download the checkpoint elsewhere and "
             "give --model DIR)")

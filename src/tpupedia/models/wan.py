@@ -189,7 +189,7 @@ LIGHTNING = FewStepRelease(
         "steps 4, guidance (1.0, 1.0) for the low- and high-noise experts, shift 5.0: the Lightning code's "
         "wan/configs/wan_t2v_A14B.py (ModelTC/Wan2.2-Lightning: sample_steps = 4, sample_guide_scale = (1.0, 1.0), "
         "sample_shift = 5.0, boundary = 0.875, Wan 2.2's own)",
-        "adapters: the README of ModelTC/Wan2.2-Lightning (huggingface-cli download lightx2v/Wan2.2-Lightning; news of "
+        "adapters: the README of ModelTC/Wan2.2-Lightning (hf download lightx2v/Wan2.2-Lightning; news of "
         "Aug 07, 2025: Wan2.2-T2V-A14B-4steps-lora-rank64-Seko-V1.1), one file per expert, high_noise_model for the "
         "high-noise expert (diffusers' transformer), low_noise_model for the low-noise one (transformer_2); rank 64 by "
         "the folder's name; keys in the original Wan layout (diffusion_model.blocks.N.self_attn.q.lora_down.weight, "
