@@ -617,6 +617,8 @@ assert worst_level_err <= 2.0**-9 / LEVEL < 0.26
 # the same crop, with everything else in float32, says which part to protect:
 
 # %%
+# NBVAL_IGNORE_OUTPUT
+# (the table's bf16 sums round in the CPU's order; the checks below hold the claims)
 x32 = normalise(crop_u8)
 x16 = x32.bfloat16()
 resized32 = image.resize_matmul(x32, size)
@@ -686,7 +688,9 @@ means = {"bf16 running sum": float(running_sum(red16_j, jnp.bfloat16)) / red16.n
          "fp32 running sum": float(running_sum(red16_j, jnp.float32)) / red16.numel(),
          "torch.sum on bf16": red16.sum().item() / red16.numel()}
 mean_err = {name: abs(m - true_mean) / true_mean for name, m in means.items()}
-print(f"scale by 0.7, per pixel, bf16: max |err| {scale_err:.2f} levels")
+from tpupedia.results import measured_text  # its digits vary by CPU: printed against the bound
+
+print("scale by 0.7, per pixel, bf16: max |err|", measured_text(scale_err, 1, fmt=".2f", unit=" levels"))
 for name, err in mean_err.items():
     print(f"mean of {red16.numel():,} pixels, {name:17s}: relative error {'< 1%' if err < 0.01 else f'{err:.0%}'}")
 # The bf16 sum stops growing: once it passes 256 its step is 2, and adding a pixel below 1 rounds

@@ -630,7 +630,8 @@ for dt, eps in ((torch.float32, 2.0**-23), (torch.bfloat16, 2.0**-7)):
         x_stock = x_next
     ulps[str(dt)[6:]] = worst
     sched.set_timesteps(sigmas=np.linspace(1.0, 0.0, steps + 1)[:-1])  # `step` advanced its index: reset
-print("largest difference from the stock step, in units of the last place:", {k: round(v, 2) for k, v in ulps.items()})
+print("largest difference from the stock step, in units of the last place:",
+      {k: results.measured_text(v, 1.0, fmt=".2f") for k, v in ulps.items()})
 
 # %% tags=["check"]
 assert all(u <= 1.0 for u in ulps.values())
@@ -904,7 +905,7 @@ if preset.host_runs_whole_models:  # tiny: the whole video, seconds on the host 
                          generator=torch.Generator().manual_seed(request.seed), output_type="np").frames[0]
     video_error = float(np.abs(frames - expected).max())
     print("frames: max abs difference from stock diffusers",
-          results.error_text(video_error, 1e-4), "(one 8-bit level is 4e-03)")
+          results.error_text(video_error, 1e-4), "(one 8-bit level is 1/255)")
 else:  # full: one denoising step at 9 frames, 256x256, without guidance
     one_step = dataclasses.replace(request, frames=9, height=256, width=256, steps=1, guidance=1.0)
     ours = pipe.denoise(one_step, embeds)[0]["latents"]

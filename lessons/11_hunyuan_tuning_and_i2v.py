@@ -174,7 +174,9 @@ trade_request = dataclasses.replace(request, steps=10, deepcache=deepcache.Sched
 trade = bench.bench_deepcache(family.SPEC.name, preset, trade_request, pipeline.Options(quiet=True))["result"]
 n_full, n_cached = trade["full_steps"], trade["steps"] - trade["full_steps"]
 print(f"{trade_request.deepcache} over {trade['steps']} steps: {n_full} full, {n_cached} cached")
-print(f"quality against the uncached video: PSNR {trade['psnr_db']:.1f} dB, 1 - SSIM = {1 - trade['ssim']:.1e}")
+print("quality against the uncached video: PSNR", results.measured_text(trade["psnr_db"], 30, at_least=True, fmt=".1f",
+                                                                    unit=" dB"),
+      "| 1 - SSIM", results.measured_text(1 - trade["ssim"], 1e-2))
 
 # %% [markdown]
 # How much faster can it be here? Counting blocks, a cached step runs 1 of the tiny model's 2,
@@ -201,8 +203,11 @@ print(f"speed-up bound: {block_bound:.2f}x counting blocks (1/{tiny_blocks} per 
 
 # %% [markdown]
 # The measured speed-up on this CPU, next to that bound. It is a timing, so its printed value
-# varies from run to run, and it should stay under the bound: FLOPs are what the programs must do,
-# while the time also pays for what they do not count (memory traffic, the host's loop):
+# varies from run to run, and on this tiny model it can land on either side of the bound (one
+# stored run measured 1.72x against a 1.65x bound). The FLOPs bound holds where FLOPs decide the
+# time, as on a full-size step; a tiny step takes milliseconds, and its time is mostly what FLOPs
+# do not count (dispatching the program, the host's loop, memory traffic), which a cached step
+# saves in other proportions:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -219,6 +224,7 @@ assert timings_every["full_steps"] == list(range(request.steps))
 # the measured trade: the schedule's 6 full steps of 10, a video close to but not equal to the uncached one
 assert trade["full_steps"] == len(trade_request.deepcache.full_steps(10)) == 6
 assert 0 < trade["ssim"] < 1 and np.isfinite(trade["psnr_db"])
+assert trade["psnr_db"] >= 30 and 1 - trade["ssim"] <= 1e-2  # the bounds printed above
 # counted in FLOPs, a cached step costs less than its share of the blocks, so the bound rises
 assert len(step_programs) == 2 and 0 < cached_share < 1 / tiny_blocks  # less than its share of the blocks
 assert flop_bound > block_bound

@@ -70,6 +70,7 @@ preset.name
 
 # %%
 from tpupedia import families, presets
+from tpupedia.results import error_text, measured_text  # digits vary by CPU: printed against the bound
 
 full_preset = presets.get("full")  # the full-size defaults, whichever preset runs this notebook
 
@@ -251,7 +252,7 @@ B = load_file(adapter_file)[f"transformer.{layer}.lora_B.weight"]
 by_hand = before[f"{layer}.weight"] + adapter.scale * (ALPHA / RANK) * B @ A
 fuse_error = float((after[f"{layer}.weight"] - by_hand).abs().max())
 changed = sorted(k for k in after if not torch.equal(after[k], before[k]))
-print(f"{layer}: fused weight vs W + scale*(alpha/r)*B@A by hand, max abs difference {fuse_error:.1e}")
+print(f"{layer}: fused weight vs W + scale*(alpha/r)*B@A by hand, max abs difference {error_text(fuse_error)}")
 print(f"{len(changed)} tensors changed, e.g. {changed[:3]}; names unchanged: {list(after) == list(before)}")
 
 # %% [markdown]
@@ -313,7 +314,7 @@ if preset.host_runs_whole_models:
     _, call = pipeline.stock(source, request)
     expected = stock_pipe(**call).frames[0]
     lora_error = float(np.abs(frames - expected).max())
-    print(f"frames vs stock diffusers with the adapter fused: max abs error {lora_error:.1e}")
+    print(f"frames vs stock diffusers with the adapter fused: max abs error {error_text(lora_error, 1e-4)}")
 
 # %% tags=["check"]
 assert [r.stage for r in reports] == ["text", "denoise", "decode"] and all(r.ran for r in reports)
@@ -336,7 +337,7 @@ A2 = load_file(second_file)[f"transformer.{layer}.lora_A.weight"]
 B2 = load_file(second_file)[f"transformer.{layer}.lora_B.weight"]
 predicted = before[f"{layer}.weight"] + 0.8 * (ALPHA / RANK) * B @ A + (-1.5) * (2 / 2) * B2 @ A2
 changed_again = sorted(k for k in both if not torch.equal(both[k], after[k]))
-print(f"max abs difference from the prediction: {float((both[f'{layer}.weight'] - predicted).abs().max()):.1e}")
+print(f"max abs difference from the prediction: {error_text(float((both[f'{layer}.weight'] - predicted).abs().max()))}")
 print(f"tensors that differ from the first adapter alone: {changed_again}")
 
 # %% tags=["check"]
@@ -395,7 +396,8 @@ for solver in schedulers.SOLVERS:
         paths[solver].append(x)
     print(f"{solver:>6}: sigmas {np.round(sigmas[solver], 4).tolist()}")
 apart = [float((a - b).abs().max()) for a, b in zip(paths["unipc"], paths["euler"])]
-print("max |unipc - euler| after each step:", [f"{d:.1e}" for d in apart])
+print("max |unipc - euler| after step 1:", error_text(apart[0], 1e-3), "| after each later step:",
+      [measured_text(d, 0.1, at_least=True) for d in apart[1:]])
 
 # %% [markdown]
 # Both visit nearly the same noise levels: the Euler's are the authors' formula, sigmas
@@ -506,8 +508,8 @@ if preset.host_runs_whole_models:
                  log=lambda _: None)
     replay_latents = load_file("fbcache/denoise.safetensors")["latents"].numpy()
     hook_error = float(np.abs(replay_latents - stock_latents).max())
-    print(f"stock's hook ran steps {stock_full} in full; replayed here: max abs error {hook_error:.1e} "
-          f"(latents up to {np.abs(stock_latents).max():.1f})")
+    print(f"stock's hook ran steps {stock_full} in full; replayed here: max abs error {error_text(hook_error, 1e-4)} "
+          f"(latents of order {np.abs(stock_latents).max():.0f})")
 
 # %% tags=["check"]
 if preset.host_runs_whole_models:

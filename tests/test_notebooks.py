@@ -165,3 +165,60 @@ def test_learning_path_times_are_rendered_from_the_lessons(page):
     for n in lessons:
         lesson = next((ROOT / "lessons").glob(f"{n}_*.py"))
         assert f"| {n} | {notebooks.reading_minutes(lesson)} min |" in rendered
+
+
+# --- a measured error: compared by its bound, never by digits that follow the float order --------
+
+@pytest.mark.parametrize("line, raw", [
+    ("frames vs stock diffusers with the adapter fused: max abs error 3.1e-06", ["3.1e-06"]),
+    ("reference rounded to bfloat16: max |diff| 0.00152 (bound 0.0517)", ["0.00152"]),
+    ("quality against the uncached video: PSNR 53.9 dB, 1 - SSIM = 1.0e-04", ["53.9", "1.0e-04"]),
+    ("max |unipc - euler| after each step: ['2.7e-04', '1.5e-01']", ["2.7e-04", "1.5e-01"]),
+    ("frames vs stock diffusers: max abs error 3.1e-06 ≤ 1.0e-04", []),
+    ("PSNR 53.9 dB ≥ 30.0 dB", []),
+    ("online vs direct softmax attention: max abs diff < 1e-05", []),
+    ("max abs difference from schedulers.unipc_step: 0.0", []),
+    ("eps=1e-5, input x 0.001: max abs err 1.6e+00 ≥ 1.0e-04", []),  # the setting, then the value
+    ("CogVideoX 720p: 2,414 padded keys (5.7%), upstream rel. error 3.5%", []),  # a figure from elsewhere
+    ("step FLOPs 2.395e+15 (attention 68%)", []),  # no error named
+])
+def test_a_raw_measured_error_is_found_in_an_output_line(line, raw):
+    assert notebooks.raw_measured_errors(line) == raw
+
+
+def test_a_compared_cell_printing_a_raw_error_fails_the_check_and_a_variable_one_does_not(tmp_path):
+    printed = "max abs error 3.1e-06\n"
+    compared = _write(tmp_path, [_code("print(err)", [_stream(printed)], count=1)])
+    variable = _write(tmp_path, [_code("# NBVAL_IGNORE_OUTPUT\nprint(err)", [_stream(printed)], count=1)], "v.ipynb")
+    assert notebooks.check_measured(compared) == [
+        "x.ipynb: cell 0 prints a measured error raw (3.1e-06) in a compared output: 'max abs error 3.1e-06'; "
+        "print it with results.error_text(value, bound) or mark the cell NBVAL_IGNORE_OUTPUT"]
+    assert notebooks.check_measured(variable) == []
+
+
+def test_the_sanitizer_compares_a_measured_value_by_its_bound(tmp_path):
+    """Strict nbval with the project's sanitize config (`results.MEASURED_PATTERN`): another
+    machine's digits of a measured error pass, a changed bound or a broken bound fails. The stored
+    outputs are this host's; the cells print what another host printed (notebook `fewer_steps`:
+    3.1e-06 here, 4.7e-06 there)."""
+    from tpupedia import results
+
+    config = (ROOT / "tests" / "nbval_sanitize.cfg").read_text()
+    assert f"regex: {results.MEASURED_PATTERN}\nreplace: MEASURED" in config  # one pattern, two places
+
+    def cell(source, stored):
+        return _code(f"print({source!r})", [_stream(stored + "\n")], count=1)
+
+    other_digits = _write(tmp_path, [cell(f"max abs error {results.error_text(4.7e-6, 1e-4)}",
+                                          f"max abs error {results.error_text(3.1e-6, 1e-4)}")], "a.ipynb")
+    other_bound = _write(tmp_path, [cell("max abs error 4.7e-06 ≤ 1.0e-05", "max abs error 3.1e-06 ≤ 1.0e-04")],
+                         "b.ipynb")
+    broken = _write(tmp_path, [cell(f"max abs error {results.error_text(2e-4, 1e-4)}",
+                                    f"max abs error {results.error_text(3.1e-6, 1e-4)}")], "c.ipynb")
+    raw = _write(tmp_path, [cell("max abs error 4.7e-06", "max abs error 3.1e-06")], "d.ipynb")
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *notebooks.NBVAL_ARGS,
+           *(str(p) for p in (other_digits, other_bound, broken, raw))]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
+                            env={**os.environ, "TPUPEDIA_PRESET": "tiny"})
+    progress = result.stdout.split()[0]  # one mark per notebook, in the order given
+    assert progress == ".FFF" and "3 failed, 1 passed" in result.stdout, result.stdout[-3000:]

@@ -16,7 +16,7 @@ jaxlib and libtpu: the same program for the same slice with the same compiler gi
 answer, and any change to the program is a new key. A second `tpupedia plan` of the same run,
 or a notebook's dry-run a test already compiled, reads the answer back in milliseconds. Programs
 are lowered without source locations, so the key does not depend on where the project is checked
-out (a Pallas kernel would otherwise name its file's path), and `make test` keeps the slow ones in
+out (a Pallas kernel would otherwise name its file's path), and `make test` keeps every one a run used in
 the repository (`tests/aot-kept`, trimmed to what a run used by `prune`).
 
 Introduced in notebook `start_here` (start here); the dry-run planner of notebook `plan_without_tpu` builds on it.
@@ -408,7 +408,8 @@ def _cache_folder() -> str | None:
 
 def _cache_key(lowered: Any) -> str | None:
     """The key of a compile in the kept results (`_cache_folder`): the lowered program, the TPU
-    devices it is compiled for (kind, id, coordinates, process), the compiler options and flags,
+    devices it is compiled for (kind, id, coordinates, process), the compiler options, the flags that
+    reach the TPU compiler (`_tpu_flags`),
     and the compiler's versions; None when nothing is kept or the program is not for TPU devices."""
     if _cache_folder() is None:
         return None
@@ -418,12 +419,19 @@ def _cache_key(lowered: Any) -> str | None:
     where = [f"{d.device_kind}|{d.id}|{getattr(d, 'coords', '')}|{getattr(d, 'core_on_chip', '')}|{d.process_index}"
              for d in chips]
     options = repr(getattr(getattr(lowered, "_lowering", None), "_compiler_options_kvs", ()))
-    flags = " ".join(f"{k}={os.environ.get(k, '')}" for k in ("LIBTPU_INIT_ARGS", "XLA_FLAGS"))
+    flags = " ".join(f"{k}={_tpu_flags(os.environ.get(k, ''))}" for k in ("LIBTPU_INIT_ARGS", "XLA_FLAGS"))
     digest = hashlib.sha256()
     for part in (_versions(), "\n".join(where), options, flags, lowered.as_text()):
         digest.update(part.encode())
         digest.update(b"\0")
     return digest.hexdigest()
+
+
+def _tpu_flags(flags: str) -> str:
+    """The flags of `flags` that can change a TPU compile: all but XLA's CPU backend's
+    (`--xla_cpu_*`, `--xla_force_host_platform_device_count`), which only the host's programs read."""
+    return " ".join(f for f in flags.split()
+                    if not f.startswith(("--xla_cpu_", "--xla_force_host_platform_device_count")))
 
 
 def _cache_path(key: str) -> str:
@@ -472,14 +480,14 @@ def _cache_write(key: str | None, result: AOTResult) -> None:
 
 def prune(folder: str | os.PathLike, since: float, min_seconds: float = 0.0) -> int:
     """Remove from the kept compiles in `folder` those not read or written since `since` (a
-    `time.time()`), and those that took the compiler less than `min_seconds` (cheaper to compile
-    again than to keep); returns how many were removed. `make test` keeps the project's slow
-    compiles in the repository this way (`tests/aot-kept`): only what its last run used."""
+    `time.time()`), those that do not parse, and those that took the compiler less than
+    `min_seconds`; returns how many were removed. `make test` keeps the project's compiles in the
+    repository this way (`tests/aot-kept`): what its last run used, however cheap."""
     removed = 0
     for path in sorted(glob.glob(os.path.join(folder, "??", "*.json.gz"))):
         try:
             stale = os.path.getmtime(path) < since
-            if not stale and min_seconds > 0:
+            if not stale:  # read it: an entry that does not parse goes too
                 with gzip.open(path, "rt") as f:
                     stale = json.load(f).get("seconds", 0.0) < min_seconds
         except (OSError, ValueError, EOFError):

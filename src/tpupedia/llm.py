@@ -209,12 +209,12 @@ class LogitsAgreement:
         return self.max_abs <= self.bound and self.decided_agree == self.decided
 
     def __str__(self) -> str:
-        from tpupedia.results import error_text
+        from tpupedia.results import measured_text
 
-        if self.dtype == "float32":  # rounding noise: shown as the bound, its digits vary by CPU
-            size = f"max |diff| {error_text(self.max_abs, self.bound)}"
-        else:
-            size = f"max |diff| {self.max_abs:.3g} (bound {self.bound:.3g}, relative {self.relative:.3g})"
+        if self.dtype == "float32":  # against the bound: rounding noise's digits vary by CPU
+            size = f"max |diff| {measured_text(self.max_abs, self.bound)}"
+        else:  # the bound is relative to the reference's largest |value|
+            size = f"max |diff| / max |reference| {measured_text(self.relative, BF16_RELATIVE_BOUND)}"
         return (f"{size} | top-1 agrees at {self.top1_agree}/{self.positions} positions, "
                 f"{self.decided_agree}/{self.decided} decided ones")
 

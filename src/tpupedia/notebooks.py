@@ -10,6 +10,8 @@ functions are what `make test` enforces on every committed notebook:
   `raises-exception` (`check_executed`);
 * no stored output holds a token-like string or a path from the machine that ran it
   (`check_outputs_clean`);
+* no compared output prints a measured error raw, whose digits would differ on the next machine
+  (`check_measured`);
 * the header's reading time is the one its prose implies (`check_reading_time`).
 
 Usage: `python -m tpupedia.notebooks execute lessons/00_start_here.py`,
@@ -36,6 +38,8 @@ __all__ = [
     "check_pair",
     "check_executed",
     "check_outputs_clean",
+    "check_measured",
+    "raw_measured_errors",
     "WORDS_PER_MINUTE",
     "CODE_LINES_PER_MINUTE",
     "reading_minutes",
@@ -396,6 +400,53 @@ def check_folded(lesson: Path) -> list[str]:
             if c.cell_type == "code" and only_asserts(c.source) and "check" not in c.metadata.get("tags", [])]
 
 
+_ERROR_WORDS = re.compile(r"(?i)\b(?:errors?|err|diffs?|differences?|deviations?|psnr|ssim|ulps?|units of the last "
+                          r"place|mismatch)\b|\|[^|]*(?:diff|err| - )[^|]*\|")
+_NUMBER = re.compile(r"(?<![\w.])-?(?:\d+\.\d+(?:e[-+]?\d+)?|\d+e[-+]?\d+)(?![\w.])")
+_BOUND_BEFORE = re.compile(r"(?i)(?:[<>≤≥]=?|\bbounds?|\babove|\bbelow|\bunder|\btolerance)\W{0,3}$")
+_MEASURED_AFTER = re.compile(r"^(?:%| [A-Za-z]+)? [≤≥] ")
+IGNORE_OUTPUT = "NBVAL_IGNORE_OUTPUT"
+
+
+def raw_measured_errors(line: str) -> list[str]:
+    """The numbers in one output line that follow a word naming an error (an error, a difference,
+    `|a - b|`, PSNR, SSIM, units in the last place) and are printed raw: not zero, not a bound
+    (after `<`, `≤`, `bound`, ...) and not a measured value against its bound
+    (`tpupedia.results.measured_text`). Numbers before the word are the setting measured (`eps=1e-5,
+    input x 0.001: max abs err ...`); a figure from elsewhere (a line that says `reported` or
+    `upstream`) is a constant, not a measurement."""
+    first = _ERROR_WORDS.search(line)
+    if not first or re.search(r"(?i)\b(?:reported|upstream)\b", line):
+        return []
+    raw = []
+    for m in _NUMBER.finditer(line, first.end()):
+        if float(m.group(0)) == 0.0 or _BOUND_BEFORE.search(line[: m.start()]) or _MEASURED_AFTER.match(line[m.end():]):
+            continue
+        raw.append(m.group(0))
+    return raw
+
+
+def check_measured(notebook: Path) -> list[str]:
+    """Compared cells (no `# NBVAL_IGNORE_OUTPUT`) whose stored output prints a measured error
+    raw: its digits follow the machine's floating-point order, and strict nbval compares them
+    character by character. Print it against its bound (`tpupedia.results.error_text`,
+    `measured_text`) or mark the cell variable while its assert keeps the proof."""
+    import nbformat
+
+    nb = nbformat.read(notebook, as_version=4)
+    problems = []
+    for i, text in _output_texts(nb):
+        if IGNORE_OUTPUT in nb.cells[i].source:
+            continue
+        for line in text.splitlines():
+            raw = raw_measured_errors(line)
+            if raw:
+                problems.append(f"{notebook.name}: cell {i} prints a measured error raw ({', '.join(raw)}) in a "
+                                f"compared output: {line.strip()[:100]!r}; print it with results.error_text(value, "
+                                f"bound) or mark the cell {IGNORE_OUTPUT}")
+    return problems
+
+
 def check_all(root: Path | None = None) -> list[str]:
     """Every hygiene problem in the repository's lessons and notebooks."""
     problems = []
@@ -407,7 +458,7 @@ def check_all(root: Path | None = None) -> list[str]:
         problems += (check_pair(lesson, notebook) + check_reading_time(lesson) + check_hosted(lesson, repo)
                      + check_folded(lesson))
         if notebook.exists():
-            problems += check_executed(notebook) + check_outputs_clean(notebook)
+            problems += check_executed(notebook) + check_outputs_clean(notebook) + check_measured(notebook)
     return problems
 
 
