@@ -43,7 +43,7 @@
 # | `tiny` (CPU, CI) | random arrays; a tiny Llama and CogVideoX transformer in section 8 | about 2.3 GB of host RAM (the TPU compiles in section 7) | 70–100 s, measured here on a 2-core CPU |
 # | `full` (TPU v6e-8) | the same, kernels compiled by Mosaic; section 7 also compiles the 4096-block case live (about a minute on the host) | section 7's CogVideoX-size kernels: about 940 MiB per chip (AOT here, printed there) | a few minutes, mostly host compiles (not measured on a TPU VM) |
 #
-# *Reading time: about 32 minutes.*
+# *Reading time: about 33 minutes.*
 
 # %% [markdown]
 # ## 1. Online softmax

@@ -37,7 +37,7 @@
 # The full preset downloads HunyuanVideo-1.5, released under the **Tencent Hunyuan Community
 # License Agreement**. Its territory excludes the European Union, the United Kingdom and South
 # Korea: the agreement grants no licence to use the model there. Read it before you run the full
-# preset. *Reading time: about 24 minutes.*
+# preset. *Reading time: about 25 minutes.*
 
 # %%
 # %xmode Minimal
