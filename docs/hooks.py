@@ -4,7 +4,8 @@
 `{{ figure:NAME }}` becomes one named number from its source (`tpupedia.figures`);
 `{{ diagram:NAME }}` the picture a notebook draws of one core idea (`tpupedia.diagrams`);
 `{{ zh_terms }}` becomes the Chinese edition's glossary from `docs/zh/terms.yml`;
-`{{ plans_table }}` every recorded plan, `{{ v5e_plans_table }}` those for v5e slices and one chip.
+`{{ plans_table }}` every recorded plan, `{{ v5e_plans_table }}` those for v5e slices and one chip;
+`{{ first_video_table }}` the README's first tiny video per family (`tpupedia bench first-video`).
 
 On notebook pages it also folds the cells a lesson tags (`FOLDED`): an exercise's solution and the
 asserts that check a claim stay on the page, executed in CI, behind a summary line a reader opens.
@@ -24,6 +25,7 @@ _DRYRUNS = Path(__file__).parent / "results" / "dryruns.json"
 _UPSTREAM = Path(__file__).parent / "results" / "upstream.json"
 _PIPELINES = Path(__file__).parent / "results" / "pipelines.json"
 _PLANS = Path(__file__).parent / "results" / "plans.json"
+_FIRST_VIDEO = Path(__file__).parent / "results" / "first_video.json"
 _ZH_TERMS = Path(__file__).parent / "zh" / "terms.yml"
 
 _COLUMNS = [
@@ -96,6 +98,35 @@ def _pipeline_table() -> str:
             f"| {r['bench']} | {request} | {where} | {st['text']['first_s']:.2f} s / {_ms(st['text']['steady_s'])} | "
             f"{st['denoise']['first_s']:.2f} s / {_ms(st['denoise']['steady_s'])} | {versus} | "
             f"{st['decode']['first_s']:.2f} s | {whole} | {r['measured_at']} | `{r['command']}` |")
+    return "\n".join(lines)
+
+
+def _first_video_table() -> str:
+    """Time to the README's first tiny video per family (`tpupedia bench first-video FAMILY`): the
+    best first run from an empty cache, split into its parts, and the best second run."""
+    records = results.load(_FIRST_VIDEO)
+    if not records:
+        return "*No first video has been timed yet.*"
+    lines = ["| family | first run, empty cache | again, cache kept | until the first stage's first call "
+             "(start, imports, set-up, checkpoint, loading) | first calls: text / denoise / decode | "
+             "the stages' other loading and files | mp4, exit | measured on | date | command |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(records, key=lambda r: r["config"]["family"]):
+        m = r["machine"]
+        empty = [run for run in r["runs"] if run["cache"] == "empty"]
+        kept = [run for run in r["runs"] if run["cache"] == "kept"]
+        best = min(empty, key=lambda run: run["total_s"])
+        others = ", ".join(f"{run['total_s']:.1f}" for run in empty if run is not best)
+        first = f"**{best['total_s']:.1f} s**" + (f" (other runs: {others} s)" if others else "")
+        again = ", ".join(f"{run['total_s']:.1f} s" for run in kept) or "-"
+        calls = " / ".join(f"{t['first_s']:.1f} s" for t in best["stages"].values())
+        rest = sum(t["rest_s"] for t in best["stages"].values())
+        loads = sorted(run["load_before"] for run in r["runs"])
+        where = (f"{m['cpu']} ({m['cpu_count']} cores), {m['devices']} simulated devices; load average "
+                 f"{loads[0]:.1f} to {loads[-1]:.1f} before the runs")
+        lines.append(f"| {r['config']['family']} | {first} | {again} | {best['until_first_call_s']:.1f} s | {calls} | "
+                     f"{rest:.1f} s | {best['video_s']:.2f} s, {best['exit_s']:.2f} s | {where} | {r['measured_at']} | "
+                     f"`{r['command']}` |")
     return "\n".join(lines)
 
 
@@ -378,6 +409,7 @@ def on_page_markdown(markdown, page, config, files):  # noqa: ARG001 - mkdocs ho
     tables = {"families_table": _families_table, "hardware_table": _hardware_table, "bench_table": _bench_table,
               "results_table": _results_table, "stepcache_table": _stepcache_table,
               "pipeline_table": _pipeline_table, "mesh_table": _mesh_table, "plans_table": _plans_table,
+              "first_video_table": _first_video_table,
               "v5e_plans_table": lambda: _plans_table("v5e"),
               "results_chart": _results_chart, "zh_terms": _zh_terms,
               "predictions_table": _predictions_table, "predictions_chart": _predictions_chart,

@@ -206,6 +206,24 @@ def test_frame_batches_match_diffusers_loop():
     assert frame_batches(1, 2) == [(0, 1)]
 
 
+def test_abstract_vae_is_the_tree_a_real_rngs_builds():
+    """`abstract_vae` hands the layers one fixed key instead of an `nnx.Rngs` (whose traced draw
+    counts make `eval_shape` quadratic in the layers): the same module tree, shapes and dtypes."""
+    from flax import nnx
+
+    from tpupedia.models.cogvideox_vae import AutoencoderKLCogVideoX
+
+    kwargs = dict(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    ours = nnx.split(convert.abstract_vae(tiny_config(), **kwargs))
+    real = nnx.split(nnx.eval_shape(lambda: AutoencoderKLCogVideoX(tiny_config(), rngs=nnx.Rngs(0), **kwargs)))
+    assert ours[0] == real[0]
+    a, b = dict(nnx.to_flat_state(ours[1])), dict(nnx.to_flat_state(real[1]))
+    assert a.keys() == b.keys()
+    for path, var in a.items():
+        got, want = var.get_value(), b[path].get_value()
+        assert (type(var), got.shape, got.dtype) == (type(b[path]), want.shape, want.dtype), path
+
+
 @pytest.fixture(scope="module")
 def tiny_flax():
     # shapes only: validation happens before any weight is touched

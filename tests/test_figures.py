@@ -1,5 +1,5 @@
 """One number, one source (`tpupedia.figures`): every `{{ figure:NAME }}` on a page names a figure
-that renders; every literal quote of a figure in the docs and lessons says what its source says;
+that renders; every literal quote of a figure in the docs, lessons and README says what its source says;
 each lesson's header states a run time within a factor of two of the one its notebook stored."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def _globbed(name: str, glob: str) -> bool:
 
 
 def _texts() -> dict[str, str]:
-    return {str(p.relative_to(ROOT)): p.read_text() for p in [*PAGES, *LESSONS]}
+    return {str(p.relative_to(ROOT)): p.read_text() for p in [*PAGES, *LESSONS, ROOT / "README.md"]}
 
 
 def test_every_figure_a_page_names_exists_and_renders():

@@ -13,7 +13,11 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import platform
+import re
+import shlex
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,6 +39,11 @@ __all__ = [
     "bench_stepcache",
     "bench_deepcache",
     "step_cache_bound",
+    "FIRST_VIDEO_PROMPT",
+    "DEFAULT_FIRST_VIDEO_RESULTS",
+    "FirstVideoError",
+    "bench_first_video",
+    "first_video_key",
 ]
 
 DEFAULT_RESULTS = Path("docs/results/benchmarks.json")
@@ -402,3 +411,145 @@ def step_cache_bound(family: str, request: Any, options: Any, configs: dict[str,
     n_full = request.steps if cache.calibrated else len(cache.full_steps(request.steps))
     return {"step_cache": str(cache), "steps": request.steps, "full_steps": n_full, "full_flops": full,
             "cached_flops": cached, "bound": stepcache.speedup_bound(full, cached, request.steps, n_full)}
+
+
+# --- the README's first video, as a user runs it --------------------------------------------------
+
+FIRST_VIDEO_PROMPT = "a panda playing a guitar"
+"""The README's prompt for its first video."""
+
+DEFAULT_FIRST_VIDEO_RESULTS = Path("docs/results/first_video.json")
+
+FIRST_RUN_UNSET = ("TPUPEDIA_", "JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE")
+"""Environment variables (by prefix) a user's first run does not have: this package's settings
+(preset, model overrides, cache folder, a job's coordinates) and JAX's persistent compilation
+cache, which the test session and `make test` set for their own processes."""
+
+_WROTE = re.compile(r"^(\w+): wrote ")
+
+
+class FirstVideoError(results.ResultsError):
+    """The generate command under measurement failed (its status and last lines)."""
+
+
+def _cpu_model() -> str:
+    """The CPU's model name (`/proc/cpuinfo`), or what `platform` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:  # pragma: no cover - not Linux
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _first_video_run(family: str, prompt: str, cache: Path, env: dict[str, str], timeout_s: float) -> dict[str, Any]:
+    """One `tpupedia generate FAMILY --preset tiny` in a new process, in a new empty folder, with
+    `TPUPEDIA_CACHE=cache`: the wall time from starting the process to its exit, and its parts,
+    from the moments its `STAGE: wrote` lines arrive (the process prints them unbuffered as each
+    stage file is written) and the first calls its stage files record. The parts add up to the
+    whole: until the first stage's first call (process start, imports, set-up, the tiny
+    checkpoint if the cache lacks it, the first models' loading), each stage's first call and the
+    rest of that stage (loading its models, writing its file), writing the mp4, and the exit."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="tpupedia-first-video-") as folder:
+        command = [sys.executable, "-m", "tpupedia.cli", "generate", family, "--preset", "tiny", "--prompt", prompt,
+                   "--out", "x.mp4"]
+        load = os.getloadavg()[0]
+        start = time.perf_counter()
+        proc = subprocess.Popen(command, cwd=folder, env=env | {"TPUPEDIA_CACHE": str(cache), "PYTHONUNBUFFERED": "1"},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        marks: dict[str, float] = {}
+        tail: list[str] = []
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            now = time.perf_counter() - start
+            for part in line.rstrip("\n").split("\r"):
+                found = _WROTE.match(part)
+                if found and found.group(1) not in marks:
+                    marks[found.group(1)] = now
+                if part.strip():
+                    tail = (tail + [part])[-20:]
+        try:
+            status = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:  # pragma: no cover - a hung run
+            proc.kill()
+            raise FirstVideoError(f"bench first-video {family}: no video after {timeout_s:.0f} s") from None
+        total = time.perf_counter() - start
+        video = Path(folder) / "x.mp4"
+        if status != 0 or "video" not in marks or not video.is_file() or video.stat().st_size == 0:
+            raise FirstVideoError(f"bench first-video {family}: `{shlex.join(command[1:])}` exited with status "
+                                  f"{status} and no video; its last lines: " + " | ".join(tail[-5:]))
+        stages, machine_seen = {}, None
+        for name in (m for m in marks if m != "video"):
+            meta = json.loads((Path(folder) / "tpupedia-runs" / family / f"{name}.json").read_text())
+            stages[name] = {"first_s": meta["extra"]["timings"]["first_s"]}
+            machine_seen = meta["extra"]["machine"]
+    previous = None
+    for name, t in stages.items():  # in the order the stages ran
+        ended = marks[name]
+        if previous is None:
+            until_first = ended - t["first_s"]
+            t["rest_s"] = 0.0  # the first stage's loading is in until_first_call_s
+        else:
+            t["rest_s"] = ended - marks[previous] - t["first_s"]
+        previous = name
+    return {"cache": None, "load_before": round(load, 2), "total_s": total, "until_first_call_s": until_first,
+            "stages": stages, "video_s": marks["video"] - marks[previous], "exit_s": total - marks["video"],
+            "machine": machine_seen}
+
+
+def bench_first_video(family: str, *, prompt: str = FIRST_VIDEO_PROMPT, runs: int = 2, again: bool = True,
+                      cache: str | os.PathLike | None = None, timeout_s: float = 600) -> dict[str, Any]:
+    """The README's first video (`tpupedia generate FAMILY --preset tiny --prompt ... --out
+    x.mp4`) as a user runs it, `runs` times: each a new process in a new empty folder with a new
+    empty `TPUPEDIA_CACHE` (so the tiny checkpoint is written, and nothing is compiled before),
+    and the environment without this package's settings or a JAX compilation cache
+    (`FIRST_RUN_UNSET`). With `again`, each is followed by a second run with the cache it left
+    (the checkpoint written; the tiny preset keeps no compiled programs). `cache` runs every run
+    with that cache folder instead (a user's later runs). A record: every run's wall time to
+    the process's exit and its parts (`_first_video_run`), the best of each kind, the CPU, the
+    date and the commands. `tpupedia bench first-video FAMILY` writes it; the results page
+    renders it, and the README quotes it. A benchmark, not a test: nothing here is a target."""
+    import shutil
+    import tempfile
+
+    if runs < 1:
+        raise FirstVideoError(f"bench first-video: --runs must be a positive integer, got {runs}")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(FIRST_RUN_UNSET)}
+    measured, machine_seen = [], None
+    for _ in range(runs):
+        folder = Path(cache) if cache is not None else Path(tempfile.mkdtemp(prefix="tpupedia-first-video-cache-"))
+        try:
+            kinds = ("given" if cache is not None else "empty",) + (("kept",) if again else ())
+            for kind in kinds:
+                run = _first_video_run(family, prompt, folder, env, timeout_s)
+                run["cache"] = kind
+                machine_seen = run.pop("machine")
+                measured.append(run)
+        finally:
+            if cache is None:
+                shutil.rmtree(folder, ignore_errors=True)
+    best = {kind: min((r["total_s"] for r in measured if r["cache"] == kind), default=None)
+            for kind in ("empty", "kept", "given")}
+    command = f"tpupedia bench first-video {family} --runs {runs}" + ("" if again else " --no-again")
+    if prompt != FIRST_VIDEO_PROMPT:
+        command += f" --prompt {shlex.quote(prompt)}"
+    return {
+        "bench": "first-video",
+        "config": {"family": family, "preset": "tiny", "prompt": prompt},
+        "machine": {"cpu": _cpu_model(), "cpu_count": os.cpu_count()} | (machine_seen or {}),
+        "runs": measured,
+        "best": {k: v for k, v in best.items() if v is not None},
+        "measured_at": _dt.date.today().isoformat(),
+        "command": command if cache is None else command + " --cache DIR",
+        "generate": f"tpupedia generate {family} --preset tiny --prompt {shlex.quote(prompt)} --out x.mp4",
+    }
+
+
+def first_video_key(record: dict[str, Any]) -> tuple:
+    """A first-video record replaces an earlier one of the same family on the same kind of CPU."""
+    m = record["machine"]
+    return (record["bench"], record["config"]["family"], m["cpu"], m["cpu_count"])

@@ -144,6 +144,24 @@ def _family_figures() -> list[Figure]:
     return [_quoted(q) for spec in families.all_specs() for q in spec.figures]
 
 
+def _first_video_figures() -> list[Figure]:
+    """`first_video.FAMILY`: seconds to the README's first tiny video of each video family, the
+    best first run from an empty cache that `tpupedia bench first-video FAMILY` recorded in
+    `docs/results/first_video.json`; the README quotes each after the family's name (the first
+    word of its registry title: `CogVideoX N s`)."""
+    from tpupedia import families
+
+    def best(family: str) -> Callable[[Path], float]:
+        find = _record("first_video.json", bench="first-video", config=lambda c: c["family"] == family)
+        return lambda root: find(root)["best"]["empty"]
+
+    return [Figure(f"first_video.{spec.name}", best(spec.name), lambda v: f"{v:.0f}",
+                   f"docs/results/first_video.json: tpupedia bench first-video {spec.name} (measured here, the best "
+                   "first run from an empty cache, to the process's exit)",
+                   quotes=(("README.md", rf"{re.escape(spec.title.split()[0])} (\d+) s\b"),))
+            for spec in families.video()]
+
+
 FIGURES: dict[str, Figure] = {f.name: f for f in [
     Figure("v6e.hbm_gb_per_s", _hardware(lambda c: c.hbm_bytes_per_s / 1e9), lambda v: f"{v:,.0f}",
            "tpupedia.hardware (Google's v6e page)",
@@ -152,6 +170,7 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
            "tpupedia.hardware: peak bf16 FLOP/s / HBM bandwidth",
            quotes=(("docs/kb/*.md", r"(\d{3}) FLOP/byte for a v6e"), ("docs/kb/*.md", r"v6e ridge point[^\d]{0,20}(\d{3})"))),
     *_family_figures(),
+    *_first_video_figures(),
     *[Figure(f"nb10.{slice_}.{what}", _printed("13_beyond_one_host", rf"{topology} mesh [^\n]*?{pattern}"), fmt,
              f"notebook `beyond_one_host`, section 4: CogVideoX 720p step compiled for {slice_} (AOT here, printed by the notebook)",
              quotes=quotes)
