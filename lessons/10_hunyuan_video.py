@@ -43,7 +43,7 @@
 #
 # | preset | loads | memory | compute time |
 # |---|---|---|---|
-# | `tiny` (CPU, CI) | a random 2-block HunyuanVideo-1.5 checkpoint written with `save_pretrained`, 8 simulated devices | about 2 GB of host RAM | about 40 s, measured here on a 2-core CPU |
+# | `tiny` (CPU, CI) | a random 2-block HunyuanVideo-1.5 checkpoint written with `save_pretrained`, 8 simulated devices | about 2 GB of host RAM | about 80 s with its first compiles, measured here on a 2-core CPU |
 # | `full` (TPU v6e-8) | `hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_t2v`: bf16 transformer 16.7 GB, Qwen2.5-VL-7B text model 15.2 GB, ByT5 and the VAE under 1 GB each (from their parameter counts) | per chip: the text stage about 3 GiB (Qwen split over `tp`, AOT here); the transformer step at 720p, 121 frames, 7.8 GiB of arguments + 2.3 GiB of temporaries (AOT here, the `tp` table on the 2×4 mesh); the tiled VAE decode under 29 GiB (AOT here, one 256-pixel tile per chip) | 7.29 s per step at 720p, 121 frames (reported upstream, TPU v6e-8): about 6 minutes for 50 steps, plus compiles, twice over: the opening call and sections 4 to 7 each make the video, and section 6 runs the denoising loop twice |
 #
 # Section 3 reads recorded AOT compiles on the tiny preset and compiles live on the full one
