@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from tpupedia import files
+from tpupedia.results import MEASURED_AFTER
 
 __all__ = [
     "SECRET_PATTERNS",
@@ -404,7 +405,7 @@ _ERROR_WORDS = re.compile(r"(?i)\b(?:errors?|err|diffs?|differences?|deviations?
                           r"place|mismatch)\b|\|[^|]*(?:diff|err| - )[^|]*\|")
 _NUMBER = re.compile(r"(?<![\w.])-?(?:\d+\.\d+(?:e[-+]?\d+)?|\d+e[-+]?\d+)(?![\w.])")
 _BOUND_BEFORE = re.compile(r"(?i)(?:[<>≤≥]=?|\bbounds?|\babove|\bbelow|\bunder|\btolerance)\W{0,3}$")
-_MEASURED_AFTER = re.compile(r"^(?:%| [A-Za-z]+)? [≤≥] ")
+_MEASURED_AFTER = re.compile("^" + MEASURED_AFTER)
 IGNORE_OUTPUT = "NBVAL_IGNORE_OUTPUT"
 
 

@@ -22,7 +22,7 @@ from tpupedia import files
 from tpupedia.errors import TpupediaError
 
 __all__ = ["ResultsError", "LIBRARIES", "version", "versions", "machine", "write_json_atomic", "load", "merge", "error_text",
-           "measured_text", "MEASURED_PATTERN"]
+           "measured_text", "MEASURED_PATTERN", "MEASURED_AFTER"]
 
 LIBRARIES = ("torch", "jax", "jaxlib", "libtpu", "flax", "torchax", "transformers", "diffusers")
 
@@ -87,7 +87,9 @@ def merge(record: dict[str, Any], path: str | os.PathLike, key: Callable[[dict[s
     return write_json_atomic(path, {"records": records})
 
 
-MEASURED_PATTERN = r"(?:-?\d+(?:\.\d+)?(?:e[-+]\d+)?|inf)(?=(?:%| [A-Za-z]+)? [≤≥] )"
+MEASURED_AFTER = r"(?:%| [A-Za-z]+)? [≤≥] "
+"""What follows a measured value printed against its bound: an optional unit, then `≤` or `≥`."""
+MEASURED_PATTERN = rf"(?:-?\d+(?:\.\d+)?(?:e[-+]\d+)?|inf)(?={MEASURED_AFTER})"
 """What nbval's sanitizer (`tests/nbval_sanitize.cfg`) replaces with `MEASURED` in both the stored
 and the fresh output: the measured value of a `VALUE ≤ BOUND` or `VALUE ≥ BOUND` line
 (`measured_text`). Such a line is compared by its bound and the claim, not by digits that change
