@@ -42,6 +42,26 @@ def test_bad_prompt_lines_are_named(tmp_path, line, message):
         batch.read_prompts(path)
 
 
+def test_a_prompts_file_is_read_as_utf8_and_any_other_encoding_is_named_in_one_line(tmp_path, monkeypatch, capsys):
+    """UTF-8 whatever the locale (a BOM too); a file saved in another encoding is refused in one
+    line naming its line and byte, by the library and by `generate --prompts`, before any model loads."""
+    good = tmp_path / "good.txt"
+    good.write_bytes("\ufeffA fox\nEin Bär im Schnee\n".encode())
+    assert [i.prompt for i in batch.read_prompts(good)] == ["A fox", "Ein Bär im Schnee"]
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("A fox\nEin Bär im Schnee\n".encode("latin-1"))
+    with pytest.raises(batch.BatchError, match=r"^latin\.txt line 2: byte 0xe4 is not UTF-8; save the prompts file as "
+                                               r"UTF-8$"):
+        batch.read_prompts(latin)
+    from tpupedia import cli
+
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["generate", "cogvideox", "--preset", "tiny", "--prompts", "latin.txt", "--outdir", "out"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "latin.txt line 2: byte 0xe4 is not UTF-8" in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
 def _env(tmp_path: Path) -> dict:
     return {**os.environ, "TPUPEDIA_PRESET": "tiny", "JAX_PLATFORMS": "cpu", "TPUPEDIA_CACHE": str(tmp_path / "cache")}
 

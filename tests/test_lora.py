@@ -272,6 +272,33 @@ def test_a_hunyuan_run_with_an_adapter_gives_the_frames_of_stock_with_it_fused(t
     assert float(np.abs(without - expected).max()) > 1e-3
 
 
+def test_a_folder_that_save_lora_weights_wrote_is_read_as_stock_load_lora_weights_reads_it(cog, tmp_path):
+    """Issue 53: a folder diffusers' `save_lora_weights` wrote, which stock `load_lora_weights`
+    takes, was refused as "no such file". It names its `pytorch_lora_weights.safetensors`, and the
+    fused transformer is stock's, bit for bit; a folder where stock would pick by listing order, or
+    with nothing to pick, is refused in one line naming what it holds."""
+    import diffusers
+    from safetensors.torch import load_file
+
+    source, adapters = cog
+    state = {k.removeprefix("transformer."): v for k, v in load_file(str(adapters["ff"])).items()}
+    folder = tmp_path / "style"
+    diffusers.CogVideoXPipeline.save_lora_weights(str(folder), transformer_lora_layers=state)
+    (folder / "optimizer.safetensors").write_bytes((folder / lora.WEIGHTS_NAME).read_bytes())  # stock skips it too
+    adapter = lora.parse(f"{folder}:0.6")
+    assert adapter == (str(folder / lora.WEIGHTS_NAME), 0.6, "transformer")
+    mine = lora.fuse(_transformer(cog_family, source), [adapter], cog_family).state_dict()
+    stock = _stock_fused(source, [(folder, 0.6)]).transformer.state_dict()
+    assert list(mine) == list(stock) and all(torch.equal(mine[k], stock[k]) for k in mine)
+    assert lora.parse_all(["style"], base=tmp_path) == (adapter._replace(scale=1.0),)  # a JSONL batch's folder
+    two = tmp_path / "two"
+    two.mkdir()
+    for name in ("a.safetensors", "b.safetensors"):
+        (two / name).write_bytes(b"")
+    _one_line_refusal(lambda: lora.parse(str(two)), "2 adapters (a.safetensors, b.safetensors); give the file")
+    _one_line_refusal(lambda: lora.parse(str(tmp_path)), "no .safetensors adapter", lora.WEIGHTS_NAME)
+
+
 @pytest.fixture(scope="module")
 def other_size():
     """A tiny CogVideoX checkpoint of another width (attention heads of 8, not the tiny preset's)."""

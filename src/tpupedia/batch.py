@@ -76,9 +76,16 @@ def read_prompts(path: str | os.PathLike) -> list[Item]:
     path = Path(path)
     if not path.is_file():
         raise BatchError(f"prompts file {str(path)!r} not found")
+    raw = path.read_bytes()
+    try:  # UTF-8 whatever the locale says (a C locale would read it as ASCII), a leading BOM dropped
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = raw[:err.start].count(b"\n") + 1
+        raise BatchError(f"{path.name} line {line}: byte {raw[err.start]:#04x} is not UTF-8; save the prompts "
+                         "file as UTF-8") from None
     items: list[Item] = []
     jsonl = path.suffix == ".jsonl"
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    for number, line in enumerate(text.splitlines(), start=1):
         text = line.strip()
         if not text or text.startswith("#"):
             continue
@@ -102,7 +109,7 @@ def read_prompts(path: str | os.PathLike) -> list[Item]:
             where = f"{path.name} line {number}: lora"
             if not all(isinstance(a, str) for a in entry["lora"]):
                 raise BatchError(f"{where} {entry['lora']!r} must be a list of \"{lora.FORMAT}\" strings")
-            entry["lora"] = tuple(a._replace(path=str(path.parent / a.path)) for a in lora.parse_all(entry["lora"], where))
+            entry["lora"] = lora.parse_all(entry["lora"], where, base=path.parent)
         overrides = tuple(sorted((k, v) for k, v in entry.items() if k != "prompt"))
         items.append(Item(len(items), entry["prompt"].strip(), overrides))
     if not items:

@@ -302,7 +302,8 @@ def _add_lora_flag(parser: argparse.ArgumentParser, family: str) -> None:
     from tpupedia import lora
 
     parser.add_argument("--lora", action="append", default=None, metavar=lora.FORMAT,
-                        help="fuse a LoRA adapter (.safetensors) into the transformer's weights before they are "
+                        help="fuse a LoRA adapter (a .safetensors file, or the folder save_lora_weights wrote) into the "
+                             "transformer's weights before they are "
                              "sharded; repeatable; SCALE default 1.0, COMPONENT default transformer (transformer_2: "
                              f"a two-expert checkpoint's low-noise expert); the formats diffusers loads for {family}")
 
@@ -604,7 +605,7 @@ def _add_generate_arguments(p: argparse.ArgumentParser, spec, *, stages: bool) -
         p.add_argument("--workdir", default=None, help=f"where stage files live (default tpupedia-runs/{family})")
         p.add_argument("--out", default=None, help="write the video to this .mp4 (needs the decode stage)")
         p.add_argument("--force", action="store_true", help="rerun stages whose files are up to date")
-        p.add_argument("--prompts", default=None, help="a batch: one prompt a line, or JSONL with prompt/seed/frames/height/width/image/lora "
+        p.add_argument("--prompts", default=None, help="a batch (a UTF-8 file): one prompt a line, or JSONL with prompt/seed/frames/height/width/image/lora "
                             "(image: a picture, lora: a list of adapters, relative to the JSONL file)")
         p.add_argument("--outdir", default=None, help="with --prompts: where NNNN-slug.mp4, its JSON and index.jsonl go")
         _add_lora_flag(p, family)

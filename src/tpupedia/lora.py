@@ -35,7 +35,7 @@ from typing import Any, Iterable, NamedTuple
 from tpupedia.errors import TpupediaError
 
 __all__ = ["LoraError", "Adapter", "parse", "parse_all", "components", "check", "fuse", "settings", "sha256",
-           "fuse_bytes", "transformer_bytes", "FORMAT", "SUFFIXES"]
+           "fuse_bytes", "transformer_bytes", "weights_file", "FORMAT", "SUFFIXES", "WEIGHTS_NAME"]
 
 FORMAT = "PATH[:SCALE][@COMPONENT]"
 SUFFIXES = (".lora_A.weight", ".lora_B.weight", ".lora_B.bias")
@@ -58,10 +58,12 @@ class Adapter(NamedTuple):
     component: str = "transformer"
 
 
-def parse(text: str, where: str = "--lora") -> Adapter:
+def parse(text: str, where: str = "--lora", base: str | os.PathLike | None = None) -> Adapter:
     """`PATH[:SCALE][@COMPONENT]` as an `Adapter`: `@COMPONENT` is the text after the last `@`
     when it is a name, `:SCALE` the text after the last `:` when it is not part of a path
-    (`a.safetensors:0.8`, `a.safetensors@transformer_2`, `a.safetensors:0.5@transformer_2`)."""
+    (`a.safetensors:0.8`, `a.safetensors@transformer_2`, `a.safetensors:0.5@transformer_2`).
+    A relative PATH is taken from `base` when given (a JSONL batch's folder); a folder PATH, as
+    diffusers' `save_lora_weights` writes one, names its weights file (`weights_file`)."""
     if not isinstance(text, str) or not text.strip():
         raise LoraError(f"{where} {text!r}: give {FORMAT}, e.g. style.safetensors:0.8")
     rest, component = text.strip(), "transformer"
@@ -79,12 +81,39 @@ def parse(text: str, where: str = "--lora") -> Adapter:
         if not math.isfinite(scale):
             raise LoraError(f"{where} {text}: scale {tail!r} must be a finite number")
         rest = head
-    return Adapter(rest, scale, component)
+    if base is not None:
+        rest = os.path.join(base, rest)
+    return Adapter(weights_file(rest), scale, component)
 
 
-def parse_all(texts: Iterable[str] | None, where: str = "--lora") -> tuple[Adapter, ...]:
+def parse_all(texts: Iterable[str] | None, where: str = "--lora",
+              base: str | os.PathLike | None = None) -> tuple[Adapter, ...]:
     """Every `--lora` value, in order (`None`: no adapter)."""
-    return tuple(parse(t, where) for t in texts or ())
+    return tuple(parse(t, where, base) for t in texts or ())
+
+
+WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
+"""The file diffusers' `save_lora_weights` writes into a folder (`LORA_WEIGHT_NAME_SAFE`)."""
+
+
+def weights_file(path: str) -> str:
+    """The adapter file `path` names: itself, or for a folder the file stock `load_lora_weights`
+    reads from it (diffusers 0.42.1 `lora_base._best_guess_weight_name`): its `.safetensors`
+    files, those named for a scheduler, optimizer or checkpoint left out, `WEIGHTS_NAME`
+    preferred. Where several remain stock takes the first the folder lists, an order the file
+    system chooses: we refuse and name them instead."""
+    if not os.path.isdir(path):
+        return path
+    found = sorted(f for f in os.listdir(path) if f.endswith(".safetensors")
+                   and not any(word in f for word in ("scheduler", "optimizer", "checkpoint")))
+    if any(f.endswith(WEIGHTS_NAME) for f in found):
+        found = [f for f in found if f.endswith(WEIGHTS_NAME)]
+    if not found:
+        raise LoraError(f"LoRA {path}: a folder with no .safetensors adapter in it; give the folder diffusers' "
+                        f"save_lora_weights wrote ({WEIGHTS_NAME}) or the adapter file")
+    if len(found) > 1:
+        raise LoraError(f"LoRA {path}: a folder with {len(found)} adapters ({', '.join(found)}); give the file")
+    return os.path.join(path, found[0])
 
 
 def components(configs: dict[str, dict]) -> tuple[str, ...]:
@@ -126,7 +155,8 @@ def _check_file(adapter: Adapter) -> None:
     """The file exists and is safetensors (suffix and a readable header); never unpickled."""
     path = Path(adapter.path)
     if not path.is_file():
-        raise LoraError(f"LoRA {adapter.path}: no such file; give {FORMAT} with the path of a .safetensors adapter")
+        raise LoraError(f"LoRA {adapter.path}: no such file; give {FORMAT} with the path of a .safetensors adapter "
+                        "or of the folder diffusers' save_lora_weights wrote")
     if path.suffix != ".safetensors":
         raise LoraError(f"LoRA {adapter.path}: not a .safetensors file; only safetensors adapters are read (a pickled "
                         "checkpoint, .bin .pt .ckpt, can run code when it is loaded: convert it to safetensors)")
