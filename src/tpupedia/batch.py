@@ -78,14 +78,14 @@ def read_prompts(path: str | os.PathLike) -> list[Item]:
         raise BatchError(f"prompts file {str(path)!r} not found")
     raw = path.read_bytes()
     try:  # UTF-8 whatever the locale says (a C locale would read it as ASCII), a leading BOM dropped
-        text = raw.decode("utf-8-sig")
+        content = raw.decode("utf-8-sig")
     except UnicodeDecodeError as err:
         line = raw[:err.start].count(b"\n") + 1
         raise BatchError(f"{path.name} line {line}: byte {raw[err.start]:#04x} is not UTF-8; save the prompts "
                          "file as UTF-8") from None
     items: list[Item] = []
     jsonl = path.suffix == ".jsonl"
-    for number, line in enumerate(text.splitlines(), start=1):
+    for number, line in enumerate(content.splitlines(), start=1):
         text = line.strip()
         if not text or text.startswith("#"):
             continue
