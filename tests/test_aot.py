@@ -215,6 +215,36 @@ def test_a_kernels_key_does_not_name_the_folder_it_was_traced_from(monkeypatch):
         base64.b64decode(b) for b in re.findall(r'\\22body\\22: \\22([A-Za-z0-9+/=]+)\\22', plain.as_text()))
 
 
+@requires_libtpu
+def test_a_key_does_not_depend_on_the_last_bits_of_a_table_the_host_computed(tmp_path, monkeypatch):
+    """A scheduler's tables are computed on the host while tracing, and their last bits follow the
+    host's vector kernels: a Wan step traced here and again with PyTorch's and NumPy's portable
+    kernels differed in a few ulp of its UniPC coefficients, and so did every such key between two
+    hosts of one kind (a fresh clone there recompiled what `tests/aot-kept` holds). The key leaves
+    out the values of floating-point array constants; their shape and every scalar constant still
+    change it, and an integer table stays in it whole."""
+    import numpy as np
+
+    monkeypatch.setenv(aot.CACHE_ENV, str(tmp_path))
+    mesh = devices.topology_mesh("v6e:2x2", (4,), ("x",))
+    x = aot.abstract((4, 16), jnp.float32, NamedSharding(mesh, P("x", None)))
+    table = np.exp(-np.linspace(0.0, 3.0, 16, dtype=np.float32))
+    nudged = table.copy()
+    nudged[5] = np.nextafter(nudged[5], np.float32(1))  # one ulp: another host's exp
+
+    def key(fn):
+        return aot._cache_key(jax.jit(fn).lower(x))
+
+    here = key(lambda a: a * table + 0.5)
+    assert key(lambda a: a * nudged + 0.5) == here
+    assert key(lambda a: a * table + 0.25) != here  # a scalar constant
+    assert key(lambda a: a[:, :8] * table[:8] + 0.5) != here  # another shape
+    steps = np.arange(16, dtype=np.int32)
+    assert key(lambda a: a * steps + 0.5) != key(lambda a: a * steps[::-1] + 0.5)  # integers are kept
+    text = aot.program_text(jax.jit(lambda a: a * table + 0.5).lower(x).as_text())
+    assert "dense<ARRAY> : tensor<16xf32>" in text and "5.000000e-01" in text
+
+
 def test_prune_keeps_what_a_run_used_however_cheap(tmp_path):
     """`make test` keeps every compile its run used (`tests/conftest.py` prunes with no
     `min_seconds`): a compile that took 0.5 s here takes more on a slower host, and hundreds of

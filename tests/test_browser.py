@@ -4,7 +4,9 @@ Serves the session's one `mkdocs build --strict` of the site (`docs_build` in te
 which tests/test_docs.py checks) on 127.0.0.1 with Python's http.server, and drives the system
 Chromium (Debian's `chromium` package) through Playwright's Python API. Playwright's pip wheel
 ships its own driver, and `executable_path` points at the system browser, so nothing is
-downloaded. Screenshots go to docs/images/screenshots/, where the contributing guide shows them.
+downloaded. Screenshots go to the test session's temporary folder, so a run leaves the tree as it
+found it; `TPUPEDIA_SCREENSHOTS=docs/images/screenshots make test` refreshes the committed ones the
+contributing guide shows.
 
 Skipped, with the reason, where Chromium or Playwright is missing. `make test` installs Chromium
 with apt where it can, and a CJK font (Debian's `fonts-noto-cjk`): without one the Chinese pages
@@ -24,7 +26,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SHOTS = ROOT / "docs" / "images" / "screenshots"
+SHOTS_ENV = "TPUPEDIA_SCREENSHOTS"
+"""The folder screenshots are written to (relative to the repository); unset: the test session's
+temporary folder."""
 VIEWPORT = {"width": 1280, "height": 800}
 TIMEOUT_MS = 30_000
 
@@ -96,9 +100,19 @@ def page():
                 context.close()
 
 
-def _shot(pg, name: str) -> Path:
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    path = SHOTS / f"{name}.png"
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory) -> Path:
+    """Where this module's screenshots go (`SHOTS_ENV`)."""
+    import os
+
+    named = os.environ.get(SHOTS_ENV)
+    folder = ROOT / named if named else tmp_path_factory.mktemp("screenshots")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def _shot(pg, folder: Path, name: str) -> Path:
+    path = folder / f"{name}.png"
     pg.screenshot(path=str(path))
     try:  # keep committed screenshots small: a 256-colour palette is plenty for a docs page
         from PIL import Image
@@ -174,16 +188,16 @@ def _assert_cjk_glyphs(pg, url: str, selector: str = "article") -> None:
         )
 
 
-def test_home_page(site, page):
+def test_home_page(site, page, shots):
     base, _ = site
     page.goto(f"{base}/", wait_until="load")
     assert "gpu-tpu-pedia" in page.title()
     page.locator("article h1").first.wait_for(state="visible")
     page.locator("nav.md-nav").first.wait_for(state="visible")
-    _shot(page, "home")
+    _shot(page, shots, "home")
 
 
-def test_notebook_page_shows_stored_outputs(site, page):
+def test_notebook_page_shows_stored_outputs(site, page, shots):
     base, _ = site
     page.goto(f"{base}/notebooks/00_start_here/", wait_until="load")
     # A stored output cell (computed when the notebook was executed, never re-run by the site).
@@ -191,7 +205,7 @@ def test_notebook_page_shows_stored_outputs(site, page):
     output.wait_for(state="visible")
     output.scroll_into_view_if_needed()
     page.evaluate("window.scrollBy(0, -200)")
-    _shot(page, "notebook-00")
+    _shot(page, shots, "notebook-00")
 
 
 # Where each active link of the left navigation sits: the title of its top-level section (None for
@@ -227,7 +241,7 @@ def test_the_left_navigation_opens_the_tree_of_the_page_s_language(site, page, p
     assert ("中文" in opened) == (tree == "中文"), f"{path}: the sections open are {opened}"
 
 
-def test_chinese_home_page(site, page):
+def test_chinese_home_page(site, page, shots):
     base, site_dir = site
     candidates = [p for p in ("zh/index.html", "zh/index/index.html") if (site_dir / p).exists()]
     if not candidates:
@@ -242,10 +256,10 @@ def test_chinese_home_page(site, page):
     )
     # Chinese that renders: with no CJK font Chromium draws every character as the same box.
     _assert_cjk_glyphs(page, url.removeprefix(base) or "/")
-    _shot(page, "home-zh")
+    _shot(page, shots, "home-zh")
 
 
-def test_search_returns_results(site, page):
+def test_search_returns_results(site, page, shots):
     base, _ = site
     page.goto(f"{base}/", wait_until="load")
     # Material's search runs in a web worker; typing before the index is ready is fine, it
@@ -265,10 +279,10 @@ def test_search_returns_results(site, page):
     # docs/search_hooks.py keeps notebook code out of the index: previews show prose, not source.
     previews = " ".join(page.locator(".md-search-result__article").all_inner_texts())
     assert "Copied!" not in previews and "import numpy" not in previews, previews[:500]
-    _shot(page, "search")
+    _shot(page, shots, "search")
 
 
-def test_chinese_search_returns_a_chinese_page(site, page):
+def test_chinese_search_returns_a_chinese_page(site, page, shots):
     """A Chinese word finds the Chinese pages: the search plugin segments Chinese text with jieba
     at build time (mkdocs.yml's separator splits on the U+200B it inserts), so "分片" (sharding)
     is a word in the index, not a run of characters glued to its neighbours."""
@@ -288,4 +302,4 @@ def test_chinese_search_returns_a_chinese_page(site, page):
     assert any("\u4e00" <= ch <= "\u9fff" for ch in first), first[:300]  # a Chinese title
     marked = {m.replace("\u200b", "").strip() for m in page.locator(".md-search-result mark").all_inner_texts()} - {""}
     assert marked and all(m.startswith("分片") for m in marked), marked  # the word, not 分析 or 分组
-    _shot(page, "search-zh")
+    _shot(page, shots, "search-zh")

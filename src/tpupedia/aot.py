@@ -10,7 +10,8 @@ TPU client on a CPU host to load it back), and the TPU compiler takes tens of se
 layer of a video transformer. So `compile_aot` keeps what it read of each compile (the memory
 per chip, the compiled HLO text, the compiler's cost analysis, or the out-of-memory figures) in
 `$TPUPEDIA_AOT_CACHE` (default: `aot/` in the package's cache folder, `tpupedia.files.cache_dir`;
-`off` keeps nothing), under a key made of the lowered program's text, the devices it is
+`off` keeps nothing), under a key made of the lowered program's text (`program_text`: the values of its
+floating-point array constants, tables the host computed, left out), the devices it is
 compiled for (kind, id, coordinates), the compiler options and flags, and the versions of jax,
 jaxlib and libtpu: the same program for the same slice with the same compiler gives the same
 answer, and any change to the program is a new key. A second `tpupedia plan` of the same run,
@@ -55,6 +56,7 @@ __all__ = [
     "CACHE_ENV",
     "CachedCompile",
     "prune",
+    "program_text",
 ]
 
 CACHE_ENV = "TPUPEDIA_AOT_CACHE"
@@ -406,11 +408,33 @@ def _cache_folder() -> str | None:
     return folder or str(files.cache_dir() / "aot")
 
 
+# A floating-point array constant in a lowered program: `dense<[...]>` or hex `dense<"0x...">`
+# followed by its type, whose element type is a float (f16, bf16, f32, f64). Scalars and splats
+# (`dense<1.000000e+00>`) are not matched.
+_FLOAT_ARRAY = re.compile(r'dense<(?:\[[^<>]*\]|"0x[0-9A-Fa-f]+")>(\s*:\s*tensor<[^<>]*x(?:bf16|f\d+\w*)>)')
+
+
+def program_text(text: str) -> str:
+    """A lowered program's text as the kept results' key reads it: each floating-point array
+    constant's values replaced by `ARRAY`, its shape and dtype kept.
+
+    Such constants are tables the host computed while tracing (a scheduler's sigmas and
+    coefficients, RoPE frequencies), and their last bits depend on the host's vector kernels:
+    the same Wan step traced with PyTorch's and NumPy's AVX2 kernels and again with their
+    portable ones differs in a few ulp of its UniPC tables (-0.00722592743 against
+    -0.00722592836), which made the key of every such compile differ between two hosts of one
+    kind, so a fresh clone recompiled them. Their values change neither the memory a program
+    needs nor how it is sharded, which is what a kept compile answers; a scalar constant, a shape
+    or a dtype still changes the key."""
+    return _FLOAT_ARRAY.sub(r"dense<ARRAY>\1", text)
+
+
 def _cache_key(lowered: Any) -> str | None:
-    """The key of a compile in the kept results (`_cache_folder`): the lowered program, the TPU
-    devices it is compiled for (kind, id, coordinates, process), the compiler options, the flags that
-    reach the TPU compiler (`_tpu_flags`),
-    and the compiler's versions; None when nothing is kept or the program is not for TPU devices."""
+    """The key of a compile in the kept results (`_cache_folder`): the lowered program with its
+    floating-point array constants' values left out (`program_text`), the TPU devices it is
+    compiled for (kind, id, coordinates, process), the compiler options, the flags that reach the
+    TPU compiler (`_tpu_flags`), and the compiler's versions; None when nothing is kept or the
+    program is not for TPU devices."""
     if _cache_folder() is None:
         return None
     chips = _tpu_devices(lowered)
@@ -421,7 +445,7 @@ def _cache_key(lowered: Any) -> str | None:
     options = repr(getattr(getattr(lowered, "_lowering", None), "_compiler_options_kvs", ()))
     flags = " ".join(f"{k}={_tpu_flags(os.environ.get(k, ''))}" for k in ("LIBTPU_INIT_ARGS", "XLA_FLAGS"))
     digest = hashlib.sha256()
-    for part in (_versions(), "\n".join(where), options, flags, lowered.as_text()):
+    for part in (_versions(), "\n".join(where), options, flags, program_text(lowered.as_text())):
         digest.update(part.encode())
         digest.update(b"\0")
     return digest.hexdigest()
