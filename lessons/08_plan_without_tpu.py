@@ -665,8 +665,10 @@ one_chip_peaks = {st["stage"]: st["peak"] for st in one_chip["stages"]}
 assert weights_2b["text"] <= one_chip_peaks["text"] < 1.1 * weights_2b["text"]  # the text peak is its weights
 
 # %% [markdown]
-# On a TPU VM, `tpupedia generate --preset full` runs these checks itself, before it loads any
-# weight, on the VM's own chips (`plan.preflight`). It compiles one layer per model, caches the
+# On a TPU VM every full-size run checks its plan itself, before it loads any weight, on the VM's
+# own chips (`plan.preflight`): `tpupedia generate --preset full`, and a notebook's or a script's
+# `pipeline.run`, `run_batch` or the stage methods of a pipeline built by hand
+# (`pipelines.common.check_plan`). It compiles one layer per model, caches the
 # answer per shape, and refuses a run that will not fit in one line. It also decides VAE tiling
 # (`--vae-tiling auto`): on only when the untiled decode does not fit one chip. What a one-layer
 # plan cannot prove is the full depth's temporaries. Layers run one after another and reuse most

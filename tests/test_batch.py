@@ -169,23 +169,37 @@ def test_the_processes_of_a_job_each_append_to_their_own_index_and_process_0_mer
     assert batch.manifest(out) == lines
 
 
-def test_a_batchs_checks_read_the_checkpoints_configs_once(monkeypatch):
-    """The full-size pre-run check of every line of a batch on one checkpoint reads its configs
-    from the Hub once, not once per line (thousands of requests; one rate-limit answer ends it)."""
-    import argparse
+def test_a_batchs_checks_read_the_checkpoints_configs_once(tmp_path, monkeypatch):
+    """The full-size pre-run check of every line of a batch on one checkpoint (`run_batch`, as
+    `tpupedia generate --prompts` calls it) reads its configs from the Hub once, not once per line
+    (thousands of requests; one rate-limit answer ends it), and plans each line with them for one
+    process's own chips, models resident; a line that will not fit refuses the batch, naming it,
+    before anything is built."""
+    import jax
 
-    from tpupedia import cli, plan
+    from tpupedia import plan
+    from tpupedia.errors import TpupediaError
     from tpupedia.pipelines import cogvideox
 
-    family, reads = cogvideox.PIPELINE.family, []
-    monkeypatch.setattr(family, "component_configs", lambda source: reads.append(source) or {"read": source})
+    family, reads, planned = cogvideox.PIPELINE.family, [], []
+    configs = family.full_configs()
+    monkeypatch.setattr(family, "component_configs", lambda source: reads.append(source) or configs)
     monkeypatch.setattr(cogvideox.PIPELINE, "source", classmethod(lambda cls, preset, model, request:
                                                                   (family.FULL_ID, family.FULL_ID)))  # no Hub here
-    monkeypatch.setattr(plan, "preflight", lambda name, request, options, configs, *a, **k: (request, configs))
-    args = argparse.Namespace(no_plan=False, prompts="p.txt", model_family="cogvideox", model=None, vae_tiling="auto",
-                              quiet=True)
-    check = cli._preflight(args, family, presets.get("full"), cogvideox.Options(), None)
-    base = cogvideox.Request(prompt="-", frames=9, height=32, width=32, steps=2, seed=3)
-    checked = [check(dataclasses.replace(base, prompt=f"prompt {i}", seed=i)) for i in range(5)]
+
+    def preflight(name, request, options, got, run_devices, **kwargs):
+        planned.append((request.seed, got is configs, len(run_devices), kwargs["resident"]))
+        if len(planned) == 5:
+            raise plan.PlanError("cogvideox will not fit: stage decode needs 40.00 GiB")
+        return request
+
+    monkeypatch.setattr(plan, "preflight", preflight)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"prompt {i}", "seed": i}) for i in range(5)))
+    base = cogvideox.Request(prompt="-", **family.default_request(presets.get("full")))
+    with pytest.raises(TpupediaError, match=r"prompt 4 \('prompt 4'\): cogvideox will not fit"):
+        cogvideox.run_batch(prompts, base, cogvideox.Options(), preset=presets.get("full"), outdir=tmp_path / "out",
+                            log=lambda _: None)
     assert reads == [family.FULL_ID]
-    assert all(configs == {"read": family.FULL_ID} for _, configs in checked)
+    assert planned == [(i, True, len(jax.local_devices()), True) for i in range(5)]
+    assert not (tmp_path / "out" / ".stages").exists()  # nothing was built or run

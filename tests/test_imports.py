@@ -58,8 +58,8 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 LAYERS = (
     ("tpupedia.cli",),
-    ("tpupedia.plan", "tpupedia.tune", "tpupedia.bench", "tpupedia.doctor", "tpupedia.figures", "tpupedia.diagrams"),
-    ("tpupedia.pipelines", "tpupedia.dryrun", "tpupedia.predict", "tpupedia.llm"),
+    ("tpupedia.tune", "tpupedia.bench", "tpupedia.doctor", "tpupedia.figures", "tpupedia.diagrams"),
+    ("tpupedia.pipelines", "tpupedia.plan", "tpupedia.dryrun", "tpupedia.predict", "tpupedia.llm"),
     ("tpupedia.families",),
     ("tpupedia.models",),
     ("tpupedia.sharding", "tpupedia.attention", "tpupedia.torchax_utils", "tpupedia.compat", "tpupedia.aot",
@@ -68,8 +68,9 @@ LAYERS = (
      "tpupedia.files", "tpupedia.metrics", "tpupedia.lora", "tpupedia.traces", "tpupedia.errors"),
 )
 """The package's layers, top first (DESIGN.md's module map): the command line; the tools built on
-runs (plan, benchmarks, doctor, the docs' figures and diagrams); the pipelines, the dry-run and the LLM loader;
-the family registry; the family modules; the core every layer uses. A module imports its own
+runs (benchmarks, tuning, doctor, the docs' figures and diagrams); the pipelines with the plan
+they check before they load (every way in plans: `run`, `run_batch`, the stage methods), the
+dry-run and the LLM loader; the family registry; the family modules; the core every layer uses. A module imports its own
 layer and those below, never one above, at the top of the file or inside a function."""
 
 
@@ -89,6 +90,7 @@ def test_no_module_imports_a_layer_above_its_own():
 
 def test_the_layer_check_sees_an_upward_import():
     assert _layer("tpupedia.models.cogvideox") > _layer("tpupedia.families") > _layer("tpupedia.pipelines.common")
+    assert _layer("tpupedia.plan") == _layer("tpupedia.pipelines.common") > _layer("tpupedia.bench")
     assert _layer("tpupedia.files") == len(LAYERS) - 1
 
 

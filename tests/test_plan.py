@@ -229,7 +229,7 @@ def test_a_named_checkpoint_runs_on_the_machines_devices_and_is_planned_against_
     monkeypatch.setenv("TPUPEDIA_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(devices_module, "simulate_cpu_devices", lambda n: pytest.fail("simulated devices"))
     monkeypatch.setattr(hardware, "host_memory_available", lambda: 2**20)  # 1 MiB
-    monkeypatch.setattr("tpupedia.pipelines.cogvideox.run", lambda *a, **k: pytest.fail("weights loaded"))
+    monkeypatch.setattr("tpupedia.pipelines.common.run_stages", lambda *a, **k: pytest.fail("weights loaded"))
     argv = ["generate", "cogvideox", "--model", str(checkpoint), "--prompt", "a cat", "--frames", "9",
             "--compilation-cache", "off", "--workdir", str(tmp_path / "run")]
     assert main(argv) == 2
@@ -244,9 +244,11 @@ def test_a_named_checkpoint_runs_on_the_machines_devices_and_is_planned_against_
 
 
 def test_generate_full_runs_the_preflight_before_loading(tmp_path, monkeypatch, capsys):
-    """The CLI wiring: with the full preset, `generate` asks `plan.preflight` after validating the
-    request and before any model loads; its refusal is one line and exit 2. `--no-plan` skips it."""
+    """The CLI wiring: with the full preset, `generate` runs `pipeline.run`, which asks
+    `plan.preflight` after validating the request and before any model loads; its refusal is one
+    line and exit 2. `--no-plan` skips it."""
     from tpupedia.models import cogvideox
+    from tpupedia.pipelines import common
 
     checkpoint = cogvideox.tiny_checkpoint(tmp_path / "ckpt")
     monkeypatch.setenv("TPUPEDIA_PRESET", "full")
@@ -261,7 +263,7 @@ def test_generate_full_runs_the_preflight_before_loading(tmp_path, monkeypatch, 
         raise AssertionError("weights loaded before the preflight")
 
     monkeypatch.setattr(plan, "preflight", refuse)
-    monkeypatch.setattr("tpupedia.pipelines.cogvideox.run", no_load)
+    monkeypatch.setattr(common, "run_stages", no_load)
     argv = ["generate", "cogvideox", "--model", str(checkpoint), "--prompt", "a cat", "--frames", "9",
             "--compilation-cache", "off", "--workdir", str(tmp_path / "run")]
     assert main(argv) == 2

@@ -231,14 +231,16 @@ def _pipeline_key(record: dict[str, Any]) -> tuple:
 
 
 def bench_generate(family: str, preset: Any, request: Any, options: Any, model: str | None = None,
-                   stock: bool | None = None, command: str | None = None) -> dict[str, Any]:
+                   stock: bool | None = None, command: str | None = None, plan: str = "auto",
+                   vae_tiling: str | None = None) -> dict[str, Any]:
     """Run the three stages of `family` (`tpupedia.pipelines.<family>`) once, in a temporary work
     directory, and return a results record with each stage's first-call and steady timings, the
     whole run's wall time and where it ran. With `stock` (the default where the checkpoint is a
     tiny one: a stock pipeline runs on the host), the family's stock diffusers pipeline then runs
     the same request from the same checkpoint in the same process (`stock_steps`), and the record
     gives the ratio of the two steady step times (below 1: the compiled step is faster).
-    `command` is recorded as the command that made the record. Introduced with notebook `cogvideox_pipeline`, used by notebooks `hunyuan_video` and `wan_on_tpu`; `tpupedia bench generate FAMILY`
+    `command` is recorded as the command that made the record; `plan` and `vae_tiling` are the
+    run's (`tpupedia.pipelines.common.run`). Introduced with notebook `cogvideox_pipeline`, used by notebooks `hunyuan_video` and `wan_on_tpu`; `tpupedia bench generate FAMILY`
     writes the record."""
     import importlib
     import tempfile
@@ -251,7 +253,7 @@ def bench_generate(family: str, preset: Any, request: Any, options: Any, model: 
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="tpupedia-bench-") as workdir:
         reports = pipeline.run(request, options, preset=preset, model=model, workdir=workdir, force=True,
-                               log=lambda _: None)
+                               log=lambda _: None, plan=plan, vae_tiling=vae_tiling)
     total = time.perf_counter() - start
     timings = {r.stage: r.timings for r in reports}
     source = spec.facts.model_source(preset, model)[0]
@@ -324,13 +326,15 @@ def _pipeline_config(pipeline: Any, preset: Any, request: Any, options: Any, mod
 
 
 def bench_stepcache(family: str, preset: Any, request: Any, options: Any, model: str | None = None, *,
-                    bench: str = "stepcache") -> dict[str, Any]:
+                    bench: str = "stepcache", plan: str = "auto",
+                    vae_tiling: str | None = None) -> dict[str, Any]:
     """Video family `family` twice from the same seed, without and with its step cache
     (`request.step_cache`, or HunyuanVideo-1.5's `request.deepcache`): the steps run in full (a
     threshold's from its calibration pass, whose time is recorded apart), the denoising time (each
     program's first call left out, the per-step mean scaled to all steps), the speed-up against
     the bound the two compiled programs' FLOPs allow (`step_cache_bound`), and PSNR/SSIM of the
-    cached video against the uncached one. Notebooks `hunyuan_tuning_and_i2v` (DeepCache) and
+    cached video against the uncached one; `plan` and `vae_tiling` are each run's
+    (`tpupedia.pipelines.common.run`). Notebooks `hunyuan_tuning_and_i2v` (DeepCache) and
     `fewer_steps`; `tpupedia bench stepcache FAMILY --step-cache SPEC` writes the record."""
     import dataclasses
     import importlib
@@ -352,7 +356,8 @@ def bench_stepcache(family: str, preset: Any, request: Any, options: Any, model:
     for name, value in (("plain", None), ("cached", cache)):
         with tempfile.TemporaryDirectory(prefix="tpupedia-bench-") as workdir, common.step_times():
             reports = pipeline.run(dataclasses.replace(request, **{field_name: value}), options, preset=preset,
-                                   model=model, workdir=workdir, force=True, log=lambda _: None)
+                                   model=model, workdir=workdir, force=True, log=lambda _: None, plan=plan,
+                                   vae_tiling=vae_tiling)
             frames = load_file(f"{workdir}/decode.safetensors")["frames"]
         timings = {r.stage: r.timings for r in reports}["denoise"]
         full = set(timings.get("full_steps", range(request.steps)))

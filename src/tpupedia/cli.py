@@ -439,44 +439,17 @@ def _generate_setup(args: argparse.Namespace):
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     session.quiet(downloads=preset.pretrained)  # a first full-size download shows its progress
-    check = _preflight(args, family, preset, options, configs)
-    if check is not None and not getattr(args, "prompts", None):
-        request = check(request)  # a batch checks each of its requests (`run_batch(prepare=...)`)
-    return preset, pipeline, request, options, check
+    return preset, pipeline, request, options, _plan_choice(args, family, preset)
 
 
-def _preflight(args: argparse.Namespace, family, preset, options, configs):
-    """For a full-size run or a named checkpoint, `request -> request`: the plan's checks
-    (`plan.preflight`: a TPU's HBM, or on CPU devices the host's memory; cached per shape) before
-    any weight loads, VAE tiling resolved; otherwise `None`. A batch plans each request for one
-    process's own chips, models resident; one video for the job's."""
+def _plan_choice(args: argparse.Namespace, family, preset) -> str:
+    """The run's `plan` (`tpupedia.pipelines.common.PLAN`): `off` with `--no-plan`; `on` for a
+    full-size preset or a checkpoint the user named (of any size, so planned on the tiny preset
+    too: a TPU's HBM, or on CPU devices the host's memory); else `off`, the tiny preset's own
+    models, seconds and megabytes. The run checks its plan itself before anything loads."""
     if args.no_plan or not (preset.pretrained or _named(args, family)):
-        return None  # the tiny preset's own models: seconds and megabytes
-    import jax
-
-    from tpupedia import plan
-    from tpupedia.models import checkpoints
-    from tpupedia.pipelines import common
-
-    batch = bool(getattr(args, "prompts", None))
-    chips = jax.local_devices() if batch else jax.devices()
-    dtype = str(common.torch_dtype(options, preset)).removeprefix("torch.")
-    pipeline_cls = _pipeline_module(args.model_family).PIPELINE
-
-    read: dict[str, dict] = {}  # by checkpoint: a batch of thousands of lines reads its configs once
-
-    def check(request):  # the configs of the checkpoint this request loads (image-to-video picks its own)
-        the_configs = configs
-        if the_configs is None:
-            source = pipeline_cls.source(preset, args.model, request)[0]
-            if source not in read:
-                read[source] = family.component_configs(source)
-            the_configs = read[source]
-        return plan.preflight(args.model_family, request, options, the_configs, chips,
-                              cache_dir=checkpoints.cache_dir() / "plans", tiling=args.vae_tiling, resident=batch,
-                              dtype=dtype, log=(lambda _: None) if args.quiet else print)
-
-    return check
+        return "off"
+    return "on"
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -489,24 +462,27 @@ def _generate(args: argparse.Namespace) -> int:
         from tpupedia import video
 
         video.check_encoder()
-    preset, pipeline, request, options, check = _generate_setup(args)
+    preset, pipeline, request, options, plan = _generate_setup(args)
     if args.prompts is not None:
         pipeline.run_batch(args.prompts, request, options, preset=preset, outdir=args.outdir, model=args.model,
-                           force=args.force, prepare=check, log=(lambda _: None) if args.quiet else print)
+                           force=args.force, plan=plan, vae_tiling=args.vae_tiling,
+                           log=(lambda _: None) if args.quiet else print)
         return 0
     pipeline.run(request, options, preset=preset, model=args.model, stage=args.stage,
                  workdir=args.workdir or f"tpupedia-runs/{args.model_family}", out=args.out, force=args.force,
-                 command="tpupedia " + shlex.join(args.argv), log=(lambda _: None) if args.quiet else print)
+                 command="tpupedia " + shlex.join(args.argv), log=(lambda _: None) if args.quiet else print,
+                 plan=plan, vae_tiling=args.vae_tiling)
     return 0
 
 
 def _bench_generate(args: argparse.Namespace) -> int:
     from tpupedia import bench
 
-    preset, pipeline, request, options, _ = _generate_setup(args)
+    preset, pipeline, request, options, plan = _generate_setup(args)
     record = bench.bench_generate(args.model_family, preset, request, options, model=args.model,
                                   stock={"auto": None, "on": True, "off": False}[args.stock],
-                                  command="tpupedia " + shlex.join(args.argv))
+                                  command="tpupedia " + shlex.join(args.argv), plan=plan,
+                                  vae_tiling=args.vae_tiling)
     path = bench.merge_record(record, args.output, key=bench._pipeline_key)
     m = record["machine"]
     print(f"generate {args.model_family} on {m['device_kind']} x{m['devices']} ({m['cpu_count']} CPUs): "
@@ -557,8 +533,9 @@ def _bench_stepcache(args: argparse.Namespace, name: str = "stepcache") -> int:
     if name == "stepcache" and args.step_cache is None:
         raise CommandLineError(f"bench stepcache {args.model_family}: give --step-cache SPEC "
                                "(e.g. fbcache:0.05, magcache:0.06@cal.json, deepcache:11:45:4)")
-    preset, pipeline, request, options, _ = _generate_setup(args)
-    record = bench.bench_stepcache(args.model_family, preset, request, options, model=args.model, bench=name)
+    preset, pipeline, request, options, plan = _generate_setup(args)
+    record = bench.bench_stepcache(args.model_family, preset, request, options, model=args.model, bench=name,
+                                   plan=plan, vae_tiling=args.vae_tiling)
     path = bench.merge_record(record, args.output, key=bench._pipeline_key)
     r = record["result"]
     calibration = f" after a {r['calibration_s']:.1f} s calibration pass" if r["calibration_s"] is not None else ""

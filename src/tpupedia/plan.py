@@ -374,9 +374,7 @@ def make(family: str, request: Any, options: Any, *, model: str | None = None, c
     else:
         name, chips = f"{len(run_devices)} x {run_devices[0].device_kind}", len(run_devices)
     pipe_cls.validate(request, options, chips, configs)
-    from tpupedia.pipelines import common
-
-    shape = common.mesh_shape(options, chips, pipe_cls.guidance_batch(request, configs))
+    shape = pipe_cls.run_mesh_shape(request, options, chips, configs)
     mesh = (devices.topology_mesh(topo, shape, ("dp", "tp")) if run_devices is None
             else devices.make_mesh(shape, ("dp", "tp"), devices=list(run_devices)))
     pipe = _abstract_pipeline(pipe_cls, configs, mesh, options, dtype, layers)
@@ -462,7 +460,9 @@ def make(family: str, request: Any, options: Any, *, model: str | None = None, c
                for s in STAGES if s in costs]
     r = request
     cache = getattr(r, "step_cache", None) or getattr(r, "deepcache", None)  # a family's own DeepCache flag too
-    backend = common.attention_backend(options.attention, mesh)
+    from tpupedia import attention as kernels
+
+    backend = kernels.resolve_backend(options.attention, mesh.devices.flat[0].platform)
     attention = backend + (f" {'/'.join(map(str, pipe.block_sizes))}" if backend == "splash" else "")
     return Plan(family=family, checkpoint=model, topology=name, chips=chips, mesh=dict(mesh.shape),
                 request={"width": r.width, "height": r.height, "frames": r.frames, "steps": r.steps,
@@ -587,11 +587,11 @@ def _deepen(costs: list[ProgramCost], deeper: list[aot.Program], configs: dict[s
     built `layers + 1` deep; a component with no more layers than `layers` keeps its figures,
     and a program whose deeper twin cannot be matched loses its prediction."""
     from tpupedia import predict
-    from tpupedia.pipelines import common
+    from tpupedia.models import checkpoints
 
     matched = len(costs) == len(deeper)
     for cost, program in zip(costs, deeper):
-        full = common.depth(configs.get(cost.component, {})) if cost.component else None
+        full = checkpoints.depth(configs.get(cost.component, {})) if cost.component else None
         if cost.work is None or full is None or full <= layers:
             continue
         more = _compiled(program, {}, timing) if matched else None
@@ -613,7 +613,7 @@ def _preflight_key(family: str, request: Any, options: Any, configs: dict, run_d
     import jax
 
     from tpupedia import results
-    from tpupedia.pipelines import common, stages
+    from tpupedia.pipelines import stages
 
     request = _resolved(_pipeline_module(family), request, configs)
     fields = {k: v for k, v in dataclasses.asdict(request).items()
@@ -623,7 +623,7 @@ def _preflight_key(family: str, request: Any, options: Any, configs: dict, run_d
     quotes = any(q in p for p in (request.prompt, request.negative_prompt) for q in "\"'\u201c\u201d\u2018\u2019")
     return stages.fingerprint({
         "family": family, "request": fields, "quotes": quotes, "options": dataclasses.asdict(options) | {"quiet": None},
-        "configs": {k: common.config_fingerprint(c) for k, c in configs.items()},
+        "configs": {k: stages.config_fingerprint(c) for k, c in configs.items()},
         "devices": [len(run_devices), run_devices[0].device_kind, jax.process_count()], "tiling": tiling,
         "resident": resident, "dtype": dtype, "layers": PREFLIGHT_LAYERS,
         "versions": [results.version("jax"), results.version("libtpu") if devices.has_libtpu() else None,
@@ -633,7 +633,9 @@ def _preflight_key(family: str, request: Any, options: Any, configs: dict, run_d
 def preflight(family: str, request: Any, options: Any, configs: dict[str, dict], run_devices: Sequence[Any], *,
               cache_dir: Any, tiling: str = "auto", resident: bool = False, dtype: str = "bfloat16",
               log: Any = print) -> Any:
-    """The plan's checks before a full-size run loads any weights (`tpupedia generate --preset full`).
+    """The plan's checks before a full-size run loads any weights: every way in calls it through
+    `tpupedia.pipelines.common.check_plan` (`run`, `run_batch`, a hand-built pipeline's stage
+    methods, and so `tpupedia generate --preset full`).
 
     On TPU devices, compile every program of the run for `run_devices` (the run's own chips) with
     `PREFLIGHT_LAYERS` layers per model (`make`), and raise `PlanError` naming the stage and the

@@ -21,7 +21,19 @@ from tpupedia.errors import TpupediaError
 from tpupedia.files import cache_dir
 
 __all__ = ["CheckpointError", "cache_dir", "cached_pipeline", "clean_config", "choose_source", "named_source", "check_source",
-           "source_label", "read_configs", "config_file", "hub_unreachable", "load_component", "check_loading_info"]
+           "source_label", "read_configs", "config_file", "hub_unreachable", "load_component", "check_loading_info",
+           "DEPTH_FIELDS", "depth"]
+
+
+DEPTH_FIELDS = ("num_layers", "num_hidden_layers")
+"""The config fields that give a component's depth (diffusers', transformers'): a plan's shallow
+model sets them to its `layers`."""
+
+
+def depth(config: dict) -> int | None:
+    """A component's number of layers from its config (`DEPTH_FIELDS`), `None` for one without
+    (a VAE)."""
+    return next((int(config[k]) for k in DEPTH_FIELDS if isinstance(config.get(k), int)), None)
 
 
 class CheckpointError(TpupediaError, ValueError):

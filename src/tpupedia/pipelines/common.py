@@ -29,27 +29,18 @@ from typing import Any, Callable, ClassVar
 from tpupedia import lora as lora_adapters
 from tpupedia.devices import default_mesh_shape
 from tpupedia.errors import TpupediaError
+from tpupedia.models.checkpoints import DEPTH_FIELDS, depth
 from tpupedia.pipelines import stages
+from tpupedia.pipelines.stages import config_fingerprint
 
 __all__ = ["PipelineError", "Request", "Options", "validate", "mesh_shape", "check_workdir", "SEED_LIMIT", "parse_mesh", "default_mesh_shape", "StageReport",
-           "StagedPipeline", "run", "run_batch", "attention_backend", "torch_dtype", "to_jax_array", "to_torch",
+           "StagedPipeline", "run", "run_batch", "PLAN", "plans", "check_plan", "attention_backend", "torch_dtype", "to_jax_array", "to_torch",
            "timed", "load_stock", "step_times", "denoise_loop", "STAGE_INPUTS", "request_stages", "batch_requests", "stage_settings", "config_fingerprint", "ATTENTION", "DTYPES", "SHARDINGS",
            "DEPTH_FIELDS", "depth"]
 
 ATTENTION = ("auto", "splash", "reference")
 DTYPES = ("auto", "bfloat16", "float32")
 SHARDINGS = ("tp", "fsdp", "replicated")
-DEPTH_FIELDS = ("num_layers", "num_hidden_layers")
-"""The config fields that give a component's depth (diffusers', transformers'): a plan's shallow
-model sets them to its `layers`."""
-
-
-def depth(config: dict) -> int | None:
-    """A component's number of layers from its config (`DEPTH_FIELDS`), `None` for one without
-    (a VAE)."""
-    return next((int(config[k]) for k in DEPTH_FIELDS if isinstance(config.get(k), int)), None)
-
-
 class PipelineError(TpupediaError, ValueError):
     """A generation request that cannot run: bad sizes, frames, prompt, mesh or option."""
 
@@ -153,6 +144,41 @@ def mesh_shape(options: Options, device_count: int, guidance_batch: int) -> tupl
     return default_mesh_shape(device_count)
 
 
+PLAN = ("auto", "on", "off")
+"""When a run checks its plan before loading (`check_plan`): `auto` under a full-size preset
+(`preset.pretrained`; the tiny preset keeps its seconds), `on` always (what `tpupedia generate`
+asks for a checkpoint it was given, which may be of any size), `off` never (`--no-plan`)."""
+
+
+def plans(plan: str, preset: Any) -> bool:
+    """Whether a run under `preset` checks its plan (`PLAN`), or a `PipelineError` naming a bad
+    `plan`."""
+    if plan not in PLAN:
+        raise PipelineError(f"plan={plan!r} is not one of {', '.join(PLAN)}")
+    return plan == "on" or (plan == "auto" and bool(getattr(preset, "pretrained", False)))
+
+
+def check_plan(pipeline_cls: type[StagedPipeline], request: Request, options: Options, configs: dict[str, dict],
+               run_devices: list, dtype: Any, *, tiling: str | None = None, resident: bool = False,
+               log: Callable[[str], None] = print) -> Request:
+    """`request` as the plan resolves it for `run_devices`, before any weight loads: every
+    program of the run compiled one layer deep (`tpupedia.plan.preflight`, notebook
+    `plan_without_tpu`; cached per shape), a run that will not fit refused with the stage and the
+    fix (`tpupedia.plan.PlanError`), the VAE tiling switched on when the untiled decode does not
+    fit and, for a family whose stock VAE is float32 (Wan), the VAE's dtype lowered only when
+    float32 does not fit; both said in the log. `tiling`: `auto`, `on` or `off` (default: `on`
+    for a request that asks for tiling, else `auto`). Every way in calls this: `run`,
+    `run_batch` (each request, models `resident`), the stage methods of a pipeline built by
+    hand (`StagedPipeline.planned`) and so `tpupedia generate`."""
+    from tpupedia import plan
+    from tpupedia.models import checkpoints
+
+    return plan.preflight(pipeline_cls.family.SPEC.name, request, options, configs, list(run_devices),
+                          cache_dir=checkpoints.cache_dir() / "plans",
+                          tiling=tiling or ("on" if request.vae_tiling else "auto"), resident=resident,
+                          dtype=str(dtype).removeprefix("torch."), log=log)
+
+
 def check_workdir(path: str | Path, flag: str = "--workdir") -> Path:
     """`path` created if missing and writable, or a `PipelineError` naming it (before any model loads)."""
     import os
@@ -202,10 +228,6 @@ def stage_settings(family_name: str, stage: str, source_label: str, configs: dic
             out["frames"] = request.frames
     return out
 
-
-def config_fingerprint(config: dict) -> str:
-    """A component config's fingerprint, private (`_`-prefixed) entries left out."""
-    return stages.fingerprint({k: v for k, v in dict(config).items() if not k.startswith("_")})
 
 
 @dataclass
@@ -300,6 +322,9 @@ class StagedPipeline:
     Subclasses set `family` (the model module) and `vaes`, and implement `settings_for`,
     `_encode_text`, `_denoise` and `_decode`. Components load only when a stage needs them
     (`from_pretrained`, safetensors only), so running `denoise` alone never loads a text encoder.
+    Under a full-size preset each stage method checks its request's plan first (`planned`), so a
+    pipeline built by hand, as the notebooks build them, refuses a run that will not fit before it
+    loads a weight, and decodes tiled where the untiled decode does not fit.
     """
 
     family: ClassVar[Any]
@@ -345,6 +370,29 @@ class StagedPipeline:
         self.adapters: tuple[lora_adapters.Adapter, ...] = ()
         """The LoRA adapters fused into the transformers the denoise stage holds (`Request.lora`):
         another set means other weights, so `denoise` releases what that stage holds first."""
+        self.plan = "auto"
+        """Whether the stage methods check a request's plan before they load anything (`PLAN`;
+        `auto`: under a full-size preset, `tpupedia.presets.current()`): a pipeline a notebook
+        builds by hand plans as `run` does. `run` and `run_batch` plan before they build their
+        pipeline and set this to `off`."""
+        self._planned: list[tuple[Request, Request]] = []  # (asked, as planned), once per request
+
+    def planned(self, request: Request) -> Request:
+        """`request` as its plan resolves it on this pipeline's mesh (`check_plan`: refused if it
+        will not fit, the VAE tiling and dtype resolved), planned once per request; `request`
+        itself where this pipeline does not plan (`plan`; `abstract`, a plan's own pipeline)."""
+        from tpupedia import presets
+
+        if self.abstract or not plans(self.plan, presets.current()):
+            return request
+        for asked, resolved in self._planned:
+            if request in (asked, resolved):
+                return resolved
+        options = dataclasses.replace(self.options, mesh=tuple(self.mesh.shape.get(a, 1) for a in ("dp", "tp")))
+        resolved = check_plan(type(self), request, options, self.configs, list(self.mesh.devices.flat), self.dtype,
+                              resident=self.resident, log=(lambda _: None) if self.options.quiet else print)
+        self._planned.append((request, resolved))
+        return resolved
 
     def held(self, stage: str, key: Any, build: Callable[[], Any]) -> Any:
         """What `build()` returns (a placed model, a compiled program), built once for `(stage,
@@ -437,6 +485,13 @@ class StagedPipeline:
         """Samples each transformer call carries: 2 with classifier-free guidance, else 1 (`None`:
         unknown without the checkpoint's `configs`)."""
         return 2 if request.guidance is not None and request.guidance > 1.0 else 1
+
+    @classmethod
+    def run_mesh_shape(cls, request: Request, options: Options, device_count: int,
+                       configs: dict[str, dict] | None = None) -> tuple[int, int]:
+        """`(dp, tp)` for `request` on `device_count` devices (`mesh_shape` with this family's
+        `guidance_batch`): what a run and its plan both build their mesh from."""
+        return mesh_shape(options, device_count, cls.guidance_batch(request, configs))
 
     def _precision(self):
         import jax
@@ -545,6 +600,7 @@ class StagedPipeline:
     # even when it fails, frees the models it loaded, unless the pipeline is `resident`.
     def encode_text(self, request: Request) -> tuple[dict, dict]:
         """Stage 1: the prompt's embeddings, `(tensors, timings)`."""
+        request = self.planned(request)
         with self._freeing("text"):
             return self._encode_text(request)
 
@@ -597,12 +653,14 @@ class StagedPipeline:
 
     def encode_image(self, request: Request) -> tuple[dict, dict]:
         """Image-to-video's stage: the picture encoded as the denoiser's condition, `(tensors, timings)`."""
+        request = self.planned(request)
         with self._freeing("image"):
             return self._encode_image(request)
 
     def denoise(self, request: Request, embeds: dict, on_step=None) -> tuple[dict, dict]:
         """Stage 2: the denoised latents from stage 1's embeddings (and the `image` stage's
         condition, for image-to-video), `(tensors, timings)`."""
+        request = self.planned(request)
         if tuple(request.lora) != self.adapters:  # fused weights: another adapter set is another transformer
             self.release("denoise", force=True)
             self.adapters = tuple(request.lora)
@@ -611,6 +669,7 @@ class StagedPipeline:
 
     def decode(self, request: Request, latents) -> tuple[dict, dict]:
         """Stage 3: frames from stage 2's latents, `(tensors, timings)`."""
+        request = self.planned(request)
         with self._freeing("decode"):
             return self._decode(request, latents)
 
@@ -748,11 +807,14 @@ def request_stages(request: Request) -> tuple[str, ...]:
 def run(pipeline_cls: type[StagedPipeline], request: Request, options: Options, *, preset: Any,
         model: str | None = None, stage: str = "all", workdir: str | Path | None = None,
         out: str | Path | None = None, force: bool = False, command: str = "", log: Callable[[str], None] = print,
-        collective: bool = True) -> list[StageReport]:
+        collective: bool = True, plan: str = "auto", vae_tiling: str | None = None) -> list[StageReport]:
     """Run `stage` (or all three) for `request`, reading and writing stage files in `workdir`
     (default `tpupedia-runs/<family>`).
 
-    Everything is validated before a model is loaded. A stage whose file exists and matches this
+    Everything is validated before a model is loaded, and under a full-size preset (`plan`,
+    `PLAN`) the run's plan is checked too (`check_plan`, with `vae_tiling` `auto`, `on` or `off`):
+    a run that will not fit the chips stops here with the stage and the fix, and the VAE tiling
+    and dtype the plan resolves are the ones the stages run with. A stage whose file exists and matches this
     request is skipped unless `force`; a stage takes its input from the stage before it in memory
     when that ran in this call, else from its stage file, read only if valid and made for this
     request (`tpupedia.pipelines.stages.read`). With `out`, the mp4 is written from the frames:
@@ -786,9 +848,13 @@ def run(pipeline_cls: type[StagedPipeline], request: Request, options: Options, 
     source, label = pipeline_cls.source(preset, model, request)
     configs = family.component_configs(source)  # JSON only: the rules below use the checkpoint's facts
     pipeline_cls.validate(request, options, len(mesh_devices), configs)
-    shape = mesh_shape(options, len(mesh_devices), pipeline_cls.guidance_batch(request, configs))
-    mesh = devices.make_mesh(shape, ("dp", "tp"), devices=mesh_devices)
-    pipe = pipeline_cls(source, label, torch_dtype(options, preset), mesh, options, configs)
+    dtype = torch_dtype(options, preset)
+    if plans(plan, preset):
+        request = check_plan(pipeline_cls, request, options, configs, mesh_devices, dtype, tiling=vae_tiling, log=log)
+    mesh = devices.make_mesh(pipeline_cls.run_mesh_shape(request, options, len(mesh_devices), configs), ("dp", "tp"),
+                             devices=mesh_devices)
+    pipe = pipeline_cls(source, label, dtype, mesh, options, configs)
+    pipe.plan = "off"  # planned above, or not to be: its stage methods do not plan again
     return run_stages(pipe, request, stage=stage, workdir=workdir, out=out, force=force, command=command, log=log,
                       collective=collective)
 
@@ -949,13 +1015,14 @@ def batch_requests(pipeline_cls: type[StagedPipeline], items: list, base: Reques
 
 def run_batch(pipeline_cls: type[StagedPipeline], prompts: str | Path, base: Request, options: Options, *,
               preset: Any, outdir: str | Path, model: str | None = None, force: bool = False,
-              prepare: Callable[[Request], Request] | None = None, log: Callable[[str], None] = print) -> list[str]:
+              plan: str = "auto", vae_tiling: str | None = None, log: Callable[[str], None] = print) -> list[str]:
     """Generate every prompt of a prompts file into `outdir` (see `tpupedia.batch`), skipping the
     ones already done; returns the names this process generated.
 
-    Every request is validated before a model loads, then passed through `prepare` (the CLI's
-    full-size preflight, `tpupedia.plan.preflight`: each request's shapes planned, its VAE tiling
-    resolved; a request that cannot fit refuses the batch before anything loads). Each process takes its share of the prompts
+    Every request is validated before a model loads and, under a full-size preset (`plan`,
+    `PLAN`), planned (`check_plan` for one process's own chips, every model resident: each
+    request's shapes planned, its VAE tiling resolved; a request that cannot fit refuses the batch,
+    naming its line, before anything loads). Each process takes its share of the prompts
     and runs them on its own devices (`collective=False`); each prompt's stage files live in
     `outdir/.stages/NAME` until its video and record are written, then are removed (a finished
     prompt leaves its mp4 and JSON, nothing else), so a prompt interrupted mid-way resumes from
@@ -981,13 +1048,14 @@ def run_batch(pipeline_cls: type[StagedPipeline], prompts: str | Path, base: Req
     source, label = pipeline_cls.source(preset, model, requests[0])  # image-to-video picks its own
     configs = family.component_configs(source)
     batch_requests(pipeline_cls, items, base, options, len(jax.local_devices()), configs)
-    if prepare is not None:
+    dtype = torch_dtype(options, preset)
+    if plans(plan, preset):
         for item in items:
             try:
-                requests[item.index] = prepare(requests[item.index])
+                requests[item.index] = check_plan(pipeline_cls, requests[item.index], options, configs,
+                                                  jax.local_devices(), dtype, tiling=vae_tiling, resident=True, log=log)
             except TpupediaError as err:
                 raise PipelineError(f"prompt {item.index} ({item.prompt[:40]!r}): {err}") from None
-    dtype = torch_dtype(options, preset)
 
     def decode_settings(request):  # what the decode stage file of `request` must say, no model loaded
         return pipeline_cls.settings_for(label, configs, pinned(request), options, dtype, "decode")
@@ -1012,10 +1080,10 @@ def run_batch(pipeline_cls: type[StagedPipeline], prompts: str | Path, base: Req
             continue
         start = time.perf_counter()
         if pipe is None:  # one pipeline per process, its models and programs kept between prompts
-            shape = mesh_shape(options, len(local), pipeline_cls.guidance_batch(request, configs))
+            shape = pipeline_cls.run_mesh_shape(request, options, len(local), configs)
             pipe = pipeline_cls(source, label, dtype, devices.make_mesh(shape, ("dp", "tp"), devices=local),
                                 quiet, configs)
-            pipe.resident = True
+            pipe.resident, pipe.plan = True, "off"  # every request was planned above (or is not to be)
         held: dict = {}
         reports = run_stages(pipe, request, workdir=check_workdir(work), force=force, log=lambda _: None,
                              collective=False, tensors=held)

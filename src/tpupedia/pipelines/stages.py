@@ -38,7 +38,7 @@ from typing import Any, Mapping
 from tpupedia import files
 from tpupedia.errors import TpupediaError
 
-__all__ = ["STAGES", "FORMAT", "StageError", "StageFile", "fingerprint", "path", "write", "read", "status",
+__all__ = ["STAGES", "FORMAT", "StageError", "StageFile", "fingerprint", "config_fingerprint", "path", "write", "read", "status",
            "done"]
 
 STAGES = ("text", "image", "denoise", "decode")
@@ -88,6 +88,11 @@ def fingerprint(settings: Mapping[str, Any]) -> str:
     whitespace): equal for equal settings whatever their order, different when any value
     differs, including its JSON type (`6` and `6.0`, `1` and `true` differ)."""
     return hashlib.sha256(_canonical(settings).encode()).hexdigest()[:16]
+
+
+def config_fingerprint(config: Mapping[str, Any]) -> str:
+    """A component config's fingerprint (`fingerprint`), private (`_`-prefixed) entries left out."""
+    return fingerprint({k: v for k, v in dict(config).items() if not k.startswith("_")})
 
 
 def _check_stage(stage: str) -> None:
