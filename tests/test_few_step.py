@@ -212,3 +212,52 @@ def test_the_tiny_lightning_adapters_fit_the_checkpoint_and_its_lora_checks():
     one = wan.component_configs(str(wan.tiny_checkpoint()))
     with pytest.raises(lora.LoraError, match="no 'transformer_2'"):
         lora.check(adapters, wan, one)
+
+
+def test_a_style_adapter_stacks_on_the_release_adapters_unless_replacing_them_is_asked(tmp_path, capsys, monkeypatch):
+    """`--release lightning --lora STYLE@transformer`: the release's high-noise adapter and the style
+    adapter both go into the high-noise expert, the release's first, as diffusers stacks named adapters
+    (the fused expert equals stock `WanPipeline`'s with both loaded, `set_adapters` at their scales and
+    `fuse_lora`); `--replace-release-lora` leaves the release's adapter for that expert out, and the
+    release's line says so. (A style adapter used to replace the release's silently.)"""
+    from diffusers import WanPipeline
+    from test_lora import _transformer, _wan_community_adapter
+
+    from tpupedia.pipelines import common
+    from tpupedia.pipelines import wan as pipeline
+
+    source = str(wan.tiny_checkpoint(experts=2))
+    style = _wan_community_adapter(source, tmp_path / "style.safetensors", "transformer", seed=9)
+    seen = []
+    monkeypatch.setattr(pipeline, "run", lambda request, options, **kw: seen.append(request) or [])
+    argv = ["generate", "wan", "--preset", "tiny", "--release", "lightning", "--prompt", "a fox", "--frames", "5",
+            "--width", "32", "--height", "32", "--lora", f"{style}:0.7@transformer"]
+
+    def release_line():
+        return next(line for line in capsys.readouterr().out.splitlines() if line.startswith("release lightning"))
+
+    assert main(argv) == 0
+    assert "replaced" not in release_line()
+    high, low, mine = seen[0].lora
+    assert [(a.component, a.scale) for a in (high, low, mine)] == [("transformer", 1.0), ("transformer_2", 1.0),
+                                                                   ("transformer", 0.7)]
+    assert mine.path == str(style) and str(style) not in (high.path, low.path)
+    assert main(argv + ["--replace-release-lora"]) == 0
+    assert "the release's adapter for transformer replaced by --lora (--replace-release-lora)" in release_line()
+    assert [(a.component, a.path == str(style)) for a in seen[1].lora] == [("transformer_2", False), ("transformer", True)]
+
+    fused = lora.fuse(_transformer(wan, source, "transformer"), [high, mine], wan).state_dict()
+    pipe = common.load_stock(WanPipeline, source)
+    pipe.load_lora_weights(high.path, adapter_name="high")
+    pipe.load_lora_weights(mine.path, adapter_name="style")
+    pipe.set_adapters(["high", "style"], [1.0, 0.7])
+    pipe.fuse_lora(components=["transformer"])
+    pipe.unload_lora_weights()
+    stock = pipe.transformer.state_dict()
+    plain = _transformer(wan, source, "transformer").state_dict()
+    assert list(fused) == list(stock)
+    error = max(float((fused[k] - stock[k]).abs().max()) for k in fused)
+    assert error <= 1e-6, error  # float32, the two deltas summed in another order
+    only_high = lora.fuse(_transformer(wan, source, "transformer"), [high], wan).state_dict()
+    key = "blocks.0.attn1.to_q.weight"  # both adapters moved it: neither replaced the other
+    assert not torch.equal(fused[key], only_high[key]) and not torch.equal(only_high[key], plain[key])

@@ -49,6 +49,7 @@ def test_the_library_run_of_notebook_hunyuan_video_plans_and_decodes_tiled(tmp_p
     chips = devices.tpu_topology("v6e:2x4")  # what jax.devices() lists on a v6e-8
     monkeypatch.setattr(jax, "devices", lambda *a: chips)
     monkeypatch.setattr(family, "component_configs", lambda source: configs)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # a hub id is checked by its spelling only; nothing is fetched
     asked, ran = [], []
     monkeypatch.setattr(plan, "preflight", _tiling_plan(asked))
     monkeypatch.setattr(common, "run_stages", lambda pipe, request, **kwargs: ran.append((pipe, request)) or [])
@@ -125,3 +126,63 @@ def test_a_pipeline_built_by_hand_plans_before_its_first_stage_loads(tmp_path, m
     with pytest.raises(plan.PlanError, match="will not fit"):
         pipe.decode(longer, None)
     assert len(stages_ran) == 3  # refused before the decode ran
+
+
+class _GPU:
+    """What `jax.devices()` lists on a GPU host, as far as the plan reads it."""
+
+    platform = "gpu"
+
+    def __init__(self, limit, kind="NVIDIA H200"):
+        self.limit, self.device_kind = limit, kind
+
+    def memory_stats(self):
+        return {"bytes_limit": self.limit} if self.limit else None
+
+
+H100, H200 = 79.1 * 2**30, 139.0 * 2**30  # what each reports as `bytes_limit`, about
+
+
+@pytest.mark.parametrize("family_name, gib, device, limit", [("wan", 212.9, "NVIDIA H200", H200),
+                                                             ("cogvideox", 91.0, "NVIDIA H100", H100)])
+def test_a_full_size_gpu_run_whose_attention_cannot_fit_is_refused_in_one_line(tmp_path, monkeypatch, family_name, gib,
+                                                                               device, limit):
+    """On a GPU the attention is the reference, which builds every call's scores: Wan 2.1 14B at
+    720p and 81 frames, 2 x 40 x 75,600^2 float32 scores, 213 GiB per device over eight; CogVideoX1.5
+    at 1360x768 and 81 frames, 91 GiB. The full preset's library run is refused in one line before
+    anything is built, Wan's on an H200 (139 GiB), CogVideoX's on an H100 (79 GiB); CogVideoX's
+    scores fit an H200 and a 480p Wan run's fit too, and the log says only the attention was
+    checked; a device that reports no memory is not refused, and the log says it was not checked."""
+    import importlib
+
+    from tpupedia import families
+
+    spec = families.get(family_name, "video")
+    pipeline = importlib.import_module(spec.pipeline)
+    family = pipeline.PIPELINE.family
+    full = presets.get("full")
+    configs = family.full_configs()
+    monkeypatch.setattr(family, "component_configs", lambda source: configs)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # a hub id is checked by its spelling only; nothing is fetched
+    monkeypatch.setenv("TPUPEDIA_CACHE", str(tmp_path / "cache"))
+    ran = []
+    monkeypatch.setattr(common, "run_stages", lambda pipe, request, **kwargs: ran.append(request) or [])
+    request = pipeline.Request(prompt="a fox in the snow", **family.default_request(full))
+
+    gpus = [_GPU(limit, device)] * 8
+    monkeypatch.setattr("jax.devices", lambda *a: gpus)
+    with pytest.raises(plan.PlanError) as refused:  # the notebook's or a script's call, on a GPU host
+        pipeline.run(request, pipeline.Options(quiet=True), preset=full, workdir=tmp_path / "run", log=lambda _: None)
+    assert ran == []
+    message = str(refused.value)
+    assert f"{family_name} on 8 x {device} will not fit: the reference attention" in message
+    assert f"{gib:.1f} GiB per device against its {limit / 2**30:.1f} GiB" in message and "\n" not in message
+    assert round(plan.gpu_attention(family_name, request, pipeline.Options(), configs, [_GPU(2**40)] * 8) / 2**30, 1) == gib
+    fitting = dataclasses.replace(request, width=832, height=480) if family_name == "wan" else request
+    log = []
+    assert plan.preflight(family_name, fitting, pipeline.Options(), configs, [_GPU(H200)] * 8, cache_dir=tmp_path,
+                          log=log.append).vae_tiling is False
+    assert log and "fit" in log[0] and "only the attention is checked" in log[0]
+    log = []
+    plan.preflight(family_name, request, pipeline.Options(), configs, [_GPU(None)] * 8, cache_dir=tmp_path, log=log.append)
+    assert log and "were not checked" in log[0]

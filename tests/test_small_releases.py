@@ -143,3 +143,47 @@ def test_splash_blocks_too_large_for_a_v5e_chip_are_named_as_such_and_smaller_on
     assert "of scoped VMEM, the limit is" in tuned.summary()
     smaller = planned((1024, 1024, 512))
     assert smaller.fits and smaller.attention == "splash 1024/1024/512", smaller.summary()
+
+
+def _release_requests():
+    import importlib
+
+    from tpupedia import families
+
+    for spec in families.video():
+        facts = importlib.import_module(spec.pipeline).PIPELINE.family
+        for model, fields in getattr(facts, "RELEASE_REQUESTS", {}).items():
+            yield spec.name, model, fields
+
+
+@pytest.mark.parametrize("family_name, model, fields", list(_release_requests()), ids=lambda v: str(v).split("/")[-1])
+def test_generate_runs_a_built_in_release_at_its_own_request_as_plan_plans_it(family_name, model, fields, tmp_path,
+                                                                              monkeypatch):
+    """`generate --model ID` for a built-in release starts from that release's own request
+    (`RELEASE_REQUESTS`, with its source), the one `plan --model ID` plans: Wan2.2-TI2V-5B at
+    1280x704 (its 16x VAE refuses the full preset's 1280x720), Wan2.1-1.3B and CogVideoX-2b at
+    480p, not the big models' sizes; a hub id is a released checkpoint, so the tiny preset's
+    request and float32 give way to the full preset's, and the run is told so. A flag the user
+    gives still wins. Nothing is downloaded: the release's configs are the built-in ones, and the
+    run is stopped where it would begin."""
+    import importlib
+
+    from tpupedia import families
+
+    pipeline = importlib.import_module(families.get(family_name, "video").pipeline)
+    facts = pipeline.PIPELINE.family
+    configs = pipeline.PIPELINE.plan_configs(pipeline.Request(prompt="-"), model)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # a hub id is checked by its spelling only; nothing is fetched
+    monkeypatch.setenv("TPUPEDIA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(facts, "component_configs", lambda source: configs)
+    asked = []
+    asked_preset = []
+    monkeypatch.setattr(pipeline, "run", lambda request, *a, **k: asked.append(request) or asked_preset.append(k["preset"]))
+    argv = ["generate", family_name, "--model", model, "--prompt", "a fox", "--compilation-cache",
+            "off", "--quiet", "--workdir", str(tmp_path / "run")]  # a hub id: the full preset's run, from the tiny one
+    assert main(argv) == 0
+    assert {k: getattr(asked[0], k) for k in fields} == fields
+    assert asked_preset[0].pretrained
+    planned = facts.default_request(__import__("tpupedia.presets").presets.get("full")) | pipeline.PIPELINE.release_request(model)
+    assert {k: getattr(asked[0], k) for k in planned if hasattr(asked[0], k)} == planned  # what `plan --model` starts from
+    assert main(argv + ["--frames", "17"]) == 0 and asked[1].frames == 17

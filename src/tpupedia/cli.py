@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from pathlib import Path
 
 from tpupedia import __version__
 from tpupedia.errors import TpupediaError
@@ -152,14 +153,15 @@ def _plan(args: argparse.Namespace) -> int:
 
         fields["width"], fields["height"] = dryrun.parse_resolution(args.resolution, 16)
     fields |= _unset_left(_family_values(args, pipeline), fields)
-    adapters = _adapters(args)
+    adapters = given = _adapters(args)
     if release is not None:
         if release.image_to_video and getattr(args, "image", None) is None:
             raise CommandLineError(f"--release {release.name} generates from a picture: give --image PICTURE")
-        adapters = _release_adapters(args, release, adapters, model, pretrained=True, local_only=True) + adapters
+        adapters = _release_adapters(args, release, given, model, pretrained=True, local_only=True) + given
     request = pipeline.Request(prompt=args.prompt, image=getattr(args, "image", None), lora=adapters, **fields)
     if release is not None:
-        print(_release_line(release, fields, model, adapters) + f"; planned with {request.steps} steps")
+        print(_release_line(release, fields, model, adapters, _replaced(args, given))
+              + f"; planned with {request.steps} steps")
     pipeline.PIPELINE.check_size_given(request, ["--resolution"] if args.resolution else [])
     options = common.Options(mesh=common.parse_mesh(args.mesh) if args.mesh else None, sharding=args.sharding,
                              attention=args.attention, block_sizes=_block_sizes(args.block_sizes))
@@ -253,32 +255,42 @@ def _unset_left(values: dict, fields: dict) -> dict:
     return {k: v for k, v in values.items() if v is not None or k not in fields}
 
 
+def _replaced(args: argparse.Namespace, given: tuple) -> tuple[str, ...]:
+    """The components whose release adapter `--replace-release-lora` leaves out: those a `--lora`
+    adapts; none without the flag (the release's adapters and the user's stack)."""
+    return tuple(dict.fromkeys(a.component for a in given)) if getattr(args, "replace_release_lora", False) else ()
+
+
 def _release_adapters(args: argparse.Namespace, release, given: tuple, source: str, *, pretrained: bool,
                       local_only: bool = False) -> tuple:
-    """The release's adapters for the components `--lora` does not already adapt
-    (`tpupedia.families.release_adapters`); with `local_only`, those in the Hugging Face cache,
-    the others said in a line."""
+    """The release's adapters (`tpupedia.families.release_adapters`), to go before the `given`
+    `--lora` ones: they stack, as diffusers stacks named adapters, unless
+    `--replace-release-lora` leaves out the release's adapter of each component a `--lora`
+    adapts (`_replaced`); with `local_only`, those in the Hugging Face cache, the others said in a
+    line."""
     from tpupedia import families
 
-    found = families.release_adapters(args.model_family, release, source, pretrained, local_only=local_only,
-                                      skip=tuple(a.component for a in given))
-    missing = [a for a, f in zip([a for a in release.adapters if a.component not in {g.component for g in given}],
-                                 found) if f is None]
+    skip = _replaced(args, given)
+    found = families.release_adapters(args.model_family, release, source, pretrained, local_only=local_only, skip=skip)
+    missing = [a for a, f in zip([a for a in release.adapters if a.component not in skip], found) if f is None]
     if missing:
         print(f"  release {release.name}: {', '.join(a.where for a in missing)} not in the Hugging Face cache: "
               "the fuse's host memory is not counted (the planned programs are the same with the adapters fused)")
     return tuple(f for f in found if f is not None)
 
 
-def _release_line(release, fields: dict, model: str, adapters: tuple) -> str:
+def _release_line(release, fields: dict, model: str, adapters: tuple, replaced: tuple[str, ...] = ()) -> str:
     """What a `--release` applied, in one line: each default and whether a flag replaced it, the
-    checkpoint, the adapters, and what differs from the upstream reference run."""
+    checkpoint, the adapters (the release's, stacked with any `--lora` on the same component, or
+    `replaced` by them), and what differs from the upstream reference run."""
     wanted = release.request_fields()
     parts = [f"{k} {fields[k]}" + ("" if fields[k] == v else f" (--{k.replace('_', '-')} given; the release's is {v})")
              for k, v in wanted.items()]
     line = f"release {release.name} ({release.title}): {', '.join(parts)}; checkpoint {model}"
     if adapters:
         line += "; adapters " + ", ".join(f"{a.path}:{a.scale:g}@{a.component}" for a in adapters)
+    if replaced:
+        line += f"; the release's adapter for {', '.join(replaced)} replaced by --lora (--replace-release-lora)"
     if release.note:
         line += f"; note: {release.note}"
     return line
@@ -296,6 +308,10 @@ def _add_release_flag(parser: argparse.ArgumentParser, spec) -> None:
                         help="a step-distilled or few-step release with its own defaults (steps, guidance, shift, "
                              "adapters; flags you give win): " + ("; ".join(
                                  f"{r.name}: {r.title}" for r in spec.few_step.values()) or "none for this family"))
+    if any(r.adapters for r in spec.few_step.values()):
+        parser.add_argument("--replace-release-lora", action="store_true",
+                            help="leave out the release's adapter for each component a --lora adapts (default: "
+                                 "both fused, the release's first, as diffusers stacks named adapters)")
 
 
 def _add_lora_flag(parser: argparse.ArgumentParser, family: str) -> None:
@@ -372,7 +388,14 @@ def _generate_setup(args: argparse.Namespace):
         raise CommandLineError(f"--devices {args.devices} sets how many CPU devices the {preset.name} preset "
                                "simulates; it has none (it uses the machine's devices)")
     release = _few_step(args)
-    fields = family.default_request(preset) | (release.request_fields() if release else {}) | {k: v for k, v in (
+    named = _named(args, family)
+    if named and not preset.pretrained and not Path(named).expanduser().is_dir():
+        preset = presets.get("full")  # a hub id is a released checkpoint: its request and dtype, not the tiny ones
+        if not args.quiet:
+            print(f"{named}: a hub checkpoint, run with the {preset.name} preset's request and dtype "
+                  "(a tiny checkpoint is a folder)")
+    fields = family.default_request(preset) | (pipeline.PIPELINE.release_request(named) if preset.pretrained else {}) \
+        | (release.request_fields() if release else {}) | {k: v for k, v in (
         ("frames", args.frames), ("height", args.height), ("width", args.width), ("steps", args.steps),
         ("guidance", args.guidance), ("seed", args.seed), ("fps", args.fps)) if v is not None}
     fields |= _unset_left(_family_values(args, pipeline), fields)
@@ -386,9 +409,10 @@ def _generate_setup(args: argparse.Namespace):
         if source is None:  # the preset's: the release's checkpoint, or on the tiny preset one of its layout
             source = args.model = families.release_checkpoint(args.model_family, release, preset.pretrained)
             args.release_tiny = not preset.pretrained
-        adapters = _release_adapters(args, release, adapters, source, pretrained=preset.pretrained) + adapters
+        given = adapters
+        adapters = _release_adapters(args, release, given, source, pretrained=preset.pretrained) + given
         if not args.quiet:
-            print(_release_line(release, fields, source, adapters))
+            print(_release_line(release, fields, source, adapters, _replaced(args, given)))
     request = pipeline.Request(prompt=args.prompt or "(from --prompts)", negative_prompt=args.negative_prompt,
                                vae_tiling=args.vae_tiling == "on", image=getattr(args, "image", None),
                                lora=adapters, **fields)

@@ -33,7 +33,8 @@ from typing import Any, Sequence
 from tpupedia import aot, devices, hardware
 from tpupedia.errors import TpupediaError
 
-__all__ = ["PlanError", "ProgramCost", "StageCost", "Plan", "make", "programs", "preflight", "TILING", "record",
+__all__ = ["PlanError", "ProgramCost", "StageCost", "Plan", "make", "programs", "preflight", "gpu_attention", "SCORE_BYTES",
+           "TILING", "record",
            "DEFAULT_RECORDS", "PREFLIGHT_LAYERS", "memory_budget"]
 
 TILING = ("auto", "on", "off")
@@ -605,6 +606,54 @@ def _deepen(costs: list[ProgramCost], deeper: list[aot.Program], configs: dict[s
                                          * max(more.compile_seconds - cost.compile_seconds, 0.0), 2)
 
 
+SCORE_BYTES = 4
+"""Bytes of one attention score in the reference attention: its scores and their softmax are
+float32, whatever the inputs' dtype."""
+
+
+def gpu_attention(family: str, request: Any, options: Any, configs: dict[str, dict], run_devices: Sequence[Any], *,
+                  log: Any = print) -> float:
+    """Refuse, before any weight loads, a run on GPU devices whose attention cannot fit one device.
+
+    On a GPU `auto` attention is the reference (`tpupedia.attention.resolve_backend`: splash is a
+    TPU kernel, and no fused GPU kernel is wired into the pipelines yet), which builds each call's
+    scores whole: `batch x heads x tokens x tokens` float32 numbers (`SCORE_BYTES`), the batch split
+    over `dp` and the heads over `tp`. For the full preset's Wan 2.1 14B at 720p and 81 frames that
+    is 2 x 40 x 75,600^2 scores, about 213 GiB per device over eight, more than any GPU holds.
+    The tokens and heads are the family's (`attention_call`, from the checkpoint's configs).
+    Returns the bytes per device; raises `PlanError` naming them and the device's memory
+    (`memory_stats()["bytes_limit"]`) when they do not fit, and says in the log that they fit
+    otherwise (the weights and the other programs are not checked on a GPU); a device that
+    reports no memory is not checked, and the log says so."""
+    from tpupedia import attention as kernels
+
+    module = _pipeline_module(family)
+    pipe_cls = module.PIPELINE
+    if kernels.resolve_backend(options.attention, "gpu") != "reference":
+        return 0.0
+    r = _resolved(module, request, configs)
+    heads, tokens = pipe_cls.family.attention_call(r.width, r.height, r.frames, configs)
+    batch = pipe_cls.guidance_batch(r, configs) or 1
+    dp, tp = pipe_cls.run_mesh_shape(r, options, len(run_devices), configs)
+    need = float(-(-batch // dp) * -(-heads // tp) * tokens * tokens * SCORE_BYTES)
+    stats = run_devices[0].memory_stats() if hasattr(run_devices[0], "memory_stats") else None
+    limit = (stats or {}).get("bytes_limit")
+    where = f"{family} on {len(run_devices)} x {run_devices[0].device_kind}"
+    if not limit:
+        log(f"plan: {where} reports no memory limit: the reference attention's {need / _GIB:.1f} GiB of scores per "
+            "device were not checked")
+        return need
+    if need > limit:
+        raise PlanError(f"{where} will not fit: the reference attention (what runs on a GPU here; no fused GPU "
+                        f"kernel is wired in yet) builds {batch} x {heads} x {tokens:,} x {tokens:,} float32 scores per "
+                        f"call, {need / _GIB:.1f} GiB per device against its {limit / _GIB:.1f} GiB; fewer frames or "
+                        "a smaller size (the scores grow with the square of the tokens), or a TPU, where splash "
+                        "attention never holds them (nothing was loaded; --no-plan skips this check)")
+    log(f"plan: the reference attention's scores, {need / _GIB:.1f} GiB per device, fit {where}'s "
+        f"{limit / _GIB:.1f} GiB (on a GPU only the attention is checked before loading)")
+    return need
+
+
 def _preflight_key(family: str, request: Any, options: Any, configs: dict, run_devices: Sequence[Any],
                    tiling: str, resident: bool, dtype: str) -> str:
     """What the plan depends on: shapes, not words (a prompt only matters through quoted glyph text).
@@ -651,7 +700,8 @@ def preflight(family: str, request: Any, options: Any, configs: dict[str, dict],
     here with the stage, its need and the fix, not in the middle of a stage at the kernel's hand.
     The memory available changes between runs: a cached answer is planned again when the verdict
     could change (it fit and now would not, or it did not and there is more memory now). On a GPU
-    nothing is planned and `auto` means untiled.
+    the programs are not compiled: the attention is checked against the device's memory
+    (`gpu_attention`, a refusal in one line) and `auto` means untiled.
     """
     import json
     from pathlib import Path
@@ -661,6 +711,7 @@ def preflight(family: str, request: Any, options: Any, configs: dict[str, dict],
     if tiling not in TILING:
         raise PlanError(f"vae_tiling={tiling!r} is not one of {', '.join(TILING)}")
     if run_devices[0].platform not in ("tpu", "cpu"):
+        gpu_attention(family, request, options, configs, run_devices, log=log)
         return dataclasses.replace(request, vae_tiling=tiling == "on")
     key = _preflight_key(family, request, options, configs, run_devices, tiling, resident, dtype)
     path = Path(cache_dir) / f"{family}-{key[:16]}.json"

@@ -24,7 +24,7 @@ __all__ = ["REPORTED_STEPS", "REPORTED_STAGES",
     "FAMILY", "FULL_ID", "FULL_ID_I2V", "FULL_LAYERS", "CACHE_BLOCKS", "CACHE_TEXT_STREAM", "TEMPORAL_COMPRESSION", "SPATIAL_COMPRESSION", "PATCH_SIZE",
     "PATCH_SIZE_T", "LATENT_CHANNELS", "DEFAULT_SHAPES", "shape_facts", "TEXT_TOKENS", "CFG_BATCH", "SPLASH_BLOCK_SIZES",
     "SCHEDULER_CONFIG", "SHARDING", "SPEC", "ModelInputError",
-    "full_transformer_config", "tiny_transformer_config", "i2v_transformer_config", "image_to_video",
+    "full_transformer_config", "tiny_transformer_config", "attention_call", "i2v_transformer_config", "image_to_video",
     "tiny_vae_config", "tiny_text_encoder_config",
     "full_text_encoder_config", "default_request", "check_frames", "check_size", "latent_frames",
     "padded_latent_frames", "video_tokens", "step_flops", "bench_step", "build", "step_inputs", "FunctionalRoPEAttnProcessor",
@@ -334,6 +334,16 @@ def video_tokens(width: int, height: int, frames: int, facts: ShapeFacts = DEFAU
     padded, _ = padded_latent_frames(frames, facts)
     per = facts.size_multiple
     return padded // (facts.patch_t or 1) * (height // per) * (width // per)
+
+
+def attention_call(width: int, height: int, frames: int, configs: dict[str, dict]) -> tuple[int, int]:
+    """`(heads, tokens)` of one sample's joint attention in the transformer of `configs`: its
+    heads, and the video tokens of the request (`video_tokens`, the checkpoint's shape facts)
+    followed by its `max_text_seq_length` text tokens (`tpupedia.plan.gpu_attention` sizes the
+    reference attention's scores from it)."""
+    transformer = configs["transformer"]
+    text = int(transformer.get("max_text_seq_length", TEXT_TOKENS))
+    return int(transformer["num_attention_heads"]), video_tokens(width, height, frames, shape_facts(configs)) + text
 
 
 def step_flops(width: int, height: int, frames: int, layers: int = FULL_LAYERS, batch: int = CFG_BATCH,

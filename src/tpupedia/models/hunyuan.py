@@ -51,7 +51,7 @@ __all__ = ["REPORTED_STEPS", "SPLASH_PROFILE", "FAMILY", "FULL_ID", "FULL_LAYERS
            "LATENT_CHANNELS", "DEFAULT_SHAPES", "SHARDING", "SPEC", "shape_facts", "TEXT_SLOTS", "SPLASH_BLOCK_SIZES", "ENV_MODEL", "ModelInputError",
            "full_transformer_config", "tiny_transformer_config", "tiny_vae_config", "tiny_text_encoder_configs",
            "tiny_qwen_tokenizer", "default_request", "check_frames", "check_size", "latent_frames", "latent_shape",
-           "video_tokens", "sequence_tokens", "UPSTREAM_TEXT_TOKENS", "step_flops", "build", "step_inputs", "static_forward", "make_static",
+           "video_tokens", "sequence_tokens", "attention_call", "UPSTREAM_TEXT_TOKENS", "step_flops", "build", "step_inputs", "static_forward", "make_static",
            "PaddingAttnProcessor", "make_jit_friendly", "padded_forward", "conditioning", "blocks", "final", "deepcache_full",
            "deepcache_cached", "CACHE_BLOCKS", "CACHE_TEXT_STREAM", "KEEP_ALL_TEXT_BELOW", "kept_text_tokens", "mask_elements", "tiny_checkpoint", "model_source", "named_source", "component_configs",
            "FULL_ID_I2V", "image_to_video", "image_tokens", "video_size", "full_image_encoder_config",
@@ -396,6 +396,15 @@ def sequence_tokens(width: int, height: int, frames: int) -> int:
     so this is the sequence the splash kernel runs: 113,585 at 720p and 121 frames (upstream
     counts 112,856 without the image slots: `UPSTREAM_TEXT_TOKENS`)."""
     return video_tokens(width, height, frames) + sum(n for n, _ in TEXT_SLOTS.values())
+
+
+def attention_call(width: int, height: int, frames: int, configs: dict[str, dict]) -> tuple[int, int]:
+    """`(heads, tokens)` of one sample's joint attention in the transformer of `configs`: its
+    heads, and the video tokens of the request (the checkpoint's shape facts) with every
+    conditioning slot (`TEXT_SLOTS`, as `sequence_tokens`; `tpupedia.plan.gpu_attention` sizes the
+    reference attention's scores from it)."""
+    tokens = video_tokens(width, height, frames, shape_facts(configs)) + sum(n for n, _ in TEXT_SLOTS.values())
+    return int(configs["transformer"]["num_attention_heads"]), tokens
 
 
 def mask_elements(width: int, height: int, frames: int) -> int:

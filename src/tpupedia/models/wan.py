@@ -35,7 +35,7 @@ from tpupedia.models import ModelInputError, checkpoints, tokenizer_files
 from tpupedia.models.shapes import ShapeFacts
 from tpupedia.models.spec import FamilySpec, FewStepRelease, ReleaseAdapter
 
-__all__ = ["REPORTED_STEPS", "REPORTED_STAGES", "FAMILY", "FULL_ID", "FULL_ID_22", "CACHE_BLOCKS", "CACHE_TEXT_STREAM", "FULL_LAYERS", "DEFAULT_SHAPES", "TEXT_TOKENS", "TEXT_DIM",
+__all__ = ["attention_call", "REPORTED_STEPS", "REPORTED_STAGES", "FAMILY", "FULL_ID", "FULL_ID_22", "CACHE_BLOCKS", "CACHE_TEXT_STREAM", "FULL_LAYERS", "DEFAULT_SHAPES", "TEXT_TOKENS", "TEXT_DIM",
            "SPLASH_BLOCK_SIZES", "SCHEDULER_CONFIG", "SHARDING", "SPEC", "ENV_MODEL", "ModelInputError",
            "full_transformer_config", "full_configs", "tiny_transformer_config", "tiny_vae_config",
            "tiny_text_encoder_config", "TI2V_VAE", "default_request", "shape_facts", "check_frames", "check_size",
@@ -445,6 +445,15 @@ def video_tokens(width: int, height: int, frames: int, facts: ShapeFacts = DEFAU
     """Video tokens of one sample: latent frames / patch_t times (height / 16) times (width / 16)."""
     per = facts.size_multiple
     return facts.latent_frames(frames) // (facts.patch_t or 1) * (height // per) * (width // per)
+
+
+def attention_call(width: int, height: int, frames: int, configs: dict[str, dict]) -> tuple[int, int]:
+    """`(heads, tokens)` of one sample's self-attention in the (first) transformer of `configs`:
+    its heads and the request's video tokens (`video_tokens`, the checkpoint's shape facts); the
+    cross-attention to the `TEXT_TOKENS` text tokens is smaller (`tpupedia.plan.gpu_attention`
+    sizes the reference attention's scores from it)."""
+    transformer = configs.get("transformer") or configs["transformer_2"]
+    return int(transformer["num_attention_heads"]), video_tokens(width, height, frames, shape_facts(configs))
 
 
 def step_flops(width: int, height: int, frames: int, layers: int = FULL_LAYERS, batch: int = 2, heads: int = 40,
