@@ -115,3 +115,91 @@ def test_a_missing_file_is_still_a_missing_file(tmp_path):
                                                           r"\(transformer/config.json\)") as err:
         family.component_configs(str(tmp_path))
     assert "Hub" not in str(err.value)
+
+
+def _cached_snapshot(cache: Path, repo: str, commit: str) -> None:
+    """`repo` at `commit` in a Hugging Face cache laid out as `hf download` lays it out."""
+    folder = cache / f"models--{repo.replace('/', '--')}"
+    (folder / "snapshots" / commit).mkdir(parents=True)
+    (folder / "snapshots" / commit / "model_index.json").write_text('{"_class_name": "CogVideoXPipeline"}')
+    (folder / "refs").mkdir()
+    (folder / "refs" / "main").write_text(commit)
+
+
+def test_a_hub_checkpoints_stage_files_name_the_revision_its_configs_were_read_from(tmp_path, monkeypatch):
+    """A hub id names whatever its `main` is today: the stage files name the commit of the cached
+    snapshot the run read (`OWNER/NAME@COMMIT`), so a checkpoint updated on the Hub makes them
+    stale instead of mixing two models. Not cached yet: the id alone; a folder: its resolved
+    path. A run labels its stage files after its configs are read, so its first run (which
+    downloads them) and every later one agree."""
+    import huggingface_hub.constants as constants
+
+    from tpupedia import presets
+    from tpupedia.pipelines import cogvideox as pipeline
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    repo = family.FULL_ID
+    assert checkpoints.source_label(repo) == repo  # nothing cached
+    assert checkpoints.source_label(tmp_path) == str(tmp_path.resolve())
+    configs = family.full_configs()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(checkpoints, "download_bytes", lambda source: None)  # the Hub is not asked for its sizes
+    ran = []
+
+    def download_configs(source):  # what component_configs leaves in the cache: the snapshot it read
+        if not (tmp_path / "hub").exists():
+            _cached_snapshot(tmp_path / "hub", repo, "a1b2c3d4e5f6")
+        return configs
+
+    monkeypatch.setattr(family, "component_configs", download_configs)
+    monkeypatch.setattr(common, "run_stages", lambda pipe, request, **kwargs: ran.append(pipe.source_label) or [])
+    request = pipeline.Request(prompt="a cat", **family.default_request(presets.get("full")))
+    for _ in range(2):  # the first run finds nothing cached when it names the checkpoint; the second finds it
+        pipeline.run(request, pipeline.Options(quiet=True), preset=presets.get("full"), workdir=tmp_path / "run",
+                     log=lambda _: None, plan="off")
+    assert ran == [f"{repo}@a1b2c3d4e5f6"] * 2
+    assert checkpoints.hub_revision(repo) == "a1b2c3d4e5f6" and checkpoints.hub_revision("not a hub id") is None
+    settings = [pipeline.PIPELINE.settings_for(label, configs, request, pipeline.Options(), torch.bfloat16, "denoise")
+                for label in (f"{repo}@a1b2c3d4e5f6", f"{repo}@0f0f0f0f0f0f")]
+    assert settings[0]["source"] != settings[1]["source"]
+
+
+def test_a_download_that_does_not_fit_the_hub_caches_disk_is_refused_before_it_starts(tmp_path, monkeypatch):
+    """Before a full-size run downloads a hub checkpoint, the sizes the Hub lists for the files it
+    would fetch (safetensors weights, configs, tokenizers; other weight formats and the model
+    card's pictures left out; files already cached not counted) are held against the free space of
+    the Hugging Face cache's disk: too little is one line naming both, before any file (configs
+    included) is fetched. Offline, or a folder, nothing is asked."""
+    import collections
+
+    import huggingface_hub.constants as constants
+
+    from tpupedia import presets
+    from tpupedia.pipelines import cogvideox as pipeline
+
+    repo = family.FULL_ID
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub" / "not-made-yet"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    files = {"model_index.json": 500, "transformer/diffusion_pytorch_model.safetensors": 10 * 2**30,
+             "text_encoder/model.safetensors": 9 * 2**30, "transformer/diffusion_pytorch_model.bin": 20 * 2**30,
+             "assets/demo.mp4": 2**30, "tokenizer/spiece.model": 800_000}
+    info = SimpleNamespace(siblings=[SimpleNamespace(rfilename=name, size=size) for name, size in files.items()])
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", lambda self, repo_id, **kwargs: info)
+    usage = collections.namedtuple("usage", "total used free")
+    free = {"bytes": 12 * 2**30}
+    monkeypatch.setattr("shutil.disk_usage", lambda folder: usage(0, 0, free["bytes"]))
+    assert checkpoints.download_bytes(repo) == 19 * 2**30 + 800_500
+    monkeypatch.setattr(family, "component_configs", lambda source: pytest.fail("configs fetched"))
+    request = pipeline.Request(prompt="a cat", **family.default_request(presets.get("full")))
+    with pytest.raises(checkpoints.CheckpointError) as refused:
+        pipeline.run(request, pipeline.Options(quiet=True), preset=presets.get("full"), workdir=tmp_path / "run",
+                     log=lambda _: None)
+    message = str(refused.value)
+    assert f"{repo}: its files need 19.0 GiB" in message and "has 12.0 GiB free" in message
+    assert "HF_HUB_CACHE" in message and "\n" not in message
+    _cached_snapshot(tmp_path / "hub" / "not-made-yet", repo, "a1b2c3")  # model_index.json is cached now
+    assert checkpoints.download_bytes(repo) == 19 * 2**30 + 800_000
+    free["bytes"] = 20 * 2**30
+    assert checkpoints.check_disk(repo) == 19 * 2**30 + 800_000
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert checkpoints.download_bytes(repo) is None and checkpoints.download_bytes(str(tmp_path)) is None

@@ -145,8 +145,33 @@ def test_launch_refuses_the_full_preset_in_one_line_before_any_process_starts(mo
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "tpupedia launch:" in err and "full preset" in err and "no TPU" in err, err
     monkeypatch.setenv("TPUPEDIA_PRESET", "full")
-    distributed._check_preset([*command, "--preset", "tiny"])  # the tiny preset still launches
-    distributed._check_preset(["distributed-check"])  # and a command that loads no model
+    distributed.check_launched([*command, "--preset", "tiny"])  # the tiny preset still launches
+    distributed.check_launched(["distributed-check"])  # and a command that loads no model
+
+
+@pytest.mark.parametrize("command, named", [
+    (["generate", "wan", "--model", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "--prompt", "a fox"], "hub checkpoint Wan-AI"),
+    (["generate", "wan", "--prompt", "a fox"], "hub checkpoint Wan-AI/Wan2.2-TI2V-5B-Diffusers"),  # $TPUPEDIA_WAN
+    (["bench", "stepcache", "cogvideox", "--preset", "full", "--step-cache", "fbcache:0.05"], "full preset"),
+], ids=["--model", "environment", "bench stepcache"])
+def test_launch_refuses_a_hub_checkpoint_and_bench_stepcache_of_the_full_preset(monkeypatch, capsys, tmp_path, command,
+                                                                              named):
+    """A hub checkpoint named with `--model` (or the family's variable) is a released model, which
+    the launched processes would run on the host CPU as the full preset's would; so is
+    `bench stepcache` on the full preset. One line each, nothing started; a tiny checkpoint's
+    folder still launches."""
+    from tpupedia import cli, devices
+
+    monkeypatch.setattr(devices, "tpu_present", lambda: False)
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("a process was started"))
+    monkeypatch.setenv("TPUPEDIA_PRESET", "tiny")
+    monkeypatch.setenv("TPUPEDIA_WAN", "Wan-AI/Wan2.2-TI2V-5B-Diffusers")
+    assert cli.main(["launch", "--local-processes", "2", "--", *command]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and named in err and "host CPU" in err, err
+    monkeypatch.delenv("TPUPEDIA_WAN")
+    assert cli._launched_hub_checkpoint(["generate", "wan", "--model", str(tmp_path), "--prompt", "a fox"]) is None
+    distributed.check_launched(["generate", "wan", "--model", str(tmp_path), "--prompt", "a fox"])  # a folder launches
 
 
 @pytest.fixture

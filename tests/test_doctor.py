@@ -80,3 +80,19 @@ def test_doctor_checks_free_disk_against_what_a_full_size_video_writes(monkeypat
     monkeypatch.setattr(shutil, "disk_usage", lambda folder: usage._replace(free=need - 1))
     c = _checks(doctor.run())["disk space"]
     assert not c.ok and f"writes up to {need / 2**30:.1f} GiB" in c.value and "--workdir" in c.hint
+
+
+def test_doctor_shows_the_hub_caches_free_space(tmp_path, monkeypatch):
+    """A row for the disk a full-size checkpoint downloads to (`HF_HUB_CACHE`, made by the first
+    download: its nearest existing folder is measured), which every full-size run checks a
+    checkpoint's files against before downloading."""
+    import collections
+
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "not" / "made"))
+    seen = []
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr("shutil.disk_usage", lambda folder: seen.append(str(folder)) or usage(0, 0, 3 * 2**30))
+    c = _checks(doctor.run())["Hub cache"]
+    assert c.ok and "3.0 GiB free for " + str(tmp_path / "not" / "made") in c.value and str(tmp_path) in seen

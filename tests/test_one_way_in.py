@@ -16,6 +16,7 @@ import dataclasses
 import pytest
 
 from tpupedia import plan, presets
+from tpupedia.models import checkpoints
 from tpupedia.pipelines import common
 
 
@@ -50,6 +51,7 @@ def test_the_library_run_of_notebook_hunyuan_video_plans_and_decodes_tiled(tmp_p
     monkeypatch.setattr(jax, "devices", lambda *a: chips)
     monkeypatch.setattr(family, "component_configs", lambda source: configs)
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # a hub id is checked by its spelling only; nothing is fetched
+    monkeypatch.setattr(checkpoints, "download_bytes", lambda source: None)  # the Hub is not asked for its sizes
     asked, ran = [], []
     monkeypatch.setattr(plan, "preflight", _tiling_plan(asked))
     monkeypatch.setattr(common, "run_stages", lambda pipe, request, **kwargs: ran.append((pipe, request)) or [])
@@ -164,6 +166,7 @@ def test_a_full_size_gpu_run_whose_attention_cannot_fit_is_refused_in_one_line(t
     configs = family.full_configs()
     monkeypatch.setattr(family, "component_configs", lambda source: configs)
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # a hub id is checked by its spelling only; nothing is fetched
+    monkeypatch.setattr(checkpoints, "download_bytes", lambda source: None)  # the Hub is not asked for its sizes
     monkeypatch.setenv("TPUPEDIA_CACHE", str(tmp_path / "cache"))
     ran = []
     monkeypatch.setattr(common, "run_stages", lambda pipe, request, **kwargs: ran.append(request) or [])

@@ -187,3 +187,27 @@ def test_generate_runs_a_built_in_release_at_its_own_request_as_plan_plans_it(fa
     planned = facts.default_request(__import__("tpupedia.presets").presets.get("full")) | pipeline.PIPELINE.release_request(model)
     assert {k: getattr(asked[0], k) for k in planned if hasattr(asked[0], k)} == planned  # what `plan --model` starts from
     assert main(argv + ["--frames", "17"]) == 0 and asked[1].frames == 17
+
+
+def test_a_compilation_cache_the_user_set_is_the_one_a_full_size_run_keeps(tmp_path, monkeypatch):
+    """`JAX_COMPILATION_CACHE_DIR` set by the user is where a full-size `generate` keeps its
+    compiles (the package's own folder only when it is not set; `--compilation-cache` still wins)."""
+    import jax
+
+    from tpupedia.models import checkpoints
+    from tpupedia.pipelines import wan as pipeline
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("TPUPEDIA_CACHE", str(tmp_path / "cache"))
+    configs = pipeline.PIPELINE.plan_configs(pipeline.Request(prompt="-"), pipeline.PIPELINE.family.SMALL_ID)
+    monkeypatch.setattr(pipeline.PIPELINE.family, "component_configs", lambda source: configs)
+    monkeypatch.setattr(pipeline, "run", lambda request, *a, **k: None)
+    set_to = []
+    monkeypatch.setattr(jax.config, "update", lambda name, value: set_to.append(value)
+                        if name == "jax_compilation_cache_dir" else None)
+    argv = ["generate", "wan", "--model", pipeline.PIPELINE.family.SMALL_ID, "--prompt", "a fox", "--quiet"]
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "mine"))
+    assert main(argv) == 0 and set_to == [str(tmp_path / "mine")]
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
+    assert main(argv) == 0 and set_to[-1] == str(checkpoints.cache_dir() / "jax-compilation-cache")
+    assert main(argv + ["--compilation-cache", str(tmp_path / "given")]) == 0 and set_to[-1] == str(tmp_path / "given")

@@ -453,9 +453,11 @@ def _generate_setup(args: argparse.Namespace):
         distributed.initialize()  # on a TPU host, joins its slice (variables or VM metadata); a no-op off a TPU
     cache = args.compilation_cache
     if cache is None and preset.pretrained:  # full-size programs take minutes to compile: keep them
+        import os
+
         from tpupedia.models import checkpoints
 
-        cache = str(checkpoints.cache_dir() / "jax-compilation-cache")
+        cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(checkpoints.cache_dir() / "jax-compilation-cache")
     if cache and cache != "off":
         import jax
 
@@ -575,7 +577,21 @@ def _launch(args: argparse.Namespace) -> int:
     from tpupedia import distributed
 
     command = args.tpupedia_command[1:] if args.tpupedia_command[:1] == ["--"] else args.tpupedia_command
-    return distributed.launch(command, args.local_processes, args.devices_per_process)
+    return distributed.launch(command, args.local_processes, args.devices_per_process,
+                              hub_checkpoint=_launched_hub_checkpoint(command))
+
+
+def _launched_hub_checkpoint(command: list[str]) -> str | None:
+    """The hub checkpoint a launched command would run (`--model`, or the family's environment
+    variable, that is no folder here), for `distributed.check_launched`; `None` for none."""
+    from tpupedia import distributed, families
+
+    words = distributed.runs_models(command)
+    family = command[len(words)] if words is not None and len(command) > len(words) else None
+    if family not in families.names("video"):
+        return None
+    named = families.get(family, "video").facts.named_source(distributed.flag_value(command, "--model"))
+    return named if named and not Path(named).expanduser().is_dir() else None
 
 
 def _distributed_check(_args: argparse.Namespace) -> int:
@@ -626,7 +642,8 @@ def _add_generate_arguments(p: argparse.ArgumentParser, spec, *, stages: bool) -
                    help="auto: bfloat16 on the full preset, float32 on the tiny one")
     p.add_argument("--compilation-cache", default=None,
                    help="JAX persistent compilation cache directory, or off (default: on the full preset "
-                        "$TPUPEDIA_CACHE/jax-compilation-cache, off on the tiny one)")
+                        "$JAX_COMPILATION_CACHE_DIR if set, else $TPUPEDIA_CACHE/jax-compilation-cache; off on the "
+                        "tiny one)")
     p.add_argument("--quiet", action="store_true", help="no progress bar or per-stage lines")
     p.add_argument("--vae-tiling", nargs="?", choices=["auto", "on", "off"], const="on", default="auto",
                    help="decode in overlapping spatial tiles; auto: on a TPU with the full preset, the plan turns it "

@@ -316,38 +316,53 @@ def stop(children: Sequence[subprocess.Popen], grace_s: float = 5.0) -> None:
             child.wait()
 
 
-_RUNS_MODELS = (("generate",), ("bench", "generate"), ("bench", "deepcache"))
+_RUNS_MODELS = (("generate",), ("bench", "generate"), ("bench", "deepcache"), ("bench", "stepcache"))
 
 
-def _check_preset(command: Sequence[str]) -> None:
-    """Refuse a launched command that would run a preset's models on the host CPU although the
-    host cannot run them whole (`Preset.host_runs_whole_models`: the full preset): every launched
-    process runs on simulated CPU devices (`initialize`), on a TPU VM too, so the released
-    checkpoints would quietly take hours to days of CPU time. The preset is `--preset NAME` in
-    the command, else `$TPUPEDIA_PRESET`, which the processes inherit."""
+def flag_value(command: Sequence[str], flag: str) -> str | None:
+    """The value of `flag` in `command` (`--flag VALUE` or `--flag=VALUE`; the last one wins)."""
+    found = None
+    for i, word in enumerate(command):
+        if word == flag and i + 1 < len(command):
+            found = command[i + 1]
+        elif word.startswith(flag + "="):
+            found = word.split("=", 1)[1]
+    return found
+
+
+def runs_models(command: Sequence[str]) -> tuple[str, ...] | None:
+    """The words of `_RUNS_MODELS` that `command` starts with (a command that runs a family's
+    models, whose family name follows them), or `None`."""
+    return next((w for w in _RUNS_MODELS if tuple(command[:len(w)]) == w), None)
+
+
+def check_launched(command: Sequence[str], hub_checkpoint: str | None = None) -> None:
+    """Refuse a launched command that would run released models on the host CPU, which cannot run
+    them whole: the full preset's (`Preset.host_runs_whole_models`), or `hub_checkpoint`, a hub
+    checkpoint the command names (`tpupedia launch` finds it with the family's `named_source`: a
+    tiny checkpoint is a folder, and `generate` runs a hub id with the full preset's request).
+    Every launched process runs on simulated CPU devices (`initialize`), on a TPU VM too, so the
+    released checkpoints would quietly take hours to days of CPU time. The preset is
+    `--preset NAME` in the command, else `$TPUPEDIA_PRESET`, which the processes inherit."""
     from tpupedia import devices, presets
 
-    if not any(tuple(command[:len(words)]) == words for words in _RUNS_MODELS):
+    if runs_models(command) is None:
         return
-    name = None
-    for i, word in enumerate(command):
-        if word == "--preset" and i + 1 < len(command):
-            name = command[i + 1]
-        elif word.startswith("--preset="):
-            name = word.split("=", 1)[1]
+    name = flag_value(command, "--preset")
     preset = presets.get(name) if name else presets.current()
-    if preset.host_runs_whole_models:
+    if preset.host_runs_whole_models and not hub_checkpoint:
         return
+    what = f"the hub checkpoint {hub_checkpoint}'s" if hub_checkpoint else f"the {preset.name} preset's"
     where = ("on this TPU VM run the command itself, without launch (on every host of a multi-host slice: "
              "it joins the slice)" if devices.tpu_present() else
              "this host has no TPU: run it on a TPU VM, without launch")
-    raise DistributedError(f"launch runs every process on simulated CPU devices, so the {preset.name} preset's "
+    raise DistributedError(f"launch runs every process on simulated CPU devices, so {what} "
                            f"models would run on the host CPU (hours to days); use --preset tiny, or {where}")
 
 
 def launch(command: Sequence[str], processes: int, devices_per_process: int, grace_s: float = 5.0,
            out=None, err=None, cwds: Sequence[str | os.PathLike] | None = None,
-           timeout_s: float | None = None) -> int:
+           timeout_s: float | None = None, hub_checkpoint: str | None = None) -> int:
     """Run `python -m tpupedia.cli COMMAND` as `processes` local processes of one JAX job.
 
     Each line a process writes to stdout (stderr) goes to `out` (`err`), prefixed with `[pN] `,
@@ -359,8 +374,8 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int, gra
     `cwds`, one folder per process (default: this one's), runs each process in its own folder,
     so a relative path (`--workdir runs`) names a different folder in each, as on hosts that
     share no disk. A job still running after `timeout_s` is stopped the same way, and named.
-    A command that would run the full preset's models is refused before any process starts: the
-    processes run on CPU devices (`_check_preset`).
+    A command that would run the full preset's models, or `hub_checkpoint`'s, is refused before
+    any process starts: the processes run on CPU devices (`check_launched`).
     """
     if processes < 1 or devices_per_process < 1:
         raise DistributedError(f"--local-processes {processes} and --devices-per-process {devices_per_process} "
@@ -369,7 +384,7 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int, gra
         raise DistributedError("nothing to launch: give the tpupedia command after --")
     if cwds is not None and len(cwds) != processes:
         raise DistributedError(f"{len(cwds)} working folders for {processes} processes: give one per process")
-    _check_preset(command)
+    check_launched(command, hub_checkpoint)
     out, err = out or sys.stdout, err or sys.stderr
     port = free_port()
     children, relays = [], []

@@ -146,6 +146,21 @@ def _probe_disk(report: Report, folder: str = ".") -> None:
         report.add("disk space", False, f"{type(err).__name__}: {err}", "check the install (tpupedia.families)")
 
 
+def _probe_hub_cache(report: Report) -> None:
+    """Free space on the Hugging Face cache's disk, where a full-size checkpoint downloads; a
+    full-size run holds each checkpoint's files against it before downloading
+    (`tpupedia.models.checkpoints.check_disk`). A row to read, not a verdict: the sizes are the
+    Hub's, known only when a run asks it."""
+    try:
+        from tpupedia.models import checkpoints
+
+        cache, free = checkpoints.hub_cache_space()
+        report.add("Hub cache", True, f"{free / 2**30:.1f} GiB free for {cache}; a full-size run "
+                   "checks a checkpoint's files against it before downloading them (HF_HUB_CACHE moves it)")
+    except Exception as err:  # noqa: BLE001 - doctor must report, not crash
+        report.add("Hub cache", False, f"{type(err).__name__}: {err}", PACKAGES.get("huggingface_hub", ""))
+
+
 def _probe_lora_host(report: Report) -> None:
     """Host memory now against what fusing a LoRA adapter into each family's full-size
     transformer holds on the host (`tpupedia.lora.fuse_bytes`: the transformer in bfloat16, plus
@@ -179,6 +194,7 @@ def run(topology: str = "v6e:2x4") -> Report:
     _probe_aot(report, topology)
     _probe_video(report)
     _probe_disk(report)
+    _probe_hub_cache(report)
     _probe_lora_host(report)
     if os.environ.get("JAX_PLATFORMS"):
         report.add("JAX_PLATFORMS", True, os.environ["JAX_PLATFORMS"])

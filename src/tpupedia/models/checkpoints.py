@@ -21,7 +21,7 @@ from tpupedia.errors import TpupediaError
 from tpupedia.files import cache_dir
 
 __all__ = ["CheckpointError", "cache_dir", "cached_pipeline", "clean_config", "choose_source", "named_source", "check_source",
-           "source_label", "read_configs", "config_file", "hub_unreachable", "load_component", "check_loading_info",
+           "source_label", "hub_revision", "download_bytes", "check_disk", "hub_cache_space", "SKIPPED_FILES", "read_configs", "config_file", "hub_unreachable", "load_component", "check_loading_info",
            "DEPTH_FIELDS", "depth"]
 
 
@@ -101,17 +101,88 @@ def choose_source(preset: Any, model: str | os.PathLike | None, env_var: str, fu
         return os.environ[env_var], source_label(os.environ[env_var])
     if preset.pretrained:
         check_source(full_id, f"the {preset.name} preset's checkpoint", full_id)
-        return full_id, full_id
+        return full_id, source_label(full_id)
     return str(tiny()), f"preset:{preset.name}"
 
 
 def source_label(source: str | os.PathLike) -> str:
     """How stage files name a checkpoint: a local folder by its resolved absolute path (so
     `DIR//ckpt`, `DIR/ckpt/` and a relative path to the same folder are one checkpoint), a hub
-    id (`OWNER/NAME`, no such folder here) as given. A folder wins over a hub id of the same
-    spelling, as it does for `from_pretrained`."""
+    id (`OWNER/NAME`, no such folder here) as given, with the revision of its snapshot in the
+    local Hugging Face cache once there is one (`OWNER/NAME@COMMIT`, `hub_revision`): a
+    checkpoint updated on the Hub is another checkpoint, and the stage files made from the old
+    one are stale. A folder wins over a hub id of the same spelling, as it does for
+    `from_pretrained`."""
     path = Path(source).expanduser()
-    return str(path.resolve()) if path.is_dir() else str(source)
+    if path.is_dir():
+        return str(path.resolve())
+    revision = hub_revision(str(source))
+    return f"{source}@{revision}" if revision else str(source)
+
+
+SKIPPED_FILES = (".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".onnx", ".gguf", ".h5", ".mp4", ".gif", ".png", ".jpg",
+                 ".jpeg", ".webp")
+"""File endings a diffusers checkpoint's download leaves out of `download_bytes`: weights in other
+formats than safetensors (the only ones loaded here) and the pictures and videos of a model card."""
+
+
+def download_bytes(source: str) -> int | None:
+    """Bytes a first load of hub id `source` still has to download: the sizes the Hub lists for
+    its files (`HfApi.model_info(files_metadata=True)`), the safetensors weights and the configs
+    and tokenizer files beside them (`SKIPPED_FILES` left out), less the files already in the
+    local Hugging Face cache. `None` for a folder, with `HF_HUB_OFFLINE=1`, or where the Hub does
+    not answer (the download itself then says why)."""
+    if Path(source).expanduser().is_dir() or not HUB_ID.match(source) or _offline():
+        return None
+    from huggingface_hub import HfApi, try_to_load_from_cache
+
+    try:
+        siblings = HfApi().model_info(source, files_metadata=True).siblings or []
+    except Exception:  # noqa: BLE001 - no route to the Hub, no such repository, a rate limit: not ours to judge here
+        return None
+    return sum(int(f.size or 0) for f in siblings
+               if not f.rfilename.lower().endswith(SKIPPED_FILES)
+               and not isinstance(try_to_load_from_cache(source, f.rfilename), str))
+
+
+def hub_cache_space() -> tuple[str, int]:
+    """`(HF_HUB_CACHE, free bytes on its disk)`: where a hub checkpoint downloads, measured at
+    its nearest folder that exists (the first download makes the cache)."""
+    import shutil
+
+    from huggingface_hub import constants
+
+    folder = Path(constants.HF_HUB_CACHE)
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return constants.HF_HUB_CACHE, shutil.disk_usage(folder).free
+
+
+def check_disk(source: str, what: str = "--model") -> int | None:
+    """Refuse, before any weight is downloaded, a hub checkpoint whose files do not fit the disk
+    of the Hugging Face cache (`download_bytes` against `hub_cache_space`), naming both and the
+    fix; returns the bytes still to download (`None`: not checked)."""
+    need = download_bytes(source)
+    if not need:
+        return need
+    cache, free = hub_cache_space()
+    if need > free:
+        raise CheckpointError(f"{what} {source}: its files need {need / 2**30:.1f} GiB and the Hugging Face cache's disk "
+                              f"({cache}) has {free / 2**30:.1f} GiB free; free some space there, or "
+                              "set HF_HUB_CACHE to a folder on a larger disk (nothing was downloaded)")
+    return need
+
+
+def hub_revision(source: str) -> str | None:
+    """The commit of hub id `source`'s snapshot in the local Hugging Face cache, the one
+    `from_pretrained` loads (its `main`), read from where its `model_index.json` lies
+    (`snapshots/COMMIT/`); `None` for a checkpoint not cached, or not a hub id."""
+    if not HUB_ID.match(source):
+        return None
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(source, "model_index.json")
+    return Path(found).parent.name if isinstance(found, str) else None
 
 
 def named_source(model: str | os.PathLike | None, env_var: str) -> str | None:

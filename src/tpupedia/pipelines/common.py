@@ -846,7 +846,12 @@ def run(pipeline_cls: type[StagedPipeline], request: Request, options: Options, 
 
         video.check_encoder()
     source, label = pipeline_cls.source(preset, model, request)
+    if plans(plan, preset):  # the weights' download fits its disk (configs are small)
+        from tpupedia.models import checkpoints
+
+        checkpoints.check_disk(source)
     configs = family.component_configs(source)  # JSON only: the rules below use the checkpoint's facts
+    label = _labelled(source, label)
     pipeline_cls.validate(request, options, len(mesh_devices), configs)
     dtype = torch_dtype(options, preset)
     if plans(plan, preset):
@@ -857,6 +862,16 @@ def run(pipeline_cls: type[StagedPipeline], request: Request, options: Options, 
     pipe.plan = "off"  # planned above, or not to be: its stage methods do not plan again
     return run_stages(pipe, request, stage=stage, workdir=workdir, out=out, force=force, command=command, log=log,
                       collective=collective)
+
+
+def _labelled(source: str, label: str) -> str:
+    """The stage files' name for `source` once its configs are read: a hub checkpoint's names
+    the revision they were read from (`checkpoints.source_label`: the first run of a hub id, whose
+    label was made before anything was cached, and every later one agree); a preset's own label
+    stays."""
+    from tpupedia.models import checkpoints
+
+    return label if label.startswith("preset:") else checkpoints.source_label(source)
 
 
 def pinned(request: Request) -> Request:
@@ -1046,7 +1061,12 @@ def run_batch(pipeline_cls: type[StagedPipeline], prompts: str | Path, base: Req
     family = pipeline_cls.family
     outdir = check_workdir(outdir, "--outdir")
     source, label = pipeline_cls.source(preset, model, requests[0])  # image-to-video picks its own
+    if plans(plan, preset):  # the weights' download fits its disk (configs are small)
+        from tpupedia.models import checkpoints
+
+        checkpoints.check_disk(source)
     configs = family.component_configs(source)
+    label = _labelled(source, label)
     batch_requests(pipeline_cls, items, base, options, len(jax.local_devices()), configs)
     dtype = torch_dtype(options, preset)
     if plans(plan, preset):
