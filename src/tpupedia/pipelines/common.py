@@ -229,7 +229,6 @@ def stage_settings(family_name: str, stage: str, source_label: str, configs: dic
     return out
 
 
-
 @dataclass
 class StageReport:
     """What one stage did: whether it ran or was skipped, its timings, the file it wrote."""
@@ -845,16 +844,11 @@ def run(pipeline_cls: type[StagedPipeline], request: Request, options: Options, 
         from tpupedia import video
 
         video.check_encoder()
-    source, label = pipeline_cls.source(preset, model, request)
-    if plans(plan, preset):  # the weights' download fits its disk (configs are small)
-        from tpupedia.models import checkpoints
-
-        checkpoints.check_disk(source)
-    configs = family.component_configs(source)  # JSON only: the rules below use the checkpoint's facts
-    label = _labelled(source, label)
+    planning = plans(plan, preset)
+    source, label, configs = _checkpoint(pipeline_cls, preset, model, request, planning)
     pipeline_cls.validate(request, options, len(mesh_devices), configs)
     dtype = torch_dtype(options, preset)
-    if plans(plan, preset):
+    if planning:
         request = check_plan(pipeline_cls, request, options, configs, mesh_devices, dtype, tiling=vae_tiling, log=log)
     mesh = devices.make_mesh(pipeline_cls.run_mesh_shape(request, options, len(mesh_devices), configs), ("dp", "tp"),
                              devices=mesh_devices)
@@ -864,14 +858,21 @@ def run(pipeline_cls: type[StagedPipeline], request: Request, options: Options, 
                       collective=collective)
 
 
-def _labelled(source: str, label: str) -> str:
-    """The stage files' name for `source` once its configs are read: a hub checkpoint's names
-    the revision they were read from (`checkpoints.source_label`: the first run of a hub id, whose
-    label was made before anything was cached, and every later one agree); a preset's own label
-    stays."""
+def _checkpoint(pipeline_cls: type[StagedPipeline], preset: Any, model: str | None, request: Request,
+                planning: bool) -> tuple[str, str, dict[str, dict]]:
+    """`(source, label, configs)` of the checkpoint `request` loads (`StagedPipeline.source`): when
+    `planning`, a hub checkpoint's download held against its disk first (`checkpoints.check_disk`;
+    the configs are small), then its configs read (JSON only: the rules and the plan use the
+    checkpoint's facts), then its label made: a hub checkpoint's names the revision they were
+    read from (`checkpoints.source_label`), so the first run of a hub id, which finds nothing
+    cached before it reads them, and every later one agree; a preset's own label stays."""
     from tpupedia.models import checkpoints
 
-    return label if label.startswith("preset:") else checkpoints.source_label(source)
+    source, label = pipeline_cls.source(preset, model, request)
+    if planning:
+        checkpoints.check_disk(source)
+    configs = pipeline_cls.family.component_configs(source)
+    return source, label if label.startswith("preset:") else checkpoints.source_label(source), configs
 
 
 def pinned(request: Request) -> Request:
@@ -1058,18 +1059,12 @@ def run_batch(pipeline_cls: type[StagedPipeline], prompts: str | Path, base: Req
     video.check_encoder()  # every prompt ends in an mp4: a missing encoder stops the batch before it starts
     items = batch.read_prompts(prompts)
     requests = batch_requests(pipeline_cls, items, base, options, len(jax.local_devices()), model=model)
-    family = pipeline_cls.family
     outdir = check_workdir(outdir, "--outdir")
-    source, label = pipeline_cls.source(preset, model, requests[0])  # image-to-video picks its own
-    if plans(plan, preset):  # the weights' download fits its disk (configs are small)
-        from tpupedia.models import checkpoints
-
-        checkpoints.check_disk(source)
-    configs = family.component_configs(source)
-    label = _labelled(source, label)
+    planning = plans(plan, preset)
+    source, label, configs = _checkpoint(pipeline_cls, preset, model, requests[0], planning)  # i2v picks its own
     batch_requests(pipeline_cls, items, base, options, len(jax.local_devices()), configs)
     dtype = torch_dtype(options, preset)
-    if plans(plan, preset):
+    if planning:
         for item in items:
             try:
                 requests[item.index] = check_plan(pipeline_cls, requests[item.index], options, configs,
