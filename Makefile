@@ -2,6 +2,7 @@
 #   make serve      build the site and serve it at http://127.0.0.1:8000
 #   make test       ruff, unit + parity tests, notebook hygiene, nbval (strict) over every notebook, strict docs build
 #   make check      ruff, notebook hygiene and the tests that take under 5 s each: minutes, for iterating
+#   make rehearse   every full-size way in (generate paths, notebooks) planned for a v6e-8, nothing loaded
 #   make lab        JupyterLab with jupytext pairing (edit lessons/*.py or notebooks/*.ipynb)
 #   make notebooks  re-execute every lesson with the tiny preset and write notebooks/*.ipynb
 SHELL := /bin/bash
@@ -27,7 +28,7 @@ test check unit nbval notebooks: export TPUPEDIA_PRESET := tiny
 test check unit nbval notebooks: export JAX_PLATFORMS := cpu
 test check nbval notebooks: export TPUPEDIA_AOT_CACHE ?= $(CURDIR)/tests/aot-kept
 
-.PHONY: env test check unit nbval nbval-reordered docs serve lab notebooks clean chromium
+.PHONY: env test check unit nbval nbval-reordered docs serve lab notebooks clean chromium rehearse
 
 env: $(STAMP)
 
@@ -57,6 +58,15 @@ test: env chromium
 	  JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=-1 \
 	  JAX_COMPILATION_CACHE_MAX_SIZE=$$((8 * 2**30)); \
 	$(BIN)/python -m tpupedia.notebooks nbval tests notebooks -n 2 --dist loadfile --durations=30 --record-slow
+
+# Every full-size way in, rehearsed for a v6e-8 on this CPU host (`tpupedia.rehearse`): each
+# `tpupedia generate` path and each notebook's calls into the pipelines, under TPUPEDIA_PRESET=full,
+# plan their run by compiling its programs ahead of time for the slice (one layer per model, as
+# `tpupedia plan` does) and stop before a weight loads; a call whose plan does not fit fails it,
+# naming the caller. Compiles are read from and kept in tests/rehearse-kept (commit it); a program a
+# change touched compiles anew, which for a full-size VAE decode takes minutes.
+rehearse: env
+	$(BIN)/python -m tpupedia.rehearse --keep tests/rehearse-kept
 
 # For iterating: lint, the notebooks' pairing and hygiene, and the cheapest tests of the last
 # `make test` (each under 5 s, up to 75 s in all; tests/slow.txt lists the others; a test not

@@ -675,6 +675,14 @@ assert weights_2b["text"] <= one_chip_peaks["text"] < 1.1 * weights_2b["text"]  
 # of their working set, but section 3 showed that a full-depth compile can need more, so a plan
 # that fits close to the limit deserves `tpupedia plan` without `--layers`.
 #
+# The same check can run here, before you rent anything: with `TPUPEDIA_REHEARSE=v6e:2x4` set,
+# every way in plans its run for that slice instead of this host's devices, reads the release's
+# configs from the family module instead of the Hub, and stops before a weight loads with one line
+# saying what it planned (`tpupedia.rehearsal`). So
+# `TPUPEDIA_REHEARSE=v6e:2x4 tpupedia generate hunyuan --preset full --prompt "..."` tells you on
+# your laptop whether that command fits a v6e-8, and `make rehearse` does it for every `generate`
+# path and every notebook's full-preset calls (`tpupedia.rehearse`).
+#
 # ## Takeaways
 #
 # * Count FLOPs first. At 720p and 81 frames, attention is over two thirds of a CogVideoX step.

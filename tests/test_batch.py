@@ -189,7 +189,7 @@ def test_a_batchs_checks_read_the_checkpoints_configs_once(tmp_path, monkeypatch
 
     def preflight(name, request, options, got, run_devices, **kwargs):
         planned.append((request.seed, got is configs, len(run_devices), kwargs["resident"]))
-        if len(planned) == 5:
+        if request.seed == 4:  # resident or not
             raise plan.PlanError("cogvideox will not fit: stage decode needs 40.00 GiB")
         return request
 
@@ -201,5 +201,59 @@ def test_a_batchs_checks_read_the_checkpoints_configs_once(tmp_path, monkeypatch
         cogvideox.run_batch(prompts, base, cogvideox.Options(), preset=presets.get("full"), outdir=tmp_path / "out",
                             log=lambda _: None)
     assert reads == [family.FULL_ID]
-    assert planned == [(i, True, len(jax.local_devices()), True) for i in range(5)]
+    n = len(jax.local_devices())
+    assert planned == [(i, True, n, True) for i in range(5)] + [(4, True, n, False)]  # then as a single run
     assert not (tmp_path / "out" / ".stages").exists()  # nothing was built or run
+
+
+def test_a_batch_whose_models_cannot_all_stay_resident_frees_them_as_a_single_run_does(tmp_path, monkeypatch):
+    """HunyuanVideo-1.5 at 720p on a v6e-8: the text encoders, the transformer and the VAE do not
+    fit beside each other, but each stage alone does. The batch then runs as a single run does,
+    each stage freeing its models for the next (every prompt planned that way, the pipeline not
+    resident, said in a line), rather than refusing; and where staying resident would lower Wan's
+    float32 VAE to bfloat16, the batch keeps the precision and frees instead."""
+    import dataclasses
+
+    from tpupedia import plan
+    from tpupedia.pipelines import common, wan
+
+    family = wan.PIPELINE.family
+    configs = family.full_configs()
+    monkeypatch.setattr(family, "component_configs", lambda source: configs)
+    monkeypatch.setattr(wan.PIPELINE, "source", classmethod(lambda cls, preset, model, request:
+                                                            (family.FULL_ID, family.FULL_ID)))
+    asked, built = [], []
+
+    def preflight(name, request, options, got, run_devices, *, resident, **kwargs):
+        asked.append((request.seed, resident))
+        if resident and request.seed == 1:
+            raise plan.PlanError("wan will not fit: stage text needs 40.00 GiB with the transformer resident")
+        return dataclasses.replace(request, vae_dtype="bfloat16") if resident and request.seed == 2 else request
+
+    class Stop(Exception):
+        pass
+
+    def first_stage(pipe, request, **kwargs):  # the batch's pipeline, as built and set up: stop here
+        built.append(pipe.resident)
+        raise Stop
+
+    monkeypatch.setattr(plan, "preflight", preflight)
+    monkeypatch.setattr(wan.PIPELINE, "__init__", lambda self, *a, **k: None)
+    monkeypatch.setattr(wan.PIPELINE, "release", lambda self, stage, force=False: 0)
+    monkeypatch.setattr(common, "run_stages", first_stage)
+    prompts = tmp_path / "p.jsonl"
+    full = presets.get("full")
+    base = wan.Request(prompt="-", **family.default_request(full))
+    lines = []
+    for seeds, resident in (([0, 3], True), ([0, 1], False), ([0, 2], False)):
+        asked.clear()
+        prompts.write_text("\n".join(json.dumps({"prompt": f"prompt {i}", "seed": i}) for i in seeds))
+        with pytest.raises(Stop):
+            wan.run_batch(prompts, base, wan.Options(), preset=full, outdir=tmp_path / f"out{seeds[1]}", log=lines.append)
+        said = any("do not all stay resident" in line for line in lines)
+        assert said == (not resident) and built.pop() is resident, (seeds, lines)
+        lines.clear()
+        if resident:
+            assert asked == [(0, True), (3, True)]
+        else:  # tried resident, planned as a single run, then every prompt planned that way
+            assert asked[-2:] == [(0, False), (seeds[1], False)] and (seeds[1], True) in asked

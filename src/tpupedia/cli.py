@@ -145,7 +145,8 @@ def _plan(args: argparse.Namespace) -> int:
     family = pipeline.PIPELINE.family
     release = _few_step(args)
     model = args.model if args.model is not None or release is None else release.model
-    fields = family.default_request(presets.get("full")) | pipeline.PIPELINE.release_request(model) | (
+    fields = family.default_request(presets.get("full")) | pipeline.PIPELINE.release_request(
+        model, getattr(args, "image", None)) | (
         release.request_fields() if release else {}) | {
         k: v for k, v in (("frames", args.frames), ("steps", args.steps)) if v is not None}
     if args.resolution:
@@ -318,7 +319,8 @@ def _add_lora_flag(parser: argparse.ArgumentParser, family: str) -> None:
     from tpupedia import lora
 
     parser.add_argument("--lora", action="append", default=None, metavar=lora.FORMAT,
-                        help="fuse a LoRA adapter (a .safetensors file, or the folder save_lora_weights wrote) into the "
+                        help="fuse a LoRA adapter (a .safetensors file, the folder save_lora_weights wrote, or "
+                             "hf:OWNER/NAME[/WEIGHT_NAME] on the Hub) into the "
                              "transformer's weights before they are "
                              "sharded; repeatable; SCALE default 1.0, COMPONENT default transformer (transformer_2: "
                              f"a two-expert checkpoint's low-noise expert); the formats diffusers loads for {family}")
@@ -376,7 +378,7 @@ def _generate_setup(args: argparse.Namespace):
     """Preset, pipeline module, request and options from the command line, validated before JAX
     starts or any model loads; then the preset's devices and the compilation cache. Shared by
     `generate` and `bench generate` for every family."""
-    from tpupedia import devices, distributed, presets, session
+    from tpupedia import devices, distributed, presets, rehearsal, session
     from tpupedia.pipelines import common
 
     pipeline = _pipeline_module(args.model_family)
@@ -394,7 +396,8 @@ def _generate_setup(args: argparse.Namespace):
         if not args.quiet:
             print(f"{named}: a hub checkpoint, run with the {preset.name} preset's request and dtype "
                   "(a tiny checkpoint is a folder)")
-    fields = family.default_request(preset) | (pipeline.PIPELINE.release_request(named) if preset.pretrained else {}) \
+    fields = family.default_request(preset) | (pipeline.PIPELINE.release_request(
+        named, getattr(args, "image", None)) if preset.pretrained else {}) \
         | (release.request_fields() if release else {}) | {k: v for k, v in (
         ("frames", args.frames), ("height", args.height), ("width", args.width), ("steps", args.steps),
         ("guidance", args.guidance), ("seed", args.seed), ("fps", args.fps)) if v is not None}
@@ -410,20 +413,21 @@ def _generate_setup(args: argparse.Namespace):
             source = args.model = families.release_checkpoint(args.model_family, release, preset.pretrained)
             args.release_tiny = not preset.pretrained
         given = adapters
-        adapters = _release_adapters(args, release, given, source, pretrained=preset.pretrained) + given
+        adapters = _release_adapters(args, release, given, source, pretrained=preset.pretrained,
+                                     local_only=rehearsal.target() is not None) + given  # a rehearsal fetches nothing
         if not args.quiet:
             print(_release_line(release, fields, source, adapters, _replaced(args, given)))
     request = pipeline.Request(prompt=args.prompt or "(from --prompts)", negative_prompt=args.negative_prompt,
                                vae_tiling=args.vae_tiling == "on", image=getattr(args, "image", None),
                                lora=adapters, **fields)
     options = common.Options(mesh=common.parse_mesh(args.mesh) if args.mesh else None, sharding=args.sharding,
-                             attention=args.attention, block_sizes=_block_sizes(args.block_sizes), vae=args.vae, quiet=args.quiet,
+                             attention=args.attention, block_sizes=_block_sizes(args.block_sizes), quiet=args.quiet,
                              dtype=args.dtype)
     pipeline.PIPELINE.check_size_given(request, [f for f, v in (("--width", args.width), ("--height", args.height))
                                                  if v is not None])
     configs = None  # a checkpoint named on the command line: its configs' rules (JSON only, no weights)
     if family.named_source(args.model):  # a release's tiny checkpoint too: its adapters are checked against it
-        configs = family.component_configs(family.model_source(preset, args.model)[0])
+        configs = pipeline.PIPELINE.checkpoint_configs(family.model_source(preset, args.model)[0])
     if getattr(args, "prompts", None):  # every line of the batch, its picture included
         from tpupedia import batch
 
@@ -636,8 +640,6 @@ def _add_generate_arguments(p: argparse.ArgumentParser, spec, *, stages: bool) -
                    help="auto: splash on TPU, the reference elsewhere")
     p.add_argument("--block-sizes", default=None, metavar="Q,KV,KV_COMPUTE",
                    help=f"splash block sizes, multiples of 128 (default: tpupedia.models.{family}.SPLASH_BLOCK_SIZES)")
-    vaes = _pipeline_module(family).PIPELINE.vaes
-    p.add_argument("--vae", choices=list(vaes), default=None, help=f"VAE implementation (default {vaes[0]})")
     p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
                    help="auto: bfloat16 on the full preset, float32 on the tiny one")
     p.add_argument("--compilation-cache", default=None,
@@ -873,8 +875,13 @@ def _main(argv: list[str]) -> int:
         from tpupedia import session
 
         session.quiet()
+    from tpupedia import rehearsal
+
     try:
         return args.func(args)
+    except rehearsal.Rehearsed as done:  # the plan checked for the rehearsal's slice, nothing loaded
+        print(f"tpupedia {args.command}: {done}")
+        return 0
     except TpupediaError as err:  # bad input or a refused file: one clear line, no traceback
         print(f"tpupedia {args.command}: {err}", file=sys.stderr)
         return 2

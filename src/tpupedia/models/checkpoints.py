@@ -20,7 +20,7 @@ from tpupedia import files
 from tpupedia.errors import TpupediaError
 from tpupedia.files import cache_dir
 
-__all__ = ["CheckpointError", "cache_dir", "cached_pipeline", "clean_config", "choose_source", "named_source", "check_source",
+__all__ = ["CheckpointError", "IgnoredWeightsWarning", "cache_dir", "cached_pipeline", "clean_config", "choose_source", "named_source", "check_source",
            "source_label", "hub_revision", "download_bytes", "check_disk", "hub_cache_space", "SKIPPED_FILES", "read_configs", "config_file", "hub_unreachable", "load_component", "check_loading_info",
            "DEPTH_FIELDS", "depth"]
 
@@ -210,7 +210,9 @@ def check_source(source: str, what: str = "--model", example: str = "zai-org/Cog
                               "model_index.json, or a hub id")
     if not HUB_ID.match(source):
         raise CheckpointError(f"{what} {source}: no such folder, and not a hub id (OWNER/NAME, e.g. {example})")
-    if _offline():
+    from tpupedia import rehearsal
+
+    if _offline() and rehearsal.target() is None:  # a rehearsal plans a release from the family's own configs
         from huggingface_hub import try_to_load_from_cache
 
         if not isinstance(try_to_load_from_cache(source, "model_index.json"), str):
@@ -297,11 +299,17 @@ SHOWN_KEYS = 3
 """How many weight names a refused component's error quotes."""
 
 
+class IgnoredWeightsWarning(UserWarning):
+    """A checkpoint holds weights its class does not use: loaded, as stock loads it, and said."""
+
+
 def check_loading_info(source: str, component: str, info: Any) -> None:
     """Refuse, in one line naming `component` and its first `SHOWN_KEYS` weight names, a component
     whose checkpoint weights do not match its class: weights the class has but the checkpoint lacks
-    (left randomly initialised: "newly initialized"), weights the checkpoint has that the class
-    does not use ("not used"), or weights of another shape. `info` is what
+    (left randomly initialised: "newly initialized") or weights of another shape, what stock
+    refuses or runs wrong. Weights the checkpoint has that the class does not use ("not used"),
+    and nothing missing, load as stock loads them, with an `IgnoredWeightsWarning` naming what was
+    ignored. `info` is what
     `from_pretrained(..., output_loading_info=True)` returns with the model (diffusers and
     transformers), after each library has dropped what it expects to differ (tied weights,
     non-persistent buffers, its class's `_keys_to_ignore_on_load_*` patterns): what stock diffusers
@@ -309,18 +317,24 @@ def check_loading_info(source: str, component: str, info: Any) -> None:
     if hasattr(info, "to_dict"):
         info = info.to_dict()
     info = dict(info or {})
-    problems = []
+    problems = {}
     for key, what in (("missing_keys", "missing from the checkpoint"),
                       ("unexpected_keys", "in the checkpoint but not in the model"),
                       ("mismatched_keys", "of another shape in the checkpoint")):
         keys = sorted(k[0] if isinstance(k, (tuple, list)) else str(k) for k in (info.get(key) or ()))
         if keys:
             more = f" and {len(keys) - SHOWN_KEYS} more" if len(keys) > SHOWN_KEYS else ""
-            problems.append(f"{len(keys)} weight(s) {what} ({', '.join(keys[:SHOWN_KEYS])}{more})")
-    if problems:
+            problems[key] = f"{len(keys)} weight(s) {what} ({', '.join(keys[:SHOWN_KEYS])}{more})"
+    if set(problems) == {"unexpected_keys"}:  # stock loads it and ignores them, with a warning: so do we
+        import warnings
+
+        warnings.warn(IgnoredWeightsWarning(
+            f"checkpoint {source}: the {component} weights load as stock diffusers loads them, ignoring "
+            f"{problems['unexpected_keys']}"), stacklevel=2)
+    elif problems:
         raise CheckpointError(f"checkpoint {source}: the {component} weights do not match its "
-                              f"{info.get('class', 'model')} class: {'; '.join(problems)}; refusing to run with "
-                              "randomly initialised or ignored weights (is it the checkpoint this family loads?)")
+                              f"{info.get('class', 'model')} class: {'; '.join(problems.values())}; refusing to run "
+                              "with randomly initialised or ignored weights (is it the checkpoint this family loads?)")
 
 
 def load_component(cls: Any, source: str, subfolder: str, **kwargs: Any) -> Any:

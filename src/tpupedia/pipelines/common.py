@@ -343,7 +343,7 @@ class StagedPipeline:
         self.vae = self.vae_choice(options)
         self.env = torchax_utils.default_env()
         torchax_utils.register_common_outputs()
-        self.configs = configs if configs is not None else self.family.component_configs(source)
+        self.configs = configs if configs is not None else self.checkpoint_configs(source)
         self.shapes = self.family.shape_facts(self.configs)
         """Compression ratios, patch sizes and latent channels of this checkpoint (`tpupedia.models.shapes`)."""
         self.components: dict[str, tuple[type, list]] = {}
@@ -376,20 +376,27 @@ class StagedPipeline:
         pipeline and set this to `off`."""
         self._planned: list[tuple[Request, Request]] = []  # (asked, as planned), once per request
 
-    def planned(self, request: Request) -> Request:
+    def planned(self, request: Request, caller: str = "a stage") -> Request:
         """`request` as its plan resolves it on this pipeline's mesh (`check_plan`: refused if it
         will not fit, the VAE tiling and dtype resolved), planned once per request; `request`
-        itself where this pipeline does not plan (`plan`; `abstract`, a plan's own pipeline)."""
-        from tpupedia import presets
+        itself where this pipeline does not plan (`plan`; `abstract`, a plan's own pipeline). Under
+        a rehearsal (`tpupedia.rehearsal`) the plan is for the rehearsal's slice (this pipeline's
+        mesh shape where it has as many devices, else the run's default) and the stage method
+        `caller` stops there (`Rehearsed`)."""
+        from tpupedia import presets, rehearsal
 
-        if self.abstract or not plans(self.plan, presets.current()):
+        rehearsing = rehearsal.target() is not None
+        if self.abstract or not (rehearsing or plans(self.plan, presets.current())):
             return request
         for asked, resolved in self._planned:
             if request in (asked, resolved):
                 return resolved
-        options = dataclasses.replace(self.options, mesh=tuple(self.mesh.shape.get(a, 1) for a in ("dp", "tp")))
-        resolved = check_plan(type(self), request, options, self.configs, list(self.mesh.devices.flat), self.dtype,
+        run_devices = rehearsal.devices() if rehearsing else list(self.mesh.devices.flat)
+        shape = tuple(self.mesh.shape.get(a, 1) for a in ("dp", "tp"))
+        options = dataclasses.replace(self.options, mesh=shape if self.mesh.devices.size == len(run_devices) else None)
+        resolved = check_plan(type(self), request, options, self.configs, run_devices, self.dtype,
                               resident=self.resident, log=(lambda _: None) if self.options.quiet else print)
+        rehearsal.stop(f"{type(self).__name__}.{caller}", self.family.SPEC.name, resolved)
         self._planned.append((request, resolved))
         return resolved
 
@@ -599,7 +606,7 @@ class StagedPipeline:
     # even when it fails, frees the models it loaded, unless the pipeline is `resident`.
     def encode_text(self, request: Request) -> tuple[dict, dict]:
         """Stage 1: the prompt's embeddings, `(tensors, timings)`."""
-        request = self.planned(request)
+        request = self.planned(request, "encode_text")
         with self._freeing("text"):
             return self._encode_text(request)
 
@@ -610,12 +617,27 @@ class StagedPipeline:
         return cls.family.FULL_ID_I2V if cls.image_to_video and request.image is not None else cls.family.FULL_ID
 
     @classmethod
-    def release_request(cls, model: str | None) -> dict:
+    def release_request(cls, model: str | None, image: str | None = None) -> dict:
         """The request fields a built-in release runs by default where they differ from the full
         preset's (`family.RELEASE_REQUESTS`: CogVideoX-2b's 720x480 and 49 frames, Wan 1.3B's
-        832x480), so `tpupedia plan --model ID` plans the video that release makes; `{}` for
-        any other model."""
+        832x480, Wan's authors' steps, flow shift and guidance), so `tpupedia plan` and `tpupedia
+        generate` run the video that release makes; `model` `None`: the full preset's own release
+        (`release_id`, its image-to-video one with an `image`); `{}` for any other model."""
+        if model is None:
+            model = cls.release_id(Request(prompt="", image=image))
         return dict(getattr(cls.family, "RELEASE_REQUESTS", {}).get(model, {}))
+
+    @classmethod
+    def checkpoint_configs(cls, source: str) -> dict[str, dict]:
+        """The component configs of the checkpoint at `source` (`family.component_configs`: JSON
+        only, no weights); under a rehearsal (`tpupedia.rehearsal`), a release the family builds
+        in (`FamilySpec.releases`) from its own configs, with no download."""
+        from tpupedia import rehearsal
+
+        built_in = cls.family.SPEC.releases.get(source)
+        if built_in is not None and rehearsal.target() is not None:
+            return cls.family.full_configs(**built_in)
+        return cls.family.component_configs(source)
 
     @classmethod
     def plan_configs(cls, request: Request, model: str) -> dict[str, dict]:
@@ -652,14 +674,14 @@ class StagedPipeline:
 
     def encode_image(self, request: Request) -> tuple[dict, dict]:
         """Image-to-video's stage: the picture encoded as the denoiser's condition, `(tensors, timings)`."""
-        request = self.planned(request)
+        request = self.planned(request, "encode_image")
         with self._freeing("image"):
             return self._encode_image(request)
 
     def denoise(self, request: Request, embeds: dict, on_step=None) -> tuple[dict, dict]:
         """Stage 2: the denoised latents from stage 1's embeddings (and the `image` stage's
         condition, for image-to-video), `(tensors, timings)`."""
-        request = self.planned(request)
+        request = self.planned(request, "denoise")
         if tuple(request.lora) != self.adapters:  # fused weights: another adapter set is another transformer
             self.release("denoise", force=True)
             self.adapters = tuple(request.lora)
@@ -668,7 +690,7 @@ class StagedPipeline:
 
     def decode(self, request: Request, latents) -> tuple[dict, dict]:
         """Stage 3: frames from stage 2's latents, `(tensors, timings)`."""
-        request = self.planned(request)
+        request = self.planned(request, "decode")
         with self._freeing("decode"):
             return self._decode(request, latents)
 
@@ -830,13 +852,14 @@ def run(pipeline_cls: type[StagedPipeline], request: Request, options: Options, 
     """
     import jax
 
-    from tpupedia import devices
+    from tpupedia import devices, rehearsal
 
     family = pipeline_cls.family
     if stage != "all" and stage not in request_stages(request):
         raise PipelineError(f"stage={stage!r} is not one of all, {', '.join(request_stages(request))}"
                             + (" (the image stage needs a picture: --image)" if stage == "image" else ""))
-    mesh_devices = jax.devices() if collective else jax.local_devices()  # every process's devices, or ours
+    rehearsing = rehearsal.target() is not None  # planned for the rehearsal's slice, then stopped
+    mesh_devices = rehearsal.devices() if rehearsing else jax.devices() if collective else jax.local_devices()
     # A checkpoint of our own choosing has the released shape facts; a named one is checked below.
     pipeline_cls.validate(request, options, len(mesh_devices), shape_rules=not family.named_source(model))
     workdir = check_workdir(workdir or f"tpupedia-runs/{family.FAMILY}")
@@ -844,12 +867,13 @@ def run(pipeline_cls: type[StagedPipeline], request: Request, options: Options, 
         from tpupedia import video
 
         video.check_encoder()
-    planning = plans(plan, preset)
+    planning = rehearsing or plans(plan, preset)
     source, label, configs = _checkpoint(pipeline_cls, preset, model, request, planning)
     pipeline_cls.validate(request, options, len(mesh_devices), configs)
     dtype = torch_dtype(options, preset)
     if planning:
         request = check_plan(pipeline_cls, request, options, configs, mesh_devices, dtype, tiling=vae_tiling, log=log)
+    rehearsal.stop("run", family.SPEC.name, request)
     mesh = devices.make_mesh(pipeline_cls.run_mesh_shape(request, options, len(mesh_devices), configs), ("dp", "tp"),
                              devices=mesh_devices)
     pipe = pipeline_cls(source, label, dtype, mesh, options, configs)
@@ -866,12 +890,13 @@ def _checkpoint(pipeline_cls: type[StagedPipeline], preset: Any, model: str | No
     checkpoint's facts), then its label made: a hub checkpoint's names the revision they were
     read from (`checkpoints.source_label`), so the first run of a hub id, which finds nothing
     cached before it reads them, and every later one agree; a preset's own label stays."""
+    from tpupedia import rehearsal
     from tpupedia.models import checkpoints
 
     source, label = pipeline_cls.source(preset, model, request)
-    if planning:
+    if planning and rehearsal.target() is None:  # a rehearsal downloads nothing
         checkpoints.check_disk(source)
-    configs = pipeline_cls.family.component_configs(source)
+    configs = pipeline_cls.checkpoint_configs(source)
     return source, label if label.startswith("preset:") else checkpoints.source_label(source), configs
 
 
@@ -1054,23 +1079,36 @@ def run_batch(pipeline_cls: type[StagedPipeline], prompts: str | Path, base: Req
     """
     import jax
 
-    from tpupedia import batch, devices, distributed, results, video
+    from tpupedia import batch, devices, distributed, rehearsal, results, video
 
     video.check_encoder()  # every prompt ends in an mp4: a missing encoder stops the batch before it starts
+    rehearsing = rehearsal.target() is not None  # planned for the rehearsal's slice, then stopped
+    run_devices = rehearsal.devices() if rehearsing else jax.local_devices()
     items = batch.read_prompts(prompts)
-    requests = batch_requests(pipeline_cls, items, base, options, len(jax.local_devices()), model=model)
+    requests = batch_requests(pipeline_cls, items, base, options, len(run_devices), model=model)
     outdir = check_workdir(outdir, "--outdir")
-    planning = plans(plan, preset)
+    planning = rehearsing or plans(plan, preset)
     source, label, configs = _checkpoint(pipeline_cls, preset, model, requests[0], planning)  # i2v picks its own
-    batch_requests(pipeline_cls, items, base, options, len(jax.local_devices()), configs)
+    batch_requests(pipeline_cls, items, base, options, len(run_devices), configs)
     dtype = torch_dtype(options, preset)
+    resident = True  # every model and program kept between prompts, where the plan says that fits
     if planning:
+        planned = {}
         for item in items:
             try:
-                requests[item.index] = check_plan(pipeline_cls, requests[item.index], options, configs,
-                                                  jax.local_devices(), dtype, tiling=vae_tiling, resident=True, log=log)
+                planned[item.index] = _batch_plan(pipeline_cls, requests[item.index], options, configs,
+                                                  run_devices, dtype, vae_tiling, log)
             except TpupediaError as err:
                 raise PipelineError(f"prompt {item.index} ({item.prompt[:40]!r}): {err}") from None
+        resident = all(kept for _, kept in planned.values())
+        requests = {k: r for k, (r, _) in planned.items()} if resident else {
+            k: _batch_plan(pipeline_cls, requests[k], options, configs, run_devices, dtype, vae_tiling, log,
+                           resident=False)[0] for k in planned}  # one pipeline: every prompt planned as it runs
+        if not resident:
+            log("batch: the models do not all stay resident (they would not fit beside each other, or the VAE would "
+                "lose its precision): each stage frees its models for the next, as a single run does, and they load "
+                "again for every prompt")
+    rehearsal.stop(f"run_batch ({len(items)} prompts)", pipeline_cls.family.SPEC.name, requests[items[0].index])
 
     def decode_settings(request):  # what the decode stage file of `request` must say, no model loaded
         return pipeline_cls.settings_for(label, configs, pinned(request), options, dtype, "decode")
@@ -1098,7 +1136,7 @@ def run_batch(pipeline_cls: type[StagedPipeline], prompts: str | Path, base: Req
             shape = pipeline_cls.run_mesh_shape(request, options, len(local), configs)
             pipe = pipeline_cls(source, label, dtype, devices.make_mesh(shape, ("dp", "tp"), devices=local),
                                 quiet, configs)
-            pipe.resident, pipe.plan = True, "off"  # every request was planned above (or is not to be)
+            pipe.resident, pipe.plan = resident, "off"  # every request was planned above (or is not to be)
         held: dict = {}
         reports = run_stages(pipe, request, workdir=check_workdir(work), force=force, log=lambda _: None,
                              collective=False, tensors=held)
@@ -1133,6 +1171,38 @@ def run_batch(pipeline_cls: type[StagedPipeline], prompts: str | Path, base: Req
     with contextlib.suppress(OSError):
         (outdir / ".stages").rmdir()  # only if empty: an unfinished prompt keeps its stage files
     return made
+
+
+def _batch_plan(pipeline_cls: type[StagedPipeline], request: Request, options: Options, configs: dict[str, dict],
+                run_devices: list, dtype: Any, tiling: str | None, log: Callable[[str], None], *,
+                resident: bool | None = None) -> tuple[Request, bool]:
+    """`(request as planned, whether its models stay resident)` for one prompt of a batch: resident
+    (the batch's speed) where that fits without lowering the VAE's precision (Wan's float32 VAE),
+    else as a single run plans it, each stage freeing its models for the next (HunyuanVideo-1.5 at
+    720p on a v6e-8); `resident` given: planned that way only."""
+    from tpupedia import plan
+
+    if resident is not None:
+        return check_plan(pipeline_cls, request, options, configs, run_devices, dtype, tiling=tiling,
+                          resident=resident, log=log), resident
+    lowered = lambda r: getattr(r, "vae_dtype", None) != getattr(request, "vae_dtype", None)  # noqa: E731
+    try:
+        kept = check_plan(pipeline_cls, request, options, configs, run_devices, dtype, tiling=tiling, resident=True,
+                          log=log)
+        if not lowered(kept):
+            return kept, True
+    except plan.PlanError:
+        kept = None
+    try:
+        single = check_plan(pipeline_cls, request, options, configs, run_devices, dtype, tiling=tiling,
+                            resident=False, log=log)
+    except plan.PlanError:
+        if kept is None:
+            raise
+        return kept, True
+    if kept is not None and lowered(single):
+        return kept, True  # the VAE lowered either way: resident keeps the batch's speed
+    return single, False
 
 
 def describe(timings: dict) -> str:

@@ -1,0 +1,246 @@
+"""`make rehearse`: every full-size way in, run as on a TPU slice, on a host without one.
+
+Each rehearsal is a `tpupedia generate` command line (`WAYS`: text and image to video for each
+family, a release, a LoRA, a step cache, a batch) or a notebook's full-preset calls into the
+library (`NOTEBOOKS`), run under `TPUPEDIA_PRESET=full` with `TPUPEDIA_REHEARSE=TOPOLOGY`
+(`tpupedia.rehearsal`): each way in reads its checkpoint's configs from those the family builds
+in, checks its plan by compiling every program of the run ahead of time for the slice (one layer
+per model, scaled, as `tpupedia plan` does; kept compiles are read back, `tpupedia.aot`), and
+stops before a weight loads. A way in whose plan does not fit fails the rehearsal with the
+plan's own error (the stage, its need, the fix) and the caller's name: the command line, or the
+notebook and cell. A notebook is executed cell by cell (its Python file, `lessons/NN_slug.py`)
+until its last call into a pipeline; a cell that needs what only a TPU VM has (weights from the
+Hub, a stage's output) is reported as not reached and the next one runs, and a notebook none of
+whose calls was rehearsed fails.
+
+Introduced in notebook `plan_without_tpu` (plan without a TPU); `make rehearse` runs it after
+`make test` in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["Way", "WAYS", "NOTEBOOKS", "rehearse_way", "rehearse_notebook", "main"]
+
+PROMPT = 'A neon sign that says "OPEN" flickers on a rainy street at night.'
+"""A prompt that quotes a word, so HunyuanVideo-1.5's glyph encoder is planned too."""
+
+
+@dataclass(frozen=True)
+class Way:
+    """One `tpupedia generate` command line a reader runs on a TPU VM (`args`, after `generate`;
+    `{picture}`, `{lora}`, `{prompts}` and `{work}` are filled in by `rehearse_path`)."""
+
+    name: str
+    args: tuple[str, ...]
+
+
+WAYS: tuple[Way, ...] = (
+    Way("cogvideox t2v", ("cogvideox",)),
+    Way("cogvideox i2v", ("cogvideox", "--image", "{picture}")),
+    Way("cogvideox 2b", ("cogvideox", "--model", "zai-org/CogVideoX-2b")),
+    Way("cogvideox --lora", ("cogvideox", "--lora", "{lora}")),
+    Way("cogvideox --step-cache", ("cogvideox", "--step-cache", "fbcache:0.1")),
+    Way("cogvideox --prompts", ("cogvideox", "--prompts", "{prompts}", "--outdir", "{work}/batch")),
+    Way("hunyuan t2v", ("hunyuan",)),
+    Way("hunyuan i2v", ("hunyuan", "--image", "{picture}")),
+    Way("hunyuan --release", ("hunyuan", "--release", "step-distilled", "--image", "{picture}")),
+    Way("wan t2v", ("wan",)),
+    Way("wan i2v", ("wan", "--image", "{picture}")),
+    Way("wan 1.3B", ("wan", "--model", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers")),
+    Way("wan 2.2 A14B", ("wan", "--model", "Wan-AI/Wan2.2-T2V-A14B-Diffusers")),
+    Way("wan --release", ("wan", "--release", "lightning")),
+)
+
+NOTEBOOKS: tuple[str, ...] = ("07_cogvideox_pipeline", "10_hunyuan_video", "11_hunyuan_tuning_and_i2v",
+                              "12_wan_on_tpu", "14_fewer_steps")
+"""The lessons that call a pipeline (`run`, `run_batch`, a stage method) under the full preset."""
+
+_CALL = re.compile(r"\b(?:pipeline\.run|run_batch|\.encode_text|\.encode_image|\.denoise|pipe\w*\.decode)\(")
+
+
+@dataclass
+class Outcome:
+    """What one rehearsal found: the calls that planned (`Rehearsed` lines), a failure, what was
+    not reached, and its time."""
+
+    name: str
+    rehearsed: list[str] = field(default_factory=list)
+    failed: str = ""
+    not_reached: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed and bool(self.rehearsed)
+
+
+def _inputs(work: Path) -> dict[str, str]:
+    """The files the command lines name: a picture, a LoRA adapter, a prompts file."""
+    import numpy as np
+    from PIL import Image
+
+    picture = work / "picture.png"
+    Image.fromarray(np.linspace(0, 255, 720 * 1280 * 3).reshape(720, 1280, 3).astype("uint8")).save(picture)
+    prompts = work / "prompts.txt"
+    prompts.write_text(f"{PROMPT}\nA red fox runs through snow.\n", encoding="utf-8")
+    return {"picture": str(picture), "lora": str(_lora(work)), "prompts": str(prompts), "work": str(work)}
+
+
+def _lora(work: Path) -> Path:
+    """A rank-4 adapter on CogVideoX1.5-5B's first block's attention, in the layout diffusers'
+    `save_lora_weights` writes (its shapes from the release's config)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from tpupedia.models import cogvideox
+
+    width = cogvideox.full_configs()["transformer"]
+    width = width["num_attention_heads"] * width["attention_head_dim"]
+    tensors = {}
+    for proj in ("to_q", "to_k", "to_v"):
+        tensors[f"transformer.transformer_blocks.0.attn1.{proj}.lora_A.weight"] = torch.zeros(4, width)
+        tensors[f"transformer.transformer_blocks.0.attn1.{proj}.lora_B.weight"] = torch.zeros(width, 4)
+    path = work / "style.safetensors"
+    save_file(tensors, str(path))
+    return path
+
+
+def _env(topology: str, preset: str = "full") -> dict[str, str]:
+    """A rehearsal's environment: the preset (`full`; the tests rehearse `tiny`), the slice,
+    offline (nothing is fetched) and on the host's CPU."""
+    return dict(os.environ, TPUPEDIA_PRESET=preset, TPUPEDIA_REHEARSE=topology, HF_HUB_OFFLINE="1",
+                JAX_PLATFORMS="cpu", TOKENIZERS_PARALLELISM="false")
+
+
+def rehearse_way(path: Way, topology: str, work: Path, inputs: dict[str, str]) -> Outcome:
+    """Run `path`'s command line in a fresh process under the rehearsal; its last line says what
+    was planned, or the error that stopped it."""
+    args = ["generate", *[a.format(**inputs) for a in path.args], "--quiet"]  # the preset: $TPUPEDIA_PRESET
+    if "--prompts" not in args:
+        args += ["--prompt", PROMPT, "--workdir", str(work / "run")]
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "tpupedia.cli", *args], cwd=work, env=_env(topology),
+                          capture_output=True, text=True)
+    out = Outcome(path.name, seconds=time.perf_counter() - start)
+    lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+    last = lines[-1] if lines else f"exit {done.returncode}, nothing printed"
+    if done.returncode == 0 and "rehearsed" in last:
+        out.rehearsed.append(last.removeprefix("tpupedia generate: "))
+    else:
+        out.failed = f"tpupedia {' '.join(args)}: {last}"
+    return out
+
+
+_NOTEBOOK_DRIVER = r"""
+import json, sys, traceback
+import jupytext
+from tpupedia import plan, rehearsal
+from tpupedia.errors import clean_message
+path, last = sys.argv[1], int(sys.argv[2])
+cells = [c for c in jupytext.read(path).cells if c.cell_type == "code"]
+found = {"rehearsed": [], "failed": "", "not_reached": []}
+space = {"__name__": "__main__"}
+for i, cell in enumerate(cells[:last + 1], 1):
+    try:
+        exec(compile(cell.source, f"{path} cell {i}", "exec"), space)
+    except rehearsal.Rehearsed as done:
+        found["rehearsed"].append(f"cell {i}: {done}")
+    except plan.PlanError as err:
+        found["failed"] = f"cell {i}: {err}"
+        break
+    except BaseException as err:  # noqa: BLE001 - what a CPU host without the weights cannot do
+        found["not_reached"].append(f"cell {i}: {clean_message(err, 1)}")
+print("REHEARSAL " + json.dumps(found))
+"""
+
+
+def rehearse_notebook(slug: str, topology: str, work: Path, lessons: Path = Path("lessons"),
+                      preset: str = "full") -> Outcome:
+    """Execute lesson `slug`'s code cells in order under the rehearsal, in a fresh process in
+    `work`, up to its last cell that calls a pipeline (`_CALL`)."""
+    import jupytext
+
+    source = (lessons / f"{slug}.py").resolve()
+    cells = [c.source for c in jupytext.read(source).cells if c.cell_type == "code"]
+    last = max((i for i, text in enumerate(cells) if _CALL.search(text)), default=-1)
+    out = Outcome(f"notebook {slug}")
+    if last < 0:
+        out.failed = f"notebook {slug}: no cell calls a pipeline"
+        return out
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", _NOTEBOOK_DRIVER, str(source), str(last)], cwd=work,
+                          env=_env(topology, preset), capture_output=True, text=True)
+    out.seconds = time.perf_counter() - start
+    found = next((json.loads(line.removeprefix("REHEARSAL ")) for line in done.stdout.splitlines()
+                  if line.startswith("REHEARSAL ")), None)
+    if found is None:
+        tail = (done.stdout + done.stderr).strip().splitlines()[-1:] or [f"exit {done.returncode}"]
+        out.failed = f"notebook {slug}: the rehearsal did not finish: {tail[0]}"
+        return out
+    out.rehearsed, out.not_reached = found["rehearsed"], found["not_reached"]
+    out.failed = f"notebook {slug}, {found['failed']}" if found["failed"] else (
+        "" if out.rehearsed else f"notebook {slug}: none of its calls into a pipeline was reached")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tpupedia.rehearse", description=__doc__.splitlines()[0])
+    parser.add_argument("--topology", default="v6e:2x4", help="the slice every way in is planned for")
+    parser.add_argument("--only", default=None, help="a regular expression: rehearse the paths and notebooks it matches")
+    parser.add_argument("--record", default=None, help="write what was rehearsed to this JSON file")
+    parser.add_argument("--keep", default=None, metavar="DIR",
+                        help="read and keep the slice's compiles in DIR ($TPUPEDIA_AOT_CACHE); after a whole rehearsal "
+                             "that passes, only those it used stay (`make rehearse`: tests/rehearse-kept)")
+    args = parser.parse_args(argv)
+    if args.keep:
+        os.environ["TPUPEDIA_AOT_CACHE"] = str(Path(args.keep).resolve())
+    chosen = lambda name: args.only is None or re.search(args.only, name)  # noqa: E731
+    outcomes, start, started = [], time.perf_counter(), time.time()
+    with tempfile.TemporaryDirectory(prefix="tpupedia-rehearse-") as tmp:
+        work = Path(tmp)
+        os.environ["TPUPEDIA_CACHE"] = str(work / "cache")  # every plan checked anew (a compile kept is read back)
+        inputs = _inputs(work)
+        for path in (p for p in WAYS if chosen(p.name)):
+            outcomes.append(rehearse_way(path, args.topology, work, inputs))
+            _say(outcomes[-1])
+        for slug in (s for s in NOTEBOOKS if chosen(f"notebook {s}")):
+            outcomes.append(rehearse_notebook(slug, args.topology, work))
+            _say(outcomes[-1])
+    failed = [o for o in outcomes if not o.ok]
+    print(f"rehearse: {len(outcomes) - len(failed)} of {len(outcomes)} ways in planned for {args.topology} "
+          f"in {time.perf_counter() - start:.0f} s; nothing was loaded")
+    if args.keep and not failed and args.only is None:
+        from tpupedia import aot
+
+        print(f"rehearse: {aot.prune(args.keep, since=started)} kept compiles no way in used were removed from {args.keep}")
+    if args.record:
+        from tpupedia import results
+
+        results.write_json_atomic(Path(args.record), {"topology": args.topology, "outcomes": [
+            o.__dict__ | {"seconds": round(o.seconds, 1)} for o in outcomes]})
+    return 1 if failed else 0
+
+
+def _say(o: Outcome) -> None:
+    print(f"{'ok  ' if o.ok else 'FAIL'} {o.name} ({o.seconds:.0f} s)", flush=True)
+    for line in o.rehearsed:
+        print(f"     {line}")
+    if o.failed:
+        print(f"     {o.failed}")
+    for line in o.not_reached:
+        print(f"     not reached: {line}")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
