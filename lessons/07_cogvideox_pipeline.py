@@ -794,8 +794,8 @@ if jax.default_backend() == "cpu":  # measured here; another backend's partition
 # ## 6. Stage 3: decode, and look at the video
 #
 # The padding latent frame is dropped, the latents are divided by the VAE's scaling factor and
-# decoded by the Flax NNX port of notebook `cogvideox_vae_flax` (`--vae torchax` runs diffusers' VAE under torchax
-# instead). Frames come out as diffusers' `output_type="np"` returns them: float32
+# decoded by the Flax NNX port of notebook `cogvideox_vae_flax`, the VAE a plan covers (the library's
+# `Options(vae="torchax")` runs diffusers' VAE under torchax instead, on the tiny preset). Frames come out as diffusers' `output_type="np"` returns them: float32
 # `(frames, height, width, 3)` in [0, 1]. Random weights make a random video; the shapes, the
 # value range and the parity below are what this preset proves.
 

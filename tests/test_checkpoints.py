@@ -62,6 +62,18 @@ def test_weights_that_do_not_match_the_class_are_refused_naming_the_component(ch
         _load(renamed)
 
 
+def test_weights_the_class_does_not_use_load_as_stock_loads_them_and_are_named(checkpoint, tmp_path):
+    """A checkpoint with an extra weight (a newer export, a training leftover) loads in stock with a
+    warning and the same video: it loads here too, and a warning names what was ignored."""
+    import torch
+
+    extra = _edited(checkpoint, tmp_path / "extra", lambda w: w | {"leftover.weight": torch.zeros(2)})
+    with pytest.warns(checkpoints.IgnoredWeightsWarning, match=r"the transformer weights load as stock diffusers "
+                                                               r"loads them, ignoring 1 weight\(s\) in the checkpoint "
+                                                               r"but not in the model \(leftover.weight\)"):
+        assert not _load(extra).training
+
+
 def test_loading_info_names_the_first_few_keys_of_many():
     info = {"missing_keys": [f"blocks.{i}.weight" for i in range(7)], "unexpected_keys": [], "mismatched_keys": []}
     with pytest.raises(checkpoints.CheckpointError, match=r"the vae weights .*7 weight\(s\) missing from the "

@@ -214,6 +214,29 @@ def test_the_tiny_lightning_adapters_fit_the_checkpoint_and_its_lora_checks():
         lora.check(adapters, wan, one)
 
 
+def test_the_diff_keys_diffusers_leaves_out_of_a_lightx2v_adapter_are_named(tmp_path):
+    """lightx2v's adapters carry full differences for norms (`blocks.N.norm3.diff`) and the
+    modulation (`.diff_m`) beside their LoRA pairs; diffusers' Wan conversion keeps the pairs and
+    the `.diff_b` biases and drops those with a debug line. The fuse is stock's, and a warning
+    says how many tensors were left out and names them."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    source = str(wan.tiny_checkpoint())
+    config = wan.component_configs(source)["transformer"]
+    path = wan.lightning_layout_adapter(config, tmp_path / "lightx2v.safetensors", rank=4)
+    state = load_file(str(path))
+    dim = config["num_attention_heads"] * config["attention_head_dim"]
+    state |= {"diffusion_model.blocks.0.norm3.diff": torch.zeros(dim),
+              "diffusion_model.blocks.0.modulation.diff_m": torch.zeros(1, 6, dim),
+              "diffusion_model.blocks.0.self_attn.q.diff_b": torch.zeros(dim)}
+    save_file(state, str(path))
+    with pytest.warns(lora.DroppedKeysWarning, match=r"2 of its \d+ tensors are left out by diffusers' conversion "
+                                                     r"\(such as diffusion_model.blocks.0.modulation.diff_m, "
+                                                     r"diffusion_model.blocks.0.norm3.diff\)"):
+        lora.check([lora.Adapter(str(path))], wan, wan.component_configs(source))
+
+
 def test_a_style_adapter_stacks_on_the_release_adapters_unless_replacing_them_is_asked(tmp_path, capsys, monkeypatch):
     """`--release lightning --lora STYLE@transformer`: the release's high-noise adapter and the style
     adapter both go into the high-noise expert, the release's first, as diffusers stacks named adapters

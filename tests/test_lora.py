@@ -305,6 +305,40 @@ def other_size():
     return str(cog_family.tiny_checkpoint(transformer={"attention_head_dim": 8}))
 
 
+def test_a_hub_adapter_is_named_as_stock_loads_one_with_or_without_its_weight_name(tmp_path, monkeypatch, capsys):
+    """`hf:OWNER/NAME/WEIGHT_NAME`, as `load_lora_weights("OWNER/NAME", weight_name=...)`, and
+    `hf:OWNER/NAME`, whose file stock picks from the repository's list by its folder rule: fetched
+    into the Hugging Face cache (said in a line), kept with the scale and component; a repository
+    that cannot be had, or holds several adapters, is one line with the fix."""
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    fetched = []
+
+    def download(repo, filename):
+        if repo == "owner/missing":
+            raise LocalEntryNotFoundError("offline, and the file is not in the cache")
+        fetched.append((repo, filename))
+        return str(tmp_path / repo / filename)
+
+    listing = {"owner/style": ["README.md", "optimizer.safetensors", lora.WEIGHTS_NAME],
+               "owner/two": ["a.safetensors", "b.safetensors"]}
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    monkeypatch.setattr(huggingface_hub, "list_repo_files", lambda repo: listing[repo])
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda repo, name: None)
+    assert lora.parse("hf:owner/style/v2/style.safetensors:0.8@transformer_2") == (
+        str(tmp_path / "owner/style/v2/style.safetensors"), 0.8, "transformer_2")
+    assert lora.parse("hf:owner/style") == (str(tmp_path / "owner/style" / lora.WEIGHTS_NAME), 1.0, "transformer")
+    assert fetched == [("owner/style", "v2/style.safetensors"), ("owner/style", lora.WEIGHTS_NAME)]
+    assert "LoRA hf:owner/style: fetching pytorch_lora_weights.safetensors from owner/style" in capsys.readouterr().out
+    _one_line_refusal(lambda: lora.parse("hf:owner/two"), "2 adapters (a.safetensors, b.safetensors)",
+                      "hf:owner/two/WEIGHT_NAME")
+    _one_line_refusal(lambda: lora.parse("hf:owner/missing/x.safetensors"), "--lora hf:owner/missing/x.safetensors",
+                      "cannot be had from the Hub", "hf download owner/missing x.safetensors")
+    _one_line_refusal(lambda: lora.parse("hf:owner/style/x.bin"), "x.bin is not a .safetensors file")
+    _one_line_refusal(lambda: lora.parse("hf:owner"), "give hf:OWNER/NAME[/WEIGHT_NAME]")
+
+
 def _one_line_refusal(call, *named) -> str:
     with pytest.raises(lora.LoraError) as info:
         call()
@@ -435,3 +469,22 @@ def test_doctor_counts_the_host_memory_a_full_size_fuse_needs(monkeypatch):
     assert line.ok and smallest not in line.hint and all(n in line.hint for n in needs if n != smallest)
     monkeypatch.setattr(hardware, "host_memory_available", lambda: 1)
     assert not next(c for c in doctor.run().checks if c.name == "LoRA fuse (host)").ok
+
+
+def test_a_hunyuan_adapter_in_the_original_layout_is_refused_naming_its_first_key(tmp_path):
+    """diffusers 0.42.1 ships no LoRA loader for HunyuanVideo-1.5 (`HunyuanVideo15Pipeline` is a
+    plain `DiffusionPipeline`), so nothing converts the original repository's key names: such a
+    file is refused in one line naming its first key, not fused into nothing."""
+    import diffusers
+    from safetensors.torch import save_file
+
+    from tpupedia.models import hunyuan
+
+    assert not issubclass(diffusers.HunyuanVideo15Pipeline, diffusers.loaders.lora_base.LoraBaseMixin)
+    assert hunyuan.LORA_LOADER is None
+    path = tmp_path / "original.safetensors"
+    save_file({"double_blocks.0.img_attn_qkv.lora_A.weight": torch.zeros(4, 64),
+               "double_blocks.0.img_attn_qkv.lora_B.weight": torch.zeros(192, 4)}, str(path))
+    source = str(hunyuan.tiny_checkpoint())
+    _one_line_refusal(lambda: lora.check([lora.Adapter(str(path))], hunyuan, hunyuan.component_configs(source)),
+                      "unexpected key 'double_blocks.0.img_attn_qkv.lora_A.weight'", "no layer 'double_blocks.0.img_attn_qkv'")

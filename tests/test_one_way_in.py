@@ -189,3 +189,16 @@ def test_a_full_size_gpu_run_whose_attention_cannot_fit_is_refused_in_one_line(t
     log = []
     plan.preflight(family_name, request, pipeline.Options(), configs, [_GPU(None)] * 8, cache_dir=tmp_path, log=log.append)
     assert log and "were not checked" in log[0]
+
+
+def test_the_command_line_offers_only_the_vae_a_plan_covers():
+    """`--vae torchax` (diffusers' CogVideoX VAE under torchax) had no plan, so every full-size run
+    with it was refused at its plan: the command line no longer offers a choice it cannot plan. The
+    library keeps it (`Options(vae="torchax")`, notebook `port_in_plain_jax`, the tiny preset)."""
+    from tpupedia import cli
+
+    parser = cli.build_parser()
+    for family in ("cogvideox", "hunyuan", "wan"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["generate", family, "--prompt", "x", "--vae", "torchax"])
+        assert parser.parse_args(["generate", family, "--prompt", "x"]).__dict__.get("vae") is None

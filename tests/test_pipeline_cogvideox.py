@@ -69,6 +69,27 @@ def test_frames_match_stock_diffusers(checkpoint, tmp_path):
     assert frames.std() > 0.01  # not a constant image that would match anything
 
 
+def test_dynamic_guidance_frames_match_stock_diffusers_with_use_dynamic_cfg(tmp_path):
+    """`--dynamic-cfg on` is stock's `use_dynamic_cfg=True` (the CogVideoX authors' sampling, with
+    the DPM scheduler of the default tiny checkpoint): each step's scale from its timestep, the
+    frames stock's (fp32, 1e-4) and not those of the constant scale."""
+    import dataclasses
+
+    checkpoint = family.tiny_checkpoint()  # DPM, the 1.5 layout
+    request = dataclasses.replace(REQUEST, dynamic_cfg=True)
+    scales = [family.dynamic_guidance(6.0, 4, t) for t in (999, 749, 499, 249)]
+    assert min(scales) >= 1.0 and max(scales) <= 7.0 and len({round(g, 6) for g in scales}) > 1
+    expected, constant = _stock_frames(checkpoint, request), _stock_frames(checkpoint, REQUEST)
+    pipeline.run(request, pipeline.Options(quiet=True), preset=TINY, model=str(checkpoint), workdir=tmp_path,
+                 log=lambda _: None)
+    settings = _settings(checkpoint, "decode", request)
+    assert settings["dynamic_cfg"] is True and "dynamic_cfg" not in _settings(checkpoint, "decode")
+    frames = stages.read(tmp_path, "decode", settings).tensors["frames"].numpy()
+    error = float(np.abs(frames - expected).max())
+    assert error <= 1e-4, error
+    assert float(np.abs(expected - constant).max()) > 100 * max(error, 1e-6)  # the scale schedule changed the video
+
+
 def test_tiled_frames_match_stock_diffusers_tiled(tmp_path):
     """`vae_tiling` on both sides: stock diffusers' `vae.enable_tiling()` and the Flax NNX VAE's tiles
     give the same frames (fp32, 1e-4). The VAE's tiles (half its `sample_height/width`: 48x40 pixels

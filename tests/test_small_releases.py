@@ -100,7 +100,13 @@ def test_the_small_releases_carry_their_own_schedulers_vaes_and_videos():
     assert wan_pipeline.PIPELINE.release_request(wan.SMALL_ID) == dict(frames=81, height=480, width=832, fps=16)
     assert (wan_pipeline.PIPELINE.release_request(wan.TI2V_ID)["width"],
             wan_pipeline.PIPELINE.release_request(wan.TI2V_ID)["frames"]) == (1280, 121)
-    assert wan_pipeline.PIPELINE.release_request(wan.FULL_ID) == {}  # the full preset's own video
+    # the full preset's own releases at their authors' settings (Wan-Video/Wan2.1 generate.py, Wan2.2's configs)
+    assert wan_pipeline.PIPELINE.release_request(wan.FULL_ID) == wan_pipeline.PIPELINE.release_request(None) == {
+        "shift": 5.0}
+    assert wan_pipeline.PIPELINE.release_request(None, image="p.png") == dict(steps=40, shift=5.0)
+    assert wan_pipeline.PIPELINE.release_request(wan.FULL_ID_22) == dict(steps=40, shift=12.0, guidance=4.0,
+                                                                          guidance_2=3.0)
+    assert cog_pipeline.PIPELINE.release_request(None) == {}  # stock's defaults are CogVideoX1.5's
 
 
 @requires_libtpu
@@ -181,6 +187,11 @@ def test_generate_runs_a_built_in_release_at_its_own_request_as_plan_plans_it(fa
     monkeypatch.setattr(pipeline, "run", lambda request, *a, **k: asked.append(request) or asked_preset.append(k["preset"]))
     argv = ["generate", family_name, "--model", model, "--prompt", "a fox", "--compilation-cache",
             "off", "--quiet", "--workdir", str(tmp_path / "run")]  # a hub id: the full preset's run, from the tiny one
+    if facts.image_to_video(configs):  # an image-to-video release generates from a picture
+        from PIL import Image
+
+        Image.new("RGB", (64, 48), (200, 120, 40)).save(tmp_path / "picture.png")
+        argv += ["--image", str(tmp_path / "picture.png")]
     assert main(argv) == 0
     assert {k: getattr(asked[0], k) for k in fields} == fields
     assert asked_preset[0].pretrained

@@ -35,9 +35,12 @@ from typing import Any, Iterable, NamedTuple
 from tpupedia.errors import TpupediaError
 
 __all__ = ["LoraError", "Adapter", "parse", "parse_all", "components", "check", "fuse", "settings", "sha256",
-           "fuse_bytes", "transformer_bytes", "weights_file", "FORMAT", "SUFFIXES", "WEIGHTS_NAME"]
+           "fuse_bytes", "transformer_bytes", "weights_file", "FORMAT", "SUFFIXES", "WEIGHTS_NAME", "HUB",
+           "hub_file"]
 
 FORMAT = "PATH[:SCALE][@COMPONENT]"
+"""PATH: a .safetensors file, the folder diffusers' `save_lora_weights` wrote, or a Hub adapter
+(`hf:OWNER/NAME[/WEIGHT_NAME]`, `HUB`)."""
 SUFFIXES = (".lora_A.weight", ".lora_B.weight", ".lora_B.bias")
 """The keys a LoRA layer has in the peft layout diffusers loads (after its conversions)."""
 _COMPONENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -72,7 +75,7 @@ def parse(text: str, where: str = "--lora", base: str | os.PathLike | None = Non
         rest, component = head, tail
     scale = 1.0
     head, colon, tail = rest.rpartition(":")
-    if colon and head and "/" not in tail and not tail.endswith(".safetensors"):
+    if colon and head and head + colon != HUB and "/" not in tail and not tail.endswith(".safetensors"):
         try:
             scale = float(tail)
         except ValueError:
@@ -81,6 +84,8 @@ def parse(text: str, where: str = "--lora", base: str | os.PathLike | None = Non
         if not math.isfinite(scale):
             raise LoraError(f"{where} {text}: scale {tail!r} must be a finite number")
         rest = head
+    if rest.startswith(HUB):
+        return Adapter(hub_file(rest, where), scale, component)
     if base is not None:
         rest = os.path.join(base, rest)
     return Adapter(weights_file(rest), scale, component)
@@ -104,16 +109,54 @@ def weights_file(path: str) -> str:
     system chooses: we refuse and name them instead."""
     if not os.path.isdir(path):
         return path
-    found = sorted(f for f in os.listdir(path) if f.endswith(".safetensors")
+    return os.path.join(path, _best_guess(os.listdir(path), f"LoRA {path}: a folder", "give the file"))
+
+
+def _best_guess(names: Iterable[str], what: str, fix: str) -> str:
+    """The adapter file stock `load_lora_weights` picks from `names` (a folder's or a Hub
+    repository's files), or a `LoraError` saying `what` holds none or several (then `fix`)."""
+    found = sorted(f for f in names if f.endswith(".safetensors")
                    and not any(word in f for word in ("scheduler", "optimizer", "checkpoint")))
     if any(f.endswith(WEIGHTS_NAME) for f in found):
         found = [f for f in found if f.endswith(WEIGHTS_NAME)]
     if not found:
-        raise LoraError(f"LoRA {path}: a folder with no .safetensors adapter in it; give the folder diffusers' "
+        raise LoraError(f"{what} with no .safetensors adapter in it; give the folder diffusers' "
                         f"save_lora_weights wrote ({WEIGHTS_NAME}) or the adapter file")
     if len(found) > 1:
-        raise LoraError(f"LoRA {path}: a folder with {len(found)} adapters ({', '.join(found)}); give the file")
-    return os.path.join(path, found[0])
+        raise LoraError(f"{what} with {len(found)} adapters ({', '.join(found)}); {fix}")
+    return found[0]
+
+
+HUB = "hf:"
+"""How `--lora` names an adapter on the Hugging Face Hub: `hf:OWNER/NAME` or
+`hf:OWNER/NAME/WEIGHT_NAME` (stock: `load_lora_weights("OWNER/NAME", weight_name=...)`)."""
+
+
+def hub_file(text: str, where: str = "--lora") -> str:
+    """The local path of the Hub adapter `text` names (`HUB`): the weight name given, or the one
+    stock picks from the repository's files (`_best_guess`); from the Hugging Face cache, else
+    downloaded (said in a line first). `LoraError` in one line for a malformed name, a repository
+    or file that cannot be had, or a weight name that is not safetensors."""
+    parts = text.removeprefix(HUB).strip("/").split("/")
+    if len(parts) < 2 or not all(parts[:2]):
+        raise LoraError(f"{where} {text}: give {HUB}OWNER/NAME[/WEIGHT_NAME], e.g. {HUB}owner/style-lora/style.safetensors")
+    repo, weight = "/".join(parts[:2]), "/".join(parts[2:])
+    if weight and not weight.endswith(".safetensors"):
+        raise LoraError(f"{where} {text}: {weight} is not a .safetensors file; only safetensors adapters are read")
+    from huggingface_hub import hf_hub_download, list_repo_files, try_to_load_from_cache
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        if not weight:
+            weight = _best_guess(list_repo_files(repo), f"LoRA {text}: the repository",
+                                 f"name one: {HUB}{repo}/WEIGHT_NAME")
+        if not isinstance(try_to_load_from_cache(repo, weight), str):
+            print(f"LoRA {text}: fetching {weight} from {repo} on the Hugging Face Hub")
+        return hf_hub_download(repo, weight)
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError) as err:
+        why = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise LoraError(f"{where} {text}: cannot be had from the Hub ({why}); fetch it with "
+                        f"`hf download {repo}{' ' + weight if weight else ''}` and give the file") from None
 
 
 def components(configs: dict[str, dict]) -> tuple[str, ...]:
@@ -194,10 +237,47 @@ def _read(adapter: Adapter, family: Any, transformer: Any) -> tuple[dict, Any, s
         prefix = "transformer" if any(k.startswith("transformer.") for k in keys) else None
         return None, None, prefix  # `load_lora_adapter` reads the file (and its metadata) itself
     state, metadata = loader.lora_state_dict(adapter.path, use_safetensors=True, return_lora_metadata=True)
+    _say_dropped(adapter, state)
     expand = getattr(loader, "_maybe_expand_t2v_lora_for_i2v", None)
     if expand is not None:
         state = expand(transformer=transformer, state_dict=state)
     return state, metadata, "transformer"
+
+
+class DroppedKeysWarning(UserWarning):
+    """An adapter holds tensors diffusers' conversion leaves out (lightx2v's `.diff` keys of
+    norms and modulations): fused as stock fuses it, without them, and said."""
+
+
+_SAID: set[tuple] = set()
+
+
+def _say_dropped(adapter: Adapter, state: dict) -> None:
+    """Warn, once per file version, when the family loader's conversion kept fewer tensors than
+    the file holds (an `alpha` is folded into its pair, so it counts as kept): stock's
+    `load_lora_weights` drops such keys with at most a debug line. Named: the first keys with
+    `.diff` in them, the full-weight and modulation differences lightx2v's files carry."""
+    from safetensors import safe_open
+
+    with safe_open(adapter.path, "pt") as f:
+        keys = list(f.keys())
+    dropped = len(keys) - sum(k.endswith(".alpha") for k in keys) - len(state)
+    key = (_stat_key(adapter.path), dropped)
+    if dropped <= 0 or key in _SAID:
+        return
+    _SAID.add(key)
+    diffs = sorted(k for k in keys if ".diff" in k and not k.endswith(".diff_b"))
+    import warnings
+
+    example = f" (such as {', '.join(diffs[:SHOWN])})" if diffs else ""
+    warnings.warn(DroppedKeysWarning(
+        f"LoRA {adapter.path}: {dropped} of its {len(keys)} tensors are left out by diffusers' conversion{example}, "
+        "as stock's load_lora_weights leaves them out: the fused weights are stock's, without those differences"),
+        stacklevel=3)
+
+
+SHOWN = 3
+"""How many dropped keys a warning names."""
 
 
 def _peft_state(adapter: Adapter, family: Any, transformer: Any) -> dict:

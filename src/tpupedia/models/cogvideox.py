@@ -23,7 +23,7 @@ from tpupedia.models.spec import FamilySpec, QuotedFigure
 __all__ = ["REPORTED_STEPS", "REPORTED_STAGES",
     "FAMILY", "FULL_ID", "FULL_ID_I2V", "FULL_LAYERS", "CACHE_BLOCKS", "CACHE_TEXT_STREAM", "TEMPORAL_COMPRESSION", "SPATIAL_COMPRESSION", "PATCH_SIZE",
     "PATCH_SIZE_T", "LATENT_CHANNELS", "DEFAULT_SHAPES", "shape_facts", "TEXT_TOKENS", "CFG_BATCH", "SPLASH_BLOCK_SIZES",
-    "SCHEDULER_CONFIG", "SHARDING", "SPEC", "ModelInputError",
+    "SCHEDULER_CONFIG", "SHARDING", "SPEC", "ModelInputError", "dynamic_guidance",
     "full_transformer_config", "tiny_transformer_config", "attention_call", "i2v_transformer_config", "image_to_video",
     "tiny_vae_config", "tiny_text_encoder_config",
     "full_text_encoder_config", "default_request", "check_frames", "check_size", "latent_frames",
@@ -167,6 +167,19 @@ RELEASE_REQUESTS: dict[str, dict[str, Any]] = {
 }
 """Each built-in release whose default video differs from the full preset's (`default_request`):
 the fields `tpupedia plan --model ID` starts from (`StagedPipeline.release_request`)."""
+
+
+def dynamic_guidance(guidance: float, steps: int, timestep: float) -> float:
+    """The guidance scale stock `CogVideoXPipeline(use_dynamic_cfg=True)` uses at `timestep`
+    (diffusers 0.42.1, `pipeline_cogvideox.py`): `1 + g * (1 - cos(pi * ((steps - t) / steps) ** 5)) / 2`.
+    `t` is the scheduler's timestep (999 down to 0), not the step's index, so the ramp is not the
+    0-to-1 one the formula reads as: with 50 steps `(steps - t) / steps` runs from about -19 to 1
+    and the scale swings between 1 and 1 + g. Kept as stock computes it, for the same video. The
+    CogVideoX authors sample with it and their DPM scheduler (THUDM/CogVideo
+    `inference/cli_demo.py` @ 01f19dad: `use_dynamic_cfg=True`, guidance 6)."""
+    import math
+
+    return 1 + guidance * ((1 - math.cos(math.pi * ((steps - float(timestep)) / steps) ** 5.0)) / 2)
 
 
 def full_transformer_config(layers: int | None = None, size: str = "1.5-5b") -> dict[str, Any]:

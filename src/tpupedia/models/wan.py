@@ -368,6 +368,16 @@ RELEASE_REQUESTS: dict[str, dict[str, Any]] = {
     # Wan-Video/Wan2.2 wan/configs/wan_ti2v_5B.py: frame_num 121, sample_fps 24, 50 steps, guide scale 5.0;
     # its README's 720p is 1280x704 (SUPPORTED_SIZES "ti2v-5B": 704*1280, 1280*704).
     TI2V_ID: dict(frames=121, height=704, width=1280, fps=24, steps=50, guidance=5.0),
+    # Wan-Video/Wan2.1 generate.py @ 9737cba: text-to-video 50 steps, image-to-video 40, flow shift 5.0
+    # (3.0 only for image-to-video at 480p), guide scale 5.0. Stock WanPipeline keeps the checkpoint's
+    # scheduler (flow_shift 3.0); diffusers' own 720p example sets 5.0, as the authors do.
+    FULL_ID: dict(shift=5.0),
+    FULL_ID_I2V: dict(steps=40, shift=5.0),
+    # Wan-Video/Wan2.2 @ 42bf4cf, wan/configs/wan_t2v_A14B.py: 40 steps, sample_shift 12.0, sample_guide_scale
+    # (3.0, 4.0) for the low- and high-noise experts (ours: guidance_2 and guidance); wan_i2v_A14B.py: 40 steps,
+    # shift 5.0, (3.5, 3.5). Both 81 frames at 16 fps (shared_config.py), the full preset's.
+    FULL_ID_22: dict(steps=40, shift=12.0, guidance=4.0, guidance_2=3.0),
+    FULL_ID_22_I2V: dict(steps=40, shift=5.0, guidance=3.5, guidance_2=3.5),
 }
 """Each built-in release whose default video differs from the full preset's (`default_request`):
 the fields `tpupedia plan --model ID` starts from (`StagedPipeline.release_request`)."""

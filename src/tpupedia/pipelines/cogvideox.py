@@ -62,6 +62,17 @@ class Request(common.Request):
     """What to generate; `step_cache` of `None` is off (`tpupedia.pipelines.stepcache`)."""
 
     step_cache: stepcache.StepCache | None = field(default=None, metadata=stepcache.FIELD)
+    dynamic_cfg: bool = field(default=False, metadata={
+        "parse": lambda text: parse_switch(text, "--dynamic-cfg"), "metavar": "on|off",
+        "help": "stock's use_dynamic_cfg: the guidance scale changes with the timestep (off by default, as in "
+                "stock; the CogVideoX authors sample with it on)"})
+
+
+def parse_switch(text: str, flag: str) -> bool:
+    """`on` or `off` as a bool, or a `PipelineError` naming `flag` and the value."""
+    if text not in ("on", "off"):
+        raise common.PipelineError(f"{flag} {text!r}: give on or off")
+    return text == "on"
 
 
 def validate(request: Request, options: Options, device_count: int | None = None,
@@ -86,6 +97,8 @@ def settings(stage: str, source_label: str, configs: dict[str, dict], request: R
                 "scheduler": common.config_fingerprint(configs["scheduler"]),
                 "frames": request.frames, "height": request.height, "width": request.width,
                 "steps": request.steps, "guidance": request.guidance, "seed": request.seed}
+        if request.dynamic_cfg:  # off keeps the fingerprints of earlier runs
+            out["dynamic_cfg"] = True
         out |= lora.settings(request.lora)  # each adapter's file, scale and component (none: no key)
         out |= stepcache.settings(getattr(request, "step_cache", None))  # none: no key
     if stage == "decode":
@@ -259,6 +272,9 @@ class CogVideoX(common.StagedPipeline):
         cos, sin = (jax.device_put(common.to_jax_array(a), spec.sharding)
                     for a, spec in ((setup.cos, cos_spec), (setup.sin, sin_spec)))
 
+        guidance = [family.dynamic_guidance(request.guidance, request.steps, t) if request.dynamic_cfg
+                    else request.guidance for t in setup.timesteps]  # each step's scale, as stock's
+
         def loop(setup, full_steps=None, calibration=None):
             """All steps from `setup`'s latents; `full_steps` (a set) picks the full program per
             step, the others cached; `calibration` records every (full) step."""
@@ -269,7 +285,7 @@ class CogVideoX(common.StagedPipeline):
                 noise = (schedulers.dpm_noise(setup.generator, x_spec.shape, self.dtype, setup.host_tables, i)
                          if setup.dpm else np.zeros((), np.float32))  # DDIM draws no noise
                 # host scalars and noise: replicated inputs on every process
-                args = (text, cos, sin, np.int32(i), np.float32(request.guidance), noise, *image)
+                args = (text, cos, sin, np.int32(i), np.float32(guidance[i]), noise, *image)
                 if cache is None:
                     return compiled[0](weights, buffers, *state, *args)
                 x, old, record = state
@@ -624,8 +640,9 @@ def stock(source: str, request: Request, dtype: Any = None) -> tuple[Any, dict[s
     picture = {"image": pictures.read(request.image)} if i2v else {}
     return pipe, picture | dict(prompt=request.prompt, negative_prompt=request.negative_prompt, num_frames=request.frames,
                       height=request.height, width=request.width, num_inference_steps=request.steps,
-                      guidance_scale=request.guidance, generator=torch.Generator().manual_seed(request.seed),
-                      output_type="np", max_sequence_length=pipe.transformer.config.max_text_seq_length)
+                      guidance_scale=request.guidance, use_dynamic_cfg=request.dynamic_cfg,
+                      generator=torch.Generator().manual_seed(request.seed), output_type="np",
+                      max_sequence_length=pipe.transformer.config.max_text_seq_length)
 
 PIPELINE = CogVideoX
 run = functools.partial(common.run, CogVideoX)
