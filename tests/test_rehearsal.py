@@ -120,17 +120,23 @@ def test_tpupedia_generate_rehearses_a_tiny_run_compiled_for_a_v6e_8(tmp_path, m
 
 
 LESSON = '''# %%
+# %xmode Minimal
 from tpupedia import session
 
 preset = session.start()
 
 # %%
-stage_output = reports_of_a_run_that_needs_weights  # noqa: F821 - what a rehearsal cannot have
+import math
+
+figure = a_figure_of_the_video_that_needs_weights  # noqa: F821 - what a rehearsal cannot have
+
+# %%
+raise SystemExit("a full-size compile no call needs: left out")
 
 # %%
 from tpupedia.pipelines import cogvideox as pipeline
 
-request = pipeline.Request(prompt="a cat", **pipeline.PIPELINE.family.default_request(preset))
+request = pipeline.Request(prompt="a cat" * int(math.sqrt(1)), **pipeline.PIPELINE.family.default_request(preset))
 reports = pipeline.run(request, pipeline.Options(quiet=True), preset=preset, workdir="run")
 
 # %%
@@ -138,19 +144,24 @@ print("after the last call: not executed")
 '''
 
 
-def test_the_driver_rehearses_a_notebooks_calls_and_says_what_it_did_not_reach(tmp_path):
-    """A lesson's cells run in order under the rehearsal up to its last call into a pipeline: the
-    call planned, a cell that needs what only a run makes is named as not reached, and a lesson
-    whose calls were all unreached fails."""
+def test_the_driver_rehearses_a_notebooks_calls_and_the_cells_they_need(tmp_path):
+    """Of a lesson, the cells that call a pipeline run under the rehearsal with the cells that bind
+    the names they read (a magic line left out); the others (a full-size compile, a plot) do not.
+    The call planned, a needed cell that needs what only a run makes is named as not reached, and a
+    lesson none of whose calls was reached fails."""
+    import jupytext
+
     from tpupedia import rehearse
 
     (tmp_path / "lessons").mkdir()
     (tmp_path / "lessons" / "90_demo.py").write_text(LESSON)
+    cells = [c.source for c in jupytext.reads(LESSON, fmt="py:percent").cells if c.cell_type == "code"]
+    assert rehearse.needed_cells(cells) == [0, 1, 3]
     out = rehearse.rehearse_notebook("90_demo", "v6e:2x4", tmp_path, lessons=tmp_path / "lessons", preset="tiny")
     assert out.ok, out
-    assert out.rehearsed == ["cell 3: rehearsed run: cogvideox at 32x32, 9 frames planned for v6e:2x4, VAE tiling "
+    assert out.rehearsed == ["cell 4: rehearsed run: cogvideox at 32x32, 9 frames planned for v6e:2x4, VAE tiling "
                              "off; nothing was loaded (TPUPEDIA_REHEARSE is set)"]
-    assert out.not_reached == ["cell 2: NameError: name 'reports_of_a_run_that_needs_weights' is not defined"]
+    assert out.not_reached == ["cell 2: NameError: name 'a_figure_of_the_video_that_needs_weights' is not defined"]
 
     (tmp_path / "lessons" / "91_broken.py").write_text(LESSON.replace("from tpupedia.pipelines", "from nowhere"))
     broken = rehearse.rehearse_notebook("91_broken", "v6e:2x4", tmp_path, lessons=tmp_path / "lessons", preset="tiny")

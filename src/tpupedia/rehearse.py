@@ -8,10 +8,10 @@ in, checks its plan by compiling every program of the run ahead of time for the 
 per model, scaled, as `tpupedia plan` does; kept compiles are read back, `tpupedia.aot`), and
 stops before a weight loads. A way in whose plan does not fit fails the rehearsal with the
 plan's own error (the stage, its need, the fix) and the caller's name: the command line, or the
-notebook and cell. A notebook is executed cell by cell (its Python file, `lessons/NN_slug.py`)
-until its last call into a pipeline; a cell that needs what only a TPU VM has (weights from the
-Hub, a stage's output) is reported as not reached and the next one runs, and a notebook none of
-whose calls was rehearsed fails.
+notebook and cell. Of a notebook (its Python file, `lessons/NN_slug.py`) the cells that call a
+pipeline run, with the cells that bind the names they read (`needed_cells`); a cell that needs
+what only a TPU VM has (weights from the Hub, a stage's output) is reported as not reached and the
+next one runs, and a notebook none of whose calls was rehearsed fails.
 
 Introduced in notebook `plan_without_tpu` (plan without a TPU); `make rehearse` runs it after
 `make test` in CI.
@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["Way", "WAYS", "NOTEBOOKS", "rehearse_way", "rehearse_notebook", "main"]
+__all__ = ["Way", "WAYS", "NOTEBOOKS", "rehearse_way", "rehearse_notebook", "needed_cells", "python", "main"]
 
 PROMPT = 'A neon sign that says "OPEN" flickers on a rainy street at night.'
 """A prompt that quotes a word, so HunyuanVideo-1.5's glyph encoder is planned too."""
@@ -142,18 +142,64 @@ def rehearse_way(path: Way, topology: str, work: Path, inputs: dict[str, str]) -
     return out
 
 
+def python(source: str) -> str:
+    """A code cell as plain Python: its IPython magics and shell lines (`%xmode`, `!pip`) left out."""
+    return "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in source.splitlines())
+
+
+def _names(source: str) -> tuple[set[str], set[str]]:
+    """`(defined, used)`: the names a cell binds (assignments, imports, definitions, loop and
+    `with` targets, anywhere in it) and those it reads. A cell that does not parse (an IPython
+    magic) binds and reads nothing."""
+    import ast
+
+    try:
+        tree = ast.parse(python(source))
+    except SyntaxError:
+        return set(), set()
+    defined, used = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            (defined if isinstance(node.ctx, (ast.Store, ast.Del)) else used).add(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            defined |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+    return defined, used
+
+
+def needed_cells(cells: list[str]) -> list[int]:
+    """The code cells a rehearsal of a notebook runs, in order: each cell that calls a pipeline
+    (`_CALL`) and, for every name such a cell reads, the last cell before it that binds the name,
+    and so on back (the notebook's compiles, plots and checks that no call needs are left out)."""
+    names = [_names(c) for c in cells]
+    wanted, todo = set(), [i for i, c in enumerate(cells) if _CALL.search(c)]
+    while todo:
+        i = todo.pop()
+        if i in wanted:
+            continue
+        wanted.add(i)
+        for name in names[i][1]:
+            before = [j for j in range(i) if name in names[j][0]]
+            if before:
+                todo.append(before[-1])
+    return sorted(wanted)
+
+
 _NOTEBOOK_DRIVER = r"""
 import json, sys, traceback
 import jupytext
 from tpupedia import plan, rehearsal
 from tpupedia.errors import clean_message
-path, last = sys.argv[1], int(sys.argv[2])
+from tpupedia.rehearse import python
+path, chosen = sys.argv[1], json.loads(sys.argv[2])
 cells = [c for c in jupytext.read(path).cells if c.cell_type == "code"]
 found = {"rehearsed": [], "failed": "", "not_reached": []}
 space = {"__name__": "__main__"}
-for i, cell in enumerate(cells[:last + 1], 1):
+for i in chosen:
+    cell, i = cells[i], i + 1
     try:
-        exec(compile(cell.source, f"{path} cell {i}", "exec"), space)
+        exec(compile(python(cell.source), f"{path} cell {i}", "exec"), space)
     except rehearsal.Rehearsed as done:
         found["rehearsed"].append(f"cell {i}: {done}")
     except plan.PlanError as err:
@@ -167,19 +213,18 @@ print("REHEARSAL " + json.dumps(found))
 
 def rehearse_notebook(slug: str, topology: str, work: Path, lessons: Path = Path("lessons"),
                       preset: str = "full") -> Outcome:
-    """Execute lesson `slug`'s code cells in order under the rehearsal, in a fresh process in
-    `work`, up to its last cell that calls a pipeline (`_CALL`)."""
+    """Execute lesson `slug`'s code cells that its calls into a pipeline need (`needed_cells`),
+    in order, under the rehearsal, in a fresh process in `work`."""
     import jupytext
 
     source = (lessons / f"{slug}.py").resolve()
-    cells = [c.source for c in jupytext.read(source).cells if c.cell_type == "code"]
-    last = max((i for i, text in enumerate(cells) if _CALL.search(text)), default=-1)
+    chosen = needed_cells([c.source for c in jupytext.read(source).cells if c.cell_type == "code"])
     out = Outcome(f"notebook {slug}")
-    if last < 0:
+    if not chosen:
         out.failed = f"notebook {slug}: no cell calls a pipeline"
         return out
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", _NOTEBOOK_DRIVER, str(source), str(last)], cwd=work,
+    done = subprocess.run([sys.executable, "-c", _NOTEBOOK_DRIVER, str(source), json.dumps(chosen)], cwd=work,
                           env=_env(topology, preset), capture_output=True, text=True)
     out.seconds = time.perf_counter() - start
     found = next((json.loads(line.removeprefix("REHEARSAL ")) for line in done.stdout.splitlines()
