@@ -118,7 +118,7 @@ def test_summary_states_the_ici_bandwidth_it_assumed():
     (dict(resolution="1000x700"), "multiples of 16"),
     (dict(resolution="4k"), "not one of 720p, 480p or WIDTHxHEIGHT"),
     (dict(layers=0), "layers=0"),
-    (dict(mesh_shape=(3, 3)), "mesh (3, 3) needs 9 chips"),
+    (dict(mesh_shape=(3, 3)), "mesh (3, 3) needs 9 devices; v6e:2x4 has 8"),
     (dict(mask="matrix"), "mask='matrix' is not one of vector for cogvideox"),
     (dict(model="cogvideox-vae", frames=80), "cogvideox-vae needs 4n+1 frames"),
 ])

@@ -36,7 +36,7 @@ def test_gpus_have_no_ici_ring():
 
 
 def test_every_chip_has_a_source_and_positive_figures():
-    assert set(hardware.CHIPS) == {"v5e", "v5p", "v6e", "H100", "H200", "B200"}
+    assert set(hardware.CHIPS) == {"v5e", "v5p", "v6e", "tpu7x", "H100", "H200", "B200"}
     for c in hardware.CHIPS.values():
         assert c.source.startswith("https://")
         assert min(c.hbm_bytes, c.bf16_flops, c.hbm_bytes_per_s, c.link_bytes_per_s) > 0

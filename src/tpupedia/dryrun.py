@@ -179,7 +179,8 @@ def step_floors(flops: float, num_chips: int, chip: hardware.Chip, weight_bytes:
     """Three lower bounds on one step's time, in seconds, from per-chip figures.
 
     - `compute`: the step's FLOPs spread evenly over `num_chips` chips at their bf16 peak.
-    - `memory`: one chip's `weight_bytes` read once from HBM at `chip.hbm_bytes_per_s`.
+    - `memory`: one device's `weight_bytes` read once from HBM at its share of `chip.hbm_bytes_per_s`
+      (a chip's; half of a TPU7x chip's, whose two devices each have their own HBM).
     - `communication`: the bytes one chip sends in collectives (`aot.collective_traffic`, the
       ring algorithm's traffic) at `chip.ring_bytes_per_s`: a bidirectional ring along one
       torus axis, two of the chip's ports at one direction each (v6e: 2 x 100 GB/s = 200 GB/s,
@@ -189,8 +190,8 @@ def step_floors(flops: float, num_chips: int, chip: hardware.Chip, weight_bytes:
       twice as fast as this floor.
     """
     return {"compute": flops / (num_chips * chip.bf16_flops),
-            "memory": weight_bytes / chip.hbm_bytes_per_s,
-            "communication": sent_bytes / chip.ring_bytes_per_s}
+            "memory": weight_bytes / chip.device_hbm_bytes_per_s,
+            "communication": sent_bytes / chip.device_ring_bytes_per_s}
 
 
 def _validate(spec: families.FamilySpec, frames: int | None, sharding: str, attention: str,
@@ -243,11 +244,12 @@ def run(model: str, topology: str = "v6e:2x4", resolution: str | None = None,
 
         kernel.check_block_rules(block_sizes)
     topo = hardware.parse_topology(topology)  # parsed once; the parsed slice is passed on
-    n = topo.num_chips
+    n = topo.num_devices  # what the mesh spans: devices (2 per TPU7x chip); peaks count chips
     if mesh_shape is None:
         mesh_shape = (1, n) if spec.kind == "llm" or n == 1 else (2, n // 2)
     if math.prod(mesh_shape) != n:
-        raise DryRunError(f"mesh {mesh_shape} needs {math.prod(mesh_shape)} chips; {topology} has {n}")
+        raise DryRunError(f"mesh {mesh_shape} needs {math.prod(mesh_shape)} devices; {topology} has {n}"
+                          + (f" ({topo.num_chips} chips of {topo.chip.devices_per_chip})" if n != topo.num_chips else ""))
     width = height = None
     if spec.kind != "llm":
         width, height = parse_resolution(resolution, 16)
@@ -326,14 +328,14 @@ def run(model: str, topology: str = "v6e:2x4", resolution: str | None = None,
     if result.compiled is not None:  # per-layer collectives, scaled to the full depth
         traffic = {k: v * full_layers / compiled_layers
                    for k, v in aot.collective_traffic(result.compiled.as_text(), n).items()}
-    floors = step_floors(flops["total"], n, chip, weight_bytes_per_chip, sum(traffic.values()))
+    floors = step_floors(flops["total"], topo.num_chips, chip, weight_bytes_per_chip, sum(traffic.values()))
     bound = max(floors, key=floors.get)
     roofline = floors[bound]
     mfu = None
     if measured_step_seconds:
-        mfu = flops["total"] / (measured_step_seconds * n * chip.bf16_flops)
+        mfu = flops["total"] / (measured_step_seconds * topo.num_chips * chip.bf16_flops)
     return DryRunReport(
-        model=model, topology=topo.name, chip=chip.name, num_chips=n, mesh=dict(mesh.shape),
+        model=model, topology=topo.name, chip=chip.name, num_chips=topo.num_chips, mesh=dict(mesh.shape),
         sharding=sharding, attention=attention, width=width, height=height,
         frames=frames if spec.kind != "llm" else None, tokens=int(flops["tokens"]),
         layers_full=full_layers, layers_compiled=compiled_layers, hbm_bytes=hbm, fits=fits,

@@ -43,6 +43,7 @@ TFLOP = 1e12
 _TPU_V5E = "https://cloud.google.com/tpu/docs/v5e"
 _TPU_V5P = "https://cloud.google.com/tpu/docs/v5p"
 _TPU_V6E = "https://cloud.google.com/tpu/docs/v6e"
+_TPU7X = "https://docs.cloud.google.com/tpu/docs/tpu7x"
 _H100 = "https://www.nvidia.com/en-us/data-center/h100/"
 _H200 = "https://www.nvidia.com/en-us/data-center/h200/"
 _B200 = "https://www.nvidia.com/en-us/data-center/hgx/"
@@ -98,6 +99,25 @@ class Chip:
     2 x `ici_ports`. v6e: 800 GB/s / 8 = 100 GB/s; v5p: 1,200 GB/s / 12 = 100 GB/s; v5e: the
     current v5e page's 400 GB/s bidirectional / 8 = 50 GB/s (the table's `link_bytes_per_s`
     keeps the older, unlabelled 1,600 Gbps = 200 GB/s)."""
+    devices_per_chip: int = 1
+    """JAX devices per chip: one where the chip is one device (v5e and v6e have one TensorCore;
+    v5p's two act as one, "megacore"); two on TPU7x, whose two TensorCores are two devices, each
+    with half the chip's HBM (libtpu 0.0.42.1 here lists `tpu7x:2x2x1`, four chips, as eight
+    devices with a 94.75 GiB compile budget each). A mesh, a sharding and a compile budget count
+    devices; peaks, HBM and prices are per chip (`Topology`)."""
+    fp8_flops: float | None = None
+    """Peak dense fp8 matrix throughput per chip, FLOP/s, where the vendor lists one; `None` where
+    it does not (v5e lists int8, not fp8; the TPU7x page lists v5p's and v6e's fp8 as their bf16)."""
+
+    @property
+    def device_bf16_flops(self) -> float:
+        """One device's share of the bf16 peak (the chip's, over `devices_per_chip`)."""
+        return self.bf16_flops / self.devices_per_chip
+
+    @property
+    def device_hbm_bytes_per_s(self) -> float:
+        """One device's share of the HBM bandwidth (each TPU7x TensorCore has its own half)."""
+        return self.hbm_bytes_per_s / self.devices_per_chip
 
     @property
     def ridge_flops_per_byte(self) -> float:
@@ -113,6 +133,13 @@ class Chip:
         Model, "TPUs"), so along a shorter axis the ring is a line and runs slower."""
         return None if self.ici_port_bytes_per_s is None else 2 * self.ici_port_bytes_per_s
 
+    @property
+    def device_ring_bytes_per_s(self) -> float | None:
+        """One device's share of `ring_bytes_per_s`: the two devices of a TPU7x chip send through
+        the chip's ports."""
+        ring = self.ring_bytes_per_s
+        return None if ring is None else ring / self.devices_per_chip
+
     def seconds_for(self, flops: float, hbm_bytes: float) -> float:
         """Roofline lower bound: the slower of doing the math and moving the bytes."""
         return max(flops / self.bf16_flops, hbm_bytes / self.hbm_bytes_per_s)
@@ -125,10 +152,18 @@ CHIPS: dict[str, Chip] = {
              "ICI listed as 1,600 Gbps per chip; the current page gives 400 GB/s bidirectional, which the "
              "one-axis ring figure uses", ici_ports=4, ici_port_bytes_per_s=400 * GB / (2 * 4)),
         Chip("v5p", "Google", 95 * GB, 459 * TFLOP, 2765 * GB, 1200 * GB, "ICI", 4, _TPU_V5P,
-             "two TensorCores per chip; 3D torus", ici_ports=6, ici_port_bytes_per_s=1200 * GB / (2 * 6)),
+             "two TensorCores per chip; 3D torus", ici_ports=6, ici_port_bytes_per_s=1200 * GB / (2 * 6),
+             fp8_flops=459 * TFLOP),
         Chip("v6e", "Google", 32 * GB, 918 * TFLOP, 1638 * GB, 800 * GB, "ICI", 8, _TPU_V6E,
              "Trillium; earlier revisions of the page listed 1,640 and 1,600 GB/s HBM, and 3,584 or "
-             "3,200 Gbps ICI without a direction", ici_ports=4, ici_port_bytes_per_s=800 * GB / (2 * 4)),
+             "3,200 Gbps ICI without a direction", ici_ports=4, ici_port_bytes_per_s=800 * GB / (2 * 4),
+             fp8_flops=918 * TFLOP),
+        Chip("tpu7x", "Google", 192 * 2**30, 2307 * TFLOP, 7380 * GB, 1200 * GB, "ICI", 4, _TPU7X,
+             "Ironwood, read 2026-12-02 from stored copies of the page; two TensorCores per chip, each a JAX "
+             "device; HBM 192 GiB (206 GB) as the page states it, in GiB; HBM bandwidth 7,380 GB/s (copies of the "
+             "page label it GB/s and GBps); ICI 1,200 GB/s bidirectional; the page gives no ICI port count: 6 "
+             "assumes a 3D torus like v5p's (it 'shares many similarities with TPU v5p'); no public list price", ici_ports=6, ici_port_bytes_per_s=1200 * GB / (2 * 6), devices_per_chip=2,
+             fp8_flops=4614 * TFLOP),
         Chip("H100", "NVIDIA", 80 * GB, 989 * TFLOP, 3.35 * TB, 900 * GB, "NVLink 4", 8, _H100,
              "SXM5; the datasheet's 1,979 TFLOP/s bf16 figure assumes 2:4 sparsity"),
         Chip("H200", "NVIDIA", 141 * GB, 989 * TFLOP, 4.8 * TB, 900 * GB, "NVLink 4", 8, _H200,
@@ -169,7 +204,10 @@ def chip(name: str) -> Chip:
 
 @dataclass(frozen=True)
 class Topology:
-    """A TPU slice named the way libtpu names it, e.g. `v6e:2x4` (a v6e-8)."""
+    """A TPU slice named the way libtpu names it, e.g. `v6e:2x4` (a v6e-8) or `tpu7x:2x2x1`: its
+    chips (`shape`, `num_chips`: what peaks, HBM and prices count), its devices (`num_devices`:
+    what a mesh, a sharding and a compile budget count; two per TPU7x chip) and its hosts (the
+    VMs, `hosts`: what a job's processes count). Three numbers, kept apart."""
 
     name: str
     chip: Chip
@@ -180,38 +218,55 @@ class Topology:
         return math.prod(self.shape)
 
     @property
+    def num_devices(self) -> int:
+        """JAX devices in the slice: `num_chips` x `chip.devices_per_chip` (8 for `tpu7x:2x2x1`)."""
+        return self.num_chips * self.chip.devices_per_chip
+
+    @property
     def accelerator_type(self) -> str:
-        """The Cloud TPU accelerator type for this slice (`v6e-8`; v5p counts TensorCores)."""
-        cores = 2 if self.chip.name == "v5p" else 1
+        """The Cloud TPU accelerator type for this slice (`v6e-8`; v5p and TPU7x count
+        TensorCores: `tpu7x:2x2x1` is a `tpu7x-8`, as Google's XPK names it)."""
+        cores = 2 if self.chip.name in ("v5p", "tpu7x") else 1
         return f"{self.chip.name}-{self.num_chips * cores}"
 
     @property
     def hosts(self) -> int:
-        """VMs in the slice: one up to `chip.chips_per_host` chips (a v6e-8 is one 8-chip VM);
-        larger slices are built from 4-chip hosts (Google's v6e table: a v6e-16 is 4 VMs, a
-        v6e-256 64; libtpu's own topology description groups the chips the same way)."""
+        """VMs in the slice: one up to `chip.chips_per_host` chips (a v6e-8 is one 8-chip VM, a
+        TPU7x VM holds 4 chips); larger slices are built from 4-chip hosts (Google's v6e table: a
+        v6e-16 is 4 VMs, a v6e-256 64; libtpu's own topology description groups the chips the same way)."""
         if self.num_chips <= self.chip.chips_per_host:
             return 1
         return self.num_chips // MULTIHOST_CHIPS_PER_HOST
 
 
-MULTIHOST_CHIPS_PER_HOST = 4  # TPU VMs of multi-host v5e, v5p and v6e slices hold 4 chips each
+MULTIHOST_CHIPS_PER_HOST = 4  # TPU VMs of multi-host v5e, v5p, v6e and TPU7x slices hold 4 chips each
 
-_TOPOLOGY = re.compile(r"^(v5e|v5p|v6e):(\d+(?:x\d+){1,2})$")
+_TOPOLOGY = re.compile(r"^(v5e|v5p|v6e|tpu7x):(\d+(?:x\d+){1,2})$")
+_V7X = re.compile(r"^(?:v7x|tpu7|ironwood|v7)[:-](.*)$", re.IGNORECASE)
 
 
 def parse_topology(name: str) -> Topology:
-    """Parse `"v6e:2x4"` into a `Topology`; a bad name gets an error with examples."""
-    m = _TOPOLOGY.match(name.strip())
+    """Parse `"v6e:2x4"` or `"tpu7x:2x2x1"` into a `Topology`; a bad name gets an error with
+    examples, and a TPU7x slice spelled another way (`v7x:2x2x1`, which libtpu refuses) the name
+    libtpu takes."""
+    text = name.strip()
+    m = _TOPOLOGY.match(text)
     if not m:
+        other = _V7X.match(text)
+        if other:
+            raise HardwareError(f"topology {name!r}: libtpu names TPU7x (Ironwood) slices tpu7x:AxBxC, as in "
+                                f"tpu7x:{other.group(1) or '2x2x1'} (tpu7x:2x2x1 is 4 chips, 8 devices; tpu7x:2x2x2 "
+                                "is 8 chips on 2 hosts)")
         raise HardwareError(
-            f"topology {name!r} is not of the form CHIP:AxB[xC] with CHIP one of v5e, v5p, v6e "
-            "(for example v6e:2x4, v6e:4x4, v5e:2x4, v5p:2x2x2)"
+            f"topology {name!r} is not of the form CHIP:AxB[xC] with CHIP one of v5e, v5p, v6e, tpu7x "
+            "(for example v6e:2x4, v6e:4x4, v5e:2x4, v5p:2x2x2, tpu7x:2x2x1)"
         )
     shape = tuple(int(d) for d in m.group(2).split("x"))
     if 0 in shape:
         raise HardwareError(f"topology {name!r} has a zero-sized dimension")
-    return Topology(name=name.strip(), chip=chip(m.group(1)), shape=shape)
+    if m.group(1) == "tpu7x" and len(shape) != 3:
+        raise HardwareError(f"topology {name!r}: a TPU7x slice is a 3D torus, named AxBxC (tpu7x:2x2x1, tpu7x:2x2x2)")
+    return Topology(name=text, chip=chip(m.group(1)), shape=shape)
 
 
 def table_rows() -> list[dict[str, object]]:
@@ -241,6 +296,7 @@ _DEVICE_KINDS = (
     (r"TPU v5 lite|TPU v5e", "v5e"),
     (r"TPU v5p|TPU v5$", "v5p"),
     (r"TPU v6", "v6e"),
+    (r"TPU7x|TPU v7", "tpu7x"),
     (r"H100", "H100"),
     (r"H200", "H200"),
     (r"B200", "B200"),

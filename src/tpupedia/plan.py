@@ -164,6 +164,9 @@ class Plan:
     fuse_host: float = 0.0
     """Host bytes fusing the request's LoRA adapters needs, for the transformer that needs most
     (`tpupedia.lora.fuse_bytes`, an estimate); 0 without adapters."""
+    devices: int | None = None
+    """Devices the mesh spans where they are not the chips (`None`): two per TPU7x chip, whose
+    `hbm` is then one device's budget (`memory` "HBM per device")."""
 
     def stage(self, name: str) -> StageCost:
         return next(s for s in self.stages if s.stage == name)
@@ -245,12 +248,13 @@ class Plan:
     @property
     def on_host(self) -> bool:
         """Whether the plan is for CPU devices, which share the host's memory."""
-        return self.memory != "HBM per chip"
+        return not self.memory.startswith("HBM per ")
 
     @property
     def unit(self) -> str:
-        """What the plan's figures are per: `chip`, or `device` for CPU devices."""
-        return "device" if self.on_host else "chip"
+        """What the plan's figures are per: `chip`, or `device` for CPU devices and for a chip of
+        two devices (TPU7x)."""
+        return "chip" if self.memory == "HBM per chip" else "device"
 
     def check(self) -> None:
         """Raise `PlanError` naming the stage and the fix unless every stage fits."""
@@ -274,7 +278,9 @@ class Plan:
         checkpoint = f" ({self.checkpoint})" if self.checkpoint else ""
         unit = self.unit
         head = (f"{self.family}{checkpoint} {r['width']}x{r['height']}, {r['frames']} frames, {r['steps']} steps on "
-                f"{self.topology} ({self.chips} {unit}{'s' if self.chips > 1 else ''}), mesh {self.mesh}"
+                + (f"{self.topology} ({self.chips} chip{'s' if self.chips > 1 else ''}, {self.devices} devices)"
+                   if self.devices else f"{self.topology} ({self.chips} {unit}{'s' if self.chips > 1 else ''})")
+                + f", mesh {self.mesh}"
                 + (f", attention {self.attention}" if self.attention else "")
                 + (f", {self.layers} layers compiled" if self.layers else "")
                 + (", batch (models resident)" if self.resident else "")
@@ -371,11 +377,14 @@ def make(family: str, request: Any, options: Any, *, model: str | None = None, c
             raise PlanError(first if first.startswith("topology ") else f"topology {topology!r}: {first}") from None
         except Exception as err:  # noqa: BLE001 - anything else libtpu raises
             raise PlanError(f"topology {topology!r}: {str(err).splitlines()[0]}") from None
-        name, chips = topo.name, topo.num_chips
+        name, chips, count = topo.name, topo.num_chips, topo.num_devices  # a mesh counts devices (2 per TPU7x chip)
     else:
-        name, chips = f"{len(run_devices)} x {run_devices[0].device_kind}", len(run_devices)
-    pipe_cls.validate(request, options, chips, configs)
-    shape = pipe_cls.run_mesh_shape(request, options, chips, configs)
+        count = len(run_devices)
+        kind = hardware.chip_for_device_kind(run_devices[0].device_kind)
+        chips = count // kind.devices_per_chip if kind is not None and run_devices[0].platform == "tpu" else count
+        name = f"{count} x {run_devices[0].device_kind}"
+    pipe_cls.validate(request, options, count, configs)
+    shape = pipe_cls.run_mesh_shape(request, options, count, configs)
     mesh = (devices.topology_mesh(topo, shape, ("dp", "tp")) if run_devices is None
             else devices.make_mesh(shape, ("dp", "tp"), devices=list(run_devices)))
     pipe = _abstract_pipeline(pipe_cls, configs, mesh, options, dtype, layers)
@@ -465,7 +474,8 @@ def make(family: str, request: Any, options: Any, *, model: str | None = None, c
 
     backend = kernels.resolve_backend(options.attention, mesh.devices.flat[0].platform)
     attention = backend + (f" {'/'.join(map(str, pipe.block_sizes))}" if backend == "splash" else "")
-    return Plan(family=family, checkpoint=model, topology=name, chips=chips, mesh=dict(mesh.shape),
+    return Plan(family=family, checkpoint=model, topology=name, chips=chips, devices=count if count != chips else None,
+                mesh=dict(mesh.shape),
                 request={"width": r.width, "height": r.height, "frames": r.frames, "steps": r.steps,
                          "guidance": r.guidance} | ({"image": True} if r.image is not None else {})
                         | ({"vae_dtype": r.vae_dtype} if getattr(r, "vae_dtype", None) else {})
@@ -548,7 +558,9 @@ def memory_budget(run_devices: Sequence[Any], host_copy: float = 0.0, what: str 
     devices). A plan for CPU devices is what stops a run on a CPU host before the kernel kills it
     for memory (`preflight`)."""
     if run_devices[0].platform != "cpu":
-        return aot.hbm_budget(run_devices), "HBM per chip"
+        chip = hardware.chip_for_device_kind(run_devices[0].device_kind)
+        per = "device" if chip is not None and chip.devices_per_chip > 1 else "chip"  # a TPU7x chip is two devices
+        return aot.hbm_budget(run_devices), f"HBM per {per}"
     n, available = len(run_devices), hardware.host_memory_available()
     label = (f"host memory per CPU device: {available / _GIB:.2f} GiB available"
              + (f", less {host_copy / _GIB:.2f} GiB for the host's copy of the {what} while it is placed"
@@ -568,7 +580,7 @@ def _compiled(program: aot.Program, extra: dict[str, float], timing: Any = None)
         result = program.compile()
     seconds = result.compile_seconds if result.compile_seconds is not None else time.perf_counter() - start
     mem = result.memory
-    work = predict.program_work(result, timing.num_chips, splash_calls) if timing is not None and result.fits else None
+    work = predict.program_work(result, timing.num_devices, splash_calls) if timing is not None and result.fits else None
     return ProgramCost(
         stage=program.stage, name=program.name, calls=program.calls, fits=result.fits,
         weights=program.weights_bytes + add, arguments=mem.arguments + add if mem else None,

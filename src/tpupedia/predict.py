@@ -128,26 +128,29 @@ class Work:
         return self + max(layers - compiled, 0) * (next_layer - self)
 
     def times(self, chip: hardware.Chip, chips: int) -> tuple[float, float, float]:
-        """`(xla, attention, ici)` seconds: the compiler's FLOPs at the bf16 peak plus its bytes at
-        the HBM bandwidth; splash at `SPLASH_EFFICIENCY` of the chips' peak; the collectives' bytes
-        at a one-axis ring's bandwidth, not overlapped (the module docstring)."""
-        return (self.flops / chip.bf16_flops + self.bytes / chip.hbm_bytes_per_s,
+        """`(xla, attention, ici)` seconds: the compiler's FLOPs (one device's) at one device's
+        share of the chip's bf16 peak plus its bytes at its share of the HBM bandwidth; splash
+        at `SPLASH_EFFICIENCY` of the `chips`' peak (chips, not devices: a TPU7x chip's two
+        devices share its peak); the collectives' bytes at a device's share of a one-axis ring's
+        bandwidth, not overlapped (the module docstring). One device per chip (v5e, v6e): the
+        chip's own figures."""
+        return (self.flops / chip.device_bf16_flops + self.bytes / chip.device_hbm_bytes_per_s,
                 self.attention_flops / (chips * chip.bf16_flops * SPLASH_EFFICIENCY),
-                self.ici_bytes / chip.ring_bytes_per_s)
+                self.ici_bytes / chip.device_ring_bytes_per_s)
 
     def seconds(self, chip: hardware.Chip, chips: int) -> float:
         """The predicted time of one call: the sum of `times`."""
         return sum(self.times(chip, chips))
 
 
-def program_work(result: aot.AOTResult, chips: int, splash_calls: list[list[int]] = ()) -> Work | None:
-    """The `Work` of one call of a compiled program (`None`: no cost analysis, a compile that did
-    not fit or was not for a TPU). `splash_calls`: its splash calls as `attention.recording`
-    records them, shapes then blocks."""
+def program_work(result: aot.AOTResult, devices: int, splash_calls: list[list[int]] = ()) -> Work | None:
+    """The `Work` of one call of a compiled program over `devices` devices (`None`: no cost
+    analysis, a compile that did not fit or was not for a TPU). `splash_calls`: its splash calls
+    as `attention.recording` records them, shapes then blocks."""
     cost = aot.compiled_cost(result)
     if cost is None:
         return None
-    sent = sum(aot.collective_traffic(result.compiled.as_text(), chips).values())
+    sent = sum(aot.collective_traffic(result.compiled.as_text(), devices).values())
     return Work(cost["flops"], cost["bytes"], sent, sum(splash_flops(c[:5], tuple(c[5:8])) for c in splash_calls))
 
 

@@ -103,7 +103,7 @@ def search(family: str, request: Any, options: Any, *, topology: str = "v6e:2x4"
 
     if grid is None:
         spec = families.get(family, "video")
-        chips = hardware.parse_topology(topology).num_chips
+        chips = hardware.parse_topology(topology).num_devices  # the meshes span devices (2 per TPU7x chip)
         pipe = plan._pipeline_module(family).PIPELINE
         configs = make.get("configs") or pipe.plan_configs(request, make.get("model") or pipe.release_id(request))
         splash = attention.resolve_backend(options.attention, "tpu") == "splash"  # a slice's chips are TPUs
