@@ -168,6 +168,21 @@ def test_the_driver_rehearses_a_notebooks_calls_and_the_cells_they_need(tmp_path
     assert not broken.ok and broken.failed == "notebook 91_broken: none of its calls into a pipeline was reached"
 
 
+def test_a_command_lines_rehearsal_is_its_last_line_whatever_it_warned():
+    """A warning on stderr after the rehearsal's line (HunyuanVideo-1.5's or CogVideoX-2b's 30 heads
+    over tp=4 say how they split) does not hide it; a refusal is its one line, a crash its last."""
+    from tpupedia import rehearse
+
+    line = "tpupedia generate: rehearsed run: cogvideox at 720x480, 49 frames planned for v6e:2x4, VAE tiling off"
+    warned = "AttentionLayoutWarning: 30 heads do not divide mesh axis 'tp' (4)\n  lay = _choose_layout(...)\n"
+    ok = rehearse.command_outcome("2b", ["generate"], 0, f"plan: ...\n{line}\n", warned)
+    assert ok.ok and ok.rehearsed == [line.removeprefix("tpupedia generate: ")]
+    refused = rehearse.command_outcome("2b", ["generate"], 2, "", warned + "tpupedia generate: frames=10: 4n+1\n")
+    assert not refused.ok and refused.failed == "tpupedia generate: tpupedia generate: frames=10: 4n+1"
+    crashed = rehearse.command_outcome("2b", ["generate"], 1, "", "Traceback ...\nKeyError: 'vae'\n")
+    assert crashed.failed.endswith(": KeyError: 'vae'")
+
+
 def test_every_way_and_notebook_the_driver_lists_exists():
     """The command lines parse (`tpupedia generate`'s own parser) and the notebooks are lessons
     that call a pipeline."""

@@ -30,7 +30,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["Way", "WAYS", "NOTEBOOKS", "rehearse_way", "rehearse_notebook", "needed_cells", "python", "main"]
+__all__ = ["Way", "WAYS", "NOTEBOOKS", "rehearse_way", "rehearse_notebook", "needed_cells", "python", "command_outcome",
+           "main"]
 
 PROMPT = 'A neon sign that says "OPEN" flickers on a rainy street at night.'
 """A prompt that quotes a word, so HunyuanVideo-1.5's glyph encoder is planned too."""
@@ -39,10 +40,14 @@ PROMPT = 'A neon sign that says "OPEN" flickers on a rainy street at night.'
 @dataclass(frozen=True)
 class Way:
     """One `tpupedia generate` command line a reader runs on a TPU VM (`args`, after `generate`;
-    `{picture}`, `{lora}`, `{prompts}` and `{work}` are filled in by `rehearse_path`)."""
+    `{picture}`, `{lora}`, `{prompts}` and `{work}` are filled in by `rehearse_way`)."""
 
     name: str
     args: tuple[str, ...]
+    recorded: bool = True
+    """Whether `tests/rehearse-kept` holds its compiles, so `make rehearse` (and CI) runs it in
+    minutes; `--all` runs the others too, compiling what is not kept (a full-size tiled VAE
+    decode or picture encode takes the TPU compiler 5 to 20 minutes per program on a 2-core host)."""
 
 
 WAYS: tuple[Way, ...] = (
@@ -62,9 +67,12 @@ WAYS: tuple[Way, ...] = (
     Way("wan --release", ("wan", "--release", "lightning")),
 )
 
-NOTEBOOKS: tuple[str, ...] = ("07_cogvideox_pipeline", "10_hunyuan_video", "11_hunyuan_tuning_and_i2v",
-                              "12_wan_on_tpu", "14_fewer_steps")
-"""The lessons that call a pipeline (`run`, `run_batch`, a stage method) under the full preset."""
+NOTEBOOKS: dict[str, bool] = {"07_cogvideox_pipeline": False, "10_hunyuan_video": False,
+                              "11_hunyuan_tuning_and_i2v": False, "12_wan_on_tpu": True, "14_fewer_steps": True}
+"""The lessons that call a pipeline (`run`, `run_batch`, a stage method) under the full preset, and
+whether their compiles are kept (`Way.recorded`). 07, 10 and 11 build a pipeline by hand at
+`matmul_precision="highest"` (to compare with stock on a TPU), which are other programs than a
+run's, the full-size VAE decode included."""
 
 _CALL = re.compile(r"\b(?:pipeline\.run|run_batch|\.encode_text|\.encode_image|\.denoise|pipe\w*\.decode)\(")
 
@@ -118,9 +126,13 @@ def _lora(work: Path) -> Path:
 
 def _env(topology: str, preset: str = "full") -> dict[str, str]:
     """A rehearsal's environment: the preset (`full`; the tests rehearse `tiny`), the slice,
-    offline (nothing is fetched) and on the host's CPU."""
+    offline (nothing is fetched), on the host's CPU, which lists as many devices as the slice has,
+    so that a mesh a notebook builds by hand over the VM's devices builds here too."""
+    from tpupedia import hardware
+
     return dict(os.environ, TPUPEDIA_PRESET=preset, TPUPEDIA_REHEARSE=topology, HF_HUB_OFFLINE="1",
-                JAX_PLATFORMS="cpu", TOKENIZERS_PARALLELISM="false")
+                JAX_PLATFORMS="cpu", TOKENIZERS_PARALLELISM="false",
+                JAX_NUM_CPU_DEVICES=str(hardware.parse_topology(topology).num_devices))
 
 
 def rehearse_way(path: Way, topology: str, work: Path, inputs: dict[str, str]) -> Outcome:
@@ -132,13 +144,22 @@ def rehearse_way(path: Way, topology: str, work: Path, inputs: dict[str, str]) -
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "tpupedia.cli", *args], cwd=work, env=_env(topology),
                           capture_output=True, text=True)
-    out = Outcome(path.name, seconds=time.perf_counter() - start)
-    lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
-    last = lines[-1] if lines else f"exit {done.returncode}, nothing printed"
-    if done.returncode == 0 and "rehearsed" in last:
-        out.rehearsed.append(last.removeprefix("tpupedia generate: "))
-    else:
-        out.failed = f"tpupedia {' '.join(args)}: {last}"
+    return command_outcome(path.name, args, done.returncode, done.stdout, done.stderr, time.perf_counter() - start)
+
+
+def command_outcome(name: str, args: list[str], returncode: int, stdout: str, stderr: str,
+                    seconds: float = 0.0) -> Outcome:
+    """What a `tpupedia generate` run under a rehearsal said: the rehearsal's line (stdout, exit
+    0), else its one-line error (stderr), else the last line it printed (a traceback's); warnings
+    on stderr change neither."""
+    out = Outcome(name, seconds=seconds)
+    said = [line for line in stdout.splitlines() if line.startswith("tpupedia generate: rehearsed ")]
+    if returncode == 0 and said:
+        out.rehearsed.append(said[-1].removeprefix("tpupedia generate: "))
+        return out
+    errors = [line for line in stderr.splitlines() if line.startswith("tpupedia generate: ")]
+    lines = errors or [line for line in (stdout + stderr).splitlines() if line.strip()]
+    out.failed = f"tpupedia {' '.join(args)}: " + (lines[-1] if lines else f"exit {returncode}, nothing printed")
     return out
 
 
@@ -244,28 +265,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--topology", default="v6e:2x4", help="the slice every way in is planned for")
     parser.add_argument("--only", default=None, help="a regular expression: rehearse the paths and notebooks it matches")
     parser.add_argument("--record", default=None, help="write what was rehearsed to this JSON file")
+    parser.add_argument("--all", action="store_true",
+                        help="also the ways in whose compiles are not kept yet (hours on a 2-core host)")
     parser.add_argument("--keep", default=None, metavar="DIR",
-                        help="read and keep the slice's compiles in DIR ($TPUPEDIA_AOT_CACHE); after a whole rehearsal "
+                        help="read and keep the slice's compiles in DIR ($TPUPEDIA_AOT_CACHE); after a whole rehearsal (--all) "
                              "that passes, only those it used stay (`make rehearse`: tests/rehearse-kept)")
     args = parser.parse_args(argv)
     if args.keep:
         os.environ["TPUPEDIA_AOT_CACHE"] = str(Path(args.keep).resolve())
-    chosen = lambda name: args.only is None or re.search(args.only, name)  # noqa: E731
+    chosen = lambda name, kept: (args.all or kept) and (args.only is None or re.search(args.only, name))  # noqa: E731
     outcomes, start, started = [], time.perf_counter(), time.time()
     with tempfile.TemporaryDirectory(prefix="tpupedia-rehearse-") as tmp:
         work = Path(tmp)
         os.environ["TPUPEDIA_CACHE"] = str(work / "cache")  # every plan checked anew (a compile kept is read back)
         inputs = _inputs(work)
-        for path in (p for p in WAYS if chosen(p.name)):
+        for path in (p for p in WAYS if chosen(p.name, p.recorded)):
             outcomes.append(rehearse_way(path, args.topology, work, inputs))
             _say(outcomes[-1])
-        for slug in (s for s in NOTEBOOKS if chosen(f"notebook {s}")):
+        for slug in (s for s, kept in NOTEBOOKS.items() if chosen(f"notebook {s}", kept)):
             outcomes.append(rehearse_notebook(slug, args.topology, work))
             _say(outcomes[-1])
     failed = [o for o in outcomes if not o.ok]
     print(f"rehearse: {len(outcomes) - len(failed)} of {len(outcomes)} ways in planned for {args.topology} "
           f"in {time.perf_counter() - start:.0f} s; nothing was loaded")
-    if args.keep and not failed and args.only is None:
+    if args.keep and not failed and args.only is None and args.all:  # only a whole rehearsal knows what is stale
         from tpupedia import aot
 
         print(f"rehearse: {aot.prune(args.keep, since=started)} kept compiles no way in used were removed from {args.keep}")
