@@ -64,9 +64,11 @@ test: env chromium
 # plan their run by compiling its programs ahead of time for the slice (one layer per model, as
 # `tpupedia plan` does) and stop before a weight loads; a call whose plan does not fit fails it,
 # naming the caller. Compiles are read from and kept in tests/rehearse-kept (commit it); a program a
-# change touched compiles anew, which for a full-size VAE decode takes minutes.
+# change touched compiles anew, which for a full-size VAE decode takes minutes. CI runs it after
+# `make test`: the ways in whose compiles are kept (`Way.recorded`); REHEARSE=--all adds the others
+# (hours on a 2-core host) and, when all pass, prunes what no way in used.
 rehearse: env
-	$(BIN)/python -m tpupedia.rehearse --keep tests/rehearse-kept
+	$(BIN)/python -m tpupedia.rehearse --keep tests/rehearse-kept $(REHEARSE)
 
 # For iterating: lint, the notebooks' pairing and hygiene, and the cheapest tests of the last
 # `make test` (each under 5 s, up to 75 s in all; tests/slow.txt lists the others; a test not
