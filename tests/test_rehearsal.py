@@ -184,16 +184,35 @@ def test_a_command_lines_rehearsal_is_its_last_line_whatever_it_warned():
 
 
 def test_every_way_and_notebook_the_driver_lists_exists():
-    """The command lines parse (`tpupedia generate`'s own parser) and the notebooks are lessons
-    that call a pipeline."""
+    """The command lines, from the family registry, parse (`tpupedia generate`'s own parser) and
+    cover each family's text and image to video, its built-in releases and few-step releases; the
+    notebooks are the lessons that call a pipeline."""
     from pathlib import Path
 
-    from tpupedia import cli, rehearse
+    from tpupedia import cli, families, rehearse
 
     inputs = {"picture": "p.png", "lora": "s.safetensors", "prompts": "p.txt", "work": "w"}
     parser = cli.build_parser()
-    for way in rehearse.WAYS:
+    found = rehearse.ways()
+    for way in found:
         parser.parse_args(["generate", *[a.format(**inputs) for a in way.args], "--prompt", "x"])
-    lessons = sorted(p.stem for p in Path("lessons").glob("[0-9][0-9]_*.py"))
-    calling = [s for s in lessons if rehearse._CALL.search(Path(f"lessons/{s}.py").read_text())]
-    assert set(rehearse.NOTEBOOKS) <= set(calling), calling
+    names = {w.name for w in found}
+    for spec in families.video():
+        assert f"{spec.name} t2v" in names and all(f"{spec.name} --release {r}" in names for r in spec.few_step)
+        assert sum(w.name.startswith(f"{spec.name} --model ") for w in found) == len(spec.releases) - 1 - (
+            f"{spec.name} i2v" in names)
+    assert len(names) == len(found) and {"--lora", "--step-cache", "--prompts"} <= {w.name.split()[1] for w in found}
+    assert rehearse.notebooks() and all(rehearse._CALL.search(Path(f"lessons/{s}.py").read_text())
+                                        for s in rehearse.notebooks())
+
+
+def test_the_recorded_list_is_what_passing_rehearsals_kept(tmp_path):
+    """`make rehearse` reruns the ways in a passing rehearsal kept compiles for (`recorded.json`
+    in the kept folder); a missing or damaged file lists none, so nothing is assumed kept."""
+    from tpupedia import rehearse
+
+    assert rehearse.recorded(tmp_path) == set() == rehearse.recorded(None)
+    (tmp_path / rehearse.RECORDED).write_text('{"topology": "v6e:2x4", "recorded": ["a t2v"]}')
+    assert rehearse.recorded(tmp_path) == {"a t2v"}
+    (tmp_path / rehearse.RECORDED).write_text("{not json")
+    assert rehearse.recorded(tmp_path) == set()

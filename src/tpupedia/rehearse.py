@@ -1,8 +1,8 @@
 """`make rehearse`: every full-size way in, run as on a TPU slice, on a host without one.
 
-Each rehearsal is a `tpupedia generate` command line (`WAYS`: text and image to video for each
-family, a release, a LoRA, a step cache, a batch) or a notebook's full-preset calls into the
-library (`NOTEBOOKS`), run under `TPUPEDIA_PRESET=full` with `TPUPEDIA_REHEARSE=TOPOLOGY`
+Each rehearsal is a `tpupedia generate` command line (`ways`, from the family registry: text and
+image to video for each family, its releases, a LoRA, a step cache, a batch) or a notebook's
+full-preset calls into the library (`notebooks`), run under `TPUPEDIA_PRESET=full` with `TPUPEDIA_REHEARSE=TOPOLOGY`
 (`tpupedia.rehearsal`): each way in reads its checkpoint's configs from those the family builds
 in, checks its plan by compiling every program of the run ahead of time for the slice (one layer
 per model, scaled, as `tpupedia plan` does; kept compiles are read back, `tpupedia.aot`), and
@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["Way", "WAYS", "NOTEBOOKS", "rehearse_way", "rehearse_notebook", "needed_cells", "python", "command_outcome",
+__all__ = ["Way", "ways", "notebooks", "RECORDED", "recorded", "rehearse_way", "rehearse_notebook", "needed_cells", "python", "command_outcome",
            "main"]
 
 PROMPT = 'A neon sign that says "OPEN" flickers on a rainy street at night.'
@@ -44,35 +44,57 @@ class Way:
 
     name: str
     args: tuple[str, ...]
-    recorded: bool = True
-    """Whether `tests/rehearse-kept` holds its compiles, so `make rehearse` (and CI) runs it in
-    minutes; `--all` runs the others too, compiling what is not kept (a full-size tiled VAE
-    decode or picture encode takes the TPU compiler 5 to 20 minutes per program on a 2-core host)."""
 
 
-WAYS: tuple[Way, ...] = (
-    Way("cogvideox t2v", ("cogvideox",)),
-    Way("cogvideox i2v", ("cogvideox", "--image", "{picture}")),
-    Way("cogvideox 2b", ("cogvideox", "--model", "zai-org/CogVideoX-2b")),
-    Way("cogvideox --lora", ("cogvideox", "--lora", "{lora}")),
-    Way("cogvideox --step-cache", ("cogvideox", "--step-cache", "fbcache:0.1")),
-    Way("cogvideox --prompts", ("cogvideox", "--prompts", "{prompts}", "--outdir", "{work}/batch")),
-    Way("hunyuan t2v", ("hunyuan",)),
-    Way("hunyuan i2v", ("hunyuan", "--image", "{picture}")),
-    Way("hunyuan --release", ("hunyuan", "--release", "step-distilled", "--image", "{picture}")),
-    Way("wan t2v", ("wan",)),
-    Way("wan i2v", ("wan", "--image", "{picture}")),
-    Way("wan 1.3B", ("wan", "--model", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers")),
-    Way("wan 2.2 A14B", ("wan", "--model", "Wan-AI/Wan2.2-T2V-A14B-Diffusers")),
-    Way("wan --release", ("wan", "--release", "lightning")),
-)
+def ways() -> list[Way]:
+    """Every `generate` path, from the family registry: each video family's text-to-video run,
+    its image-to-video run where it has one, each built-in release it plans from its own configs
+    (`FamilySpec.releases`, with a picture where the release takes one) and each few-step
+    `--release`; and on the first family, `--lora`, `--step-cache` and `--prompts`."""
+    import importlib
 
-NOTEBOOKS: dict[str, bool] = {"07_cogvideox_pipeline": False, "10_hunyuan_video": False,
-                              "11_hunyuan_tuning_and_i2v": False, "12_wan_on_tpu": True, "14_fewer_steps": True}
-"""The lessons that call a pipeline (`run`, `run_batch`, a stage method) under the full preset, and
-whether their compiles are kept (`Way.recorded`). 07, 10 and 11 build a pipeline by hand at
-`matmul_precision="highest"` (to compare with stock on a TPU), which are other programs than a
-run's, the full-size VAE decode included."""
+    from tpupedia import families
+
+    out: list[Way] = []
+    for spec in families.video():
+        pipe = importlib.import_module(spec.pipeline).PIPELINE
+        picture = ("--image", "{picture}")
+        out.append(Way(f"{spec.name} t2v", (spec.name,)))
+        if pipe.image_to_video:
+            out.append(Way(f"{spec.name} i2v", (spec.name, *picture)))
+        for model, built in spec.releases.items():
+            if model not in (pipe.family.FULL_ID, getattr(pipe.family, "FULL_ID_I2V", None)):
+                out.append(Way(f"{spec.name} --model {model}", (spec.name, "--model", model)
+                               + (picture if built.get("image_to_video") else ())))
+        for name, release in spec.few_step.items():
+            out.append(Way(f"{spec.name} --release {name}", (spec.name, "--release", name)
+                           + (picture if release.image_to_video else ())))
+    first = families.video()[0].name
+    out += [Way(f"{first} --lora", (first, "--lora", "{lora}")),
+            Way(f"{first} --step-cache", (first, "--step-cache", "fbcache:0.1")),
+            Way(f"{first} --prompts", (first, "--prompts", "{prompts}", "--outdir", "{work}/batch"))]
+    return out
+
+
+def notebooks(lessons: Path = Path("lessons")) -> list[str]:
+    """The lessons that call a pipeline (`run`, `run_batch`, a stage method: `_CALL`), by slug."""
+    return [p.stem for p in sorted(lessons.glob("[0-9][0-9]_*.py")) if _CALL.search(p.read_text(encoding="utf-8"))]
+
+
+RECORDED = "recorded.json"
+"""The file in the kept-compiles folder (`--keep`) naming the ways in and notebooks whose
+compiles a passing rehearsal kept there, so `make rehearse` (and CI) reruns them in minutes; the
+others run with `--all`, compiling what is not kept (a full-size tiled VAE decode or picture
+encode takes the TPU compiler 5 to 20 minutes per program on a 2-core host)."""
+
+
+def recorded(folder: str | Path | None) -> set[str]:
+    """The names `RECORDED` in `folder` lists (none without a folder, or a file that does not parse)."""
+    try:
+        return set(json.loads((Path(folder) / RECORDED).read_text())["recorded"]) if folder else set()
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()
+
 
 _CALL = re.compile(r"\b(?:pipeline\.run|run_batch|\.encode_text|\.encode_image|\.denoise|pipe\w*\.decode)\(")
 
@@ -106,19 +128,24 @@ def _inputs(work: Path) -> dict[str, str]:
 
 
 def _lora(work: Path) -> Path:
-    """A rank-4 adapter on CogVideoX1.5-5B's first block's attention, in the layout diffusers'
-    `save_lora_weights` writes (its shapes from the release's config)."""
+    """A rank-4 adapter on the first block's attention projections of the first family's release
+    transformer (built on PyTorch's `meta` device from its config: shapes only), in the layout
+    diffusers' `save_lora_weights` writes."""
+    import diffusers
     import torch
     from safetensors.torch import save_file
 
-    from tpupedia.models import cogvideox
+    from tpupedia import families
 
-    width = cogvideox.full_configs()["transformer"]
-    width = width["num_attention_heads"] * width["attention_head_dim"]
+    facts = families.video()[0].facts
+    config = {k: v for k, v in facts.full_configs()["transformer"].items() if not k.startswith("_")} | {"num_layers": 1}
+    with torch.device("meta"):
+        model = getattr(diffusers, facts.TRANSFORMER_CLASS).from_config(config)
     tensors = {}
-    for proj in ("to_q", "to_k", "to_v"):
-        tensors[f"transformer.transformer_blocks.0.attn1.{proj}.lora_A.weight"] = torch.zeros(4, width)
-        tensors[f"transformer.transformer_blocks.0.attn1.{proj}.lora_B.weight"] = torch.zeros(width, 4)
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in ("to_q", "to_k", "to_v"):
+            tensors[f"transformer.{name}.lora_A.weight"] = torch.zeros(4, module.in_features)
+            tensors[f"transformer.{name}.lora_B.weight"] = torch.zeros(module.out_features, 4)
     path = work / "style.safetensors"
     save_file(tensors, str(path))
     return path
@@ -273,21 +300,33 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.keep:
         os.environ["TPUPEDIA_AOT_CACHE"] = str(Path(args.keep).resolve())
-    chosen = lambda name, kept: (args.all or kept) and (args.only is None or re.search(args.only, name))  # noqa: E731
+    kept = recorded(args.keep)
+    chosen = lambda name: (args.all or name in kept) and (args.only is None or re.search(args.only, name))  # noqa: E731
+    everything = [w.name for w in ways()] + [f"notebook {n}" for n in notebooks()]
     outcomes, start, started = [], time.perf_counter(), time.time()
     with tempfile.TemporaryDirectory(prefix="tpupedia-rehearse-") as tmp:
         work = Path(tmp)
         os.environ["TPUPEDIA_CACHE"] = str(work / "cache")  # every plan checked anew (a compile kept is read back)
         inputs = _inputs(work)
-        for path in (p for p in WAYS if chosen(p.name, p.recorded)):
+        for path in (p for p in ways() if chosen(p.name)):
             outcomes.append(rehearse_way(path, args.topology, work, inputs))
             _say(outcomes[-1])
-        for slug in (s for s, kept in NOTEBOOKS.items() if chosen(f"notebook {s}", kept)):
+        for slug in (s for s in notebooks() if chosen(f"notebook {s}")):
             outcomes.append(rehearse_notebook(slug, args.topology, work))
             _say(outcomes[-1])
     failed = [o for o in outcomes if not o.ok]
     print(f"rehearse: {len(outcomes) - len(failed)} of {len(outcomes)} ways in planned for {args.topology} "
           f"in {time.perf_counter() - start:.0f} s; nothing was loaded")
+    left = [n for n in everything if n not in kept and not any(o.name == n for o in outcomes)]
+    if left and not args.all:
+        print(f"rehearse: {len(left)} ways in have no kept compiles yet and were not rehearsed ({', '.join(left)}): "
+              "make rehearse REHEARSE=--all records them (hours on a 2-core host)")
+    if args.keep:  # what passed now has its compiles kept: listed for the next rehearsal
+        passed = kept | {o.name for o in outcomes if o.ok}
+        from tpupedia import results as _results
+
+        _results.write_json_atomic(Path(args.keep) / RECORDED, {"topology": args.topology, "recorded": sorted(
+            n for n in passed if n in everything)})
     if args.keep and not failed and args.only is None and args.all:  # only a whole rehearsal knows what is stale
         from tpupedia import aot
 
