@@ -66,7 +66,7 @@ test: env chromium
 # naming the caller. Compiles are read from and kept in tests/rehearse-kept (commit it); a program a
 # change touched compiles anew, which for a full-size VAE decode takes minutes. CI runs it after
 # `make test`: the ways in whose compiles are kept (`Way.recorded`); REHEARSE=--all adds the others
-# (hours on a 2-core host) and, when all pass, prunes what no way in used.
+# (hours on a 2-core host) and prunes what it neither read nor wrote.
 rehearse: env
 	$(BIN)/python -m tpupedia.rehearse --keep tests/rehearse-kept $(REHEARSE)
 

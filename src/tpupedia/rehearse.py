@@ -295,8 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--all", action="store_true",
                         help="also the ways in whose compiles are not kept yet (hours on a 2-core host)")
     parser.add_argument("--keep", default=None, metavar="DIR",
-                        help="read and keep the slice's compiles in DIR ($TPUPEDIA_AOT_CACHE); after a whole rehearsal (--all) "
-                             "that passes, only those it used stay (`make rehearse`: tests/rehearse-kept)")
+                        help="read and keep the slice's compiles in DIR ($TPUPEDIA_AOT_CACHE); after a whole rehearsal (--all, no --only) "
+                             "only those it read or wrote stay (`make rehearse`: tests/rehearse-kept)")
     args = parser.parse_args(argv)
     if args.keep:
         os.environ["TPUPEDIA_AOT_CACHE"] = str(Path(args.keep).resolve())
@@ -327,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
 
         _results.write_json_atomic(Path(args.keep) / RECORDED, {"topology": args.topology, "recorded": sorted(
             n for n in passed if n in everything)})
-    if args.keep and not failed and args.only is None and args.all:  # only a whole rehearsal knows what is stale
+    if args.keep and args.only is None and args.all:  # a whole rehearsal read every kept compile a way in uses
         from tpupedia import aot
 
         print(f"rehearse: {aot.prune(args.keep, since=started)} kept compiles no way in used were removed from {args.keep}")
