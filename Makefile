@@ -65,7 +65,7 @@ test: env chromium
 # `tpupedia plan` does) and stop before a weight loads; a call whose plan does not fit fails it,
 # naming the caller. Compiles are read from and kept in tests/rehearse-kept (commit it); a program a
 # change touched compiles anew, which for a full-size VAE decode takes minutes. CI runs it after
-# `make test`: the ways in whose compiles are kept (`Way.recorded`); REHEARSE=--all adds the others
+# `make test`: the ways in whose compiles are kept (recorded.json there); REHEARSE=--all adds the others
 # (hours on a 2-core host) and prunes what it neither read nor wrote.
 rehearse: env
 	$(BIN)/python -m tpupedia.rehearse --keep tests/rehearse-kept $(REHEARSE)
