@@ -478,7 +478,7 @@ class CogVideoX(common.StagedPipeline):
         diffusers' decoder under torchax carries its causal cache in another form."""
         if self.vae != "flax":
             raise PipelineError(f"vae={self.vae!r}: the decode programs are planned for the Flax VAE only; "
-                                "plan with --vae flax (the default)")
+                                "plan with Options(vae='flax'), the default, or run unplanned (plan='off')")
         return decode_programs(self.configs["vae"], family.latent_frames(request.frames, self.shapes),
                                request.height, request.width, decoding.decode_mesh(self.mesh),
                                dtype=str(self.dtype).removeprefix("torch."), tiling=request.vae_tiling)
