@@ -317,7 +317,9 @@ def test_a_full_size_batch_plans_each_request_before_loading(tmp_path, monkeypat
     seen.clear(), ran.clear()
     assert main(argv) == 2
     assert "tpupedia generate: prompt 3 ('a long owl'): cogvideox will not fit" in capsys.readouterr().err
-    assert len(seen) == 4 and ran == []  # refused before the first prompt ran
+    # refused before the first prompt ran, the long line planned resident and then as a single run
+    assert len(seen) == 5 and seen[-2:] == [(49, True, len(jax.local_devices())), (49, False, len(jax.local_devices()))]
+    assert ran == []
 
 
 def test_every_release_a_family_builds_in_is_its_kind_and_needs_no_download(monkeypatch):
