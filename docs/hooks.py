@@ -4,7 +4,8 @@
 `{{ figure:NAME }}` becomes one named number from its source (`tpupedia.figures`);
 `{{ diagram:NAME }}` the picture a notebook draws of one core idea (`tpupedia.diagrams`);
 `{{ zh_terms }}` becomes the Chinese edition's glossary from `docs/zh/terms.yml`;
-`{{ plans_table }}` every recorded plan, `{{ v5e_plans_table }}` those for v5e slices and one chip;
+`{{ plans_table }}` every recorded plan, `{{ v5e_plans_table }}` those for v5e slices and one chip,
+`{{ slice_picker_table }}` which stages of each release fit each slice a reader can get;
 `{{ first_video_table }}` the README's first tiny video per family (`tpupedia bench first-video`).
 
 On notebook pages it also folds the cells a lesson tags (`FOLDED`): an exercise's solution and the
@@ -31,13 +32,16 @@ _ZH_TERMS = Path(__file__).parent / "zh" / "terms.yml"
 _COLUMNS = [
     "chip",
     "vendor",
-    "HBM (GB)",
+    "HBM (GiB)",
+    "devices per chip",
     "bf16 peak (TFLOP/s)",
     "HBM bandwidth (GB/s)",
     "ridge (FLOP/byte)",
     "link (GB/s)",
     "ICI ring, one axis (GB/s)",
     "link type",
+    "scoped VMEM (MiB)",
+    "read",
 ]
 
 
@@ -179,6 +183,46 @@ def _plans_table(chip: str = "") -> str:
                      + " | ".join(peaks.get(s, "not planned" if s != "image" or kind else "—")
                                   for s in ("text", "image", "denoise", "decode"))
                      + f" | {r['binding']} | {verdict} | {r['libtpu']}, {r['compiled_at']} | `{r['command']}` |")
+    return "\n".join(lines)
+
+
+PICKER_SLICES = (("v5e:1x1", "one v5e chip (Colab's v5e-1)"), ("v5e:2x4", "v5e-8 (Kaggle)"),
+                 ("v6e:2x4", "v6e-8"), ("tpu7x:2x2x1", "tpu7x-8 (4 chips)"), ("tpu7x:2x2x2", "tpu7x-16 (8 chips)"))
+"""The slices a reader can get, cheapest first: the columns of `{{ slice_picker_table }}`."""
+
+
+def _slice_picker_table() -> str:
+    """One row per release and video size, one column per slice (`PICKER_SLICES`): which recorded stages fit
+    there (a stage fits if any recorded plan of it on that slice fits, with the plan's settings
+    in its command), which do not, and which no plan has covered yet."""
+    records = results.load(_PLANS) if _PLANS.exists() else []
+    if not records:
+        return "*No plan has been recorded yet.*"
+    found: dict[str, dict[str, dict[str, list[bool]]]] = {}
+    for r in records:
+        if r["resident"]:
+            continue
+        q = r["request"]
+        row = f"`{r.get('checkpoint') or r['family']}`<br>{q['width']}x{q['height']}, {q['frames']} frames"
+        cell = found.setdefault(row, {}).setdefault(r["topology"], {})
+        for stage in r["stages"]:
+            cell.setdefault(stage["stage"], []).append(stage["peak"] is not None and stage["peak"] <= r["hbm"])
+    lines = ["| release | " + " | ".join(label for _, label in PICKER_SLICES) + " |",
+             "|---|" + "---|" * len(PICKER_SLICES)]
+    for release in sorted(found):
+        cells = []
+        for topology, _ in PICKER_SLICES:
+            stages = found[release].get(topology)
+            if not stages:
+                cells.append("not planned")
+                continue
+            fit = [s for s in ("text", "image", "denoise", "decode") if s in stages and any(stages[s])]
+            over = [s for s in ("text", "image", "denoise", "decode") if s in stages and not any(stages[s])]
+            verb = lambda stages, one, many: ", ".join(stages) + (one if len(stages) == 1 else many)  # noqa: E731
+            cells.append("; ".join(part for part in (verb(fit, " fits", " fit") if fit else "",
+                                                     "**" + verb(over, " does not fit", " do not fit") + "**" if over else "")
+                                   if part))
+        lines.append(f"| {release} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -410,7 +454,7 @@ def on_page_markdown(markdown, page, config, files):  # noqa: ARG001 - mkdocs ho
               "results_table": _results_table, "stepcache_table": _stepcache_table,
               "pipeline_table": _pipeline_table, "mesh_table": _mesh_table, "plans_table": _plans_table,
               "first_video_table": _first_video_table,
-              "v5e_plans_table": lambda: _plans_table("v5e"),
+              "v5e_plans_table": lambda: _plans_table("v5e"), "slice_picker_table": _slice_picker_table,
               "results_chart": _results_chart, "zh_terms": _zh_terms,
               "predictions_table": _predictions_table, "predictions_chart": _predictions_chart,
               "plan_predictions_table": _plan_predictions_table}

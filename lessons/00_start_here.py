@@ -147,7 +147,7 @@ from IPython.display import Markdown
 
 from tpupedia import hardware
 
-columns = ["chip", "HBM (GB)", "bf16 peak (TFLOP/s)", "HBM bandwidth (GB/s)", "ridge (FLOP/byte)", "link (GB/s)"]
+columns = ["chip", "HBM (GiB)", "bf16 peak (TFLOP/s)", "HBM bandwidth (GB/s)", "ridge (FLOP/byte)", "link (GB/s)"]
 rows = hardware.table_rows()
 table = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
 table += ["| " + " | ".join(str(r[c]) for c in columns) + " |" for r in rows]
@@ -169,7 +169,7 @@ v6e = hardware.chip("v6e")
 slice_ = hardware.parse_topology("v6e:2x4")
 print(f"v6e ridge point: {v6e.ridge_flops_per_byte:.0f} FLOP/byte")
 print(f"{slice_.name} is a {slice_.accelerator_type}: {slice_.num_chips} chips, "
-      f"{slice_.num_chips * v6e.hbm_bytes / 1e9:.0f} GB of HBM in total, "
+      f"{slice_.num_chips * v6e.hbm_bytes / 2**30:.0f} GiB of HBM in total, "
       f"{slice_.num_chips * v6e.bf16_flops / 1e15:.2f} PFLOP/s bf16 peak")
 
 # %% tags=["check"]

@@ -39,7 +39,7 @@
 # | `tiny` (CPU, CI) | no weights: abstract shapes only; the compiles read from their records | about 1.8 GB of host RAM | about 2 minutes, measured here on a 2-core CPU |
 # | `full` (TPU VM or any host with libtpu) | no weights either: this notebook only compiles, on the host CPU | the program it plans: 3.8 GiB of arguments + 1.6 GiB of temporaries per chip (AOT here); host RAM for the 42-layer compile not recorded (the 54-block HunyuanVideo-1.5 compiles took 3.6–8.7 GB, measured here) | adds one live compile at all 42 layers, the splash-attention step of section 3: 182 s, measured on a shared 2-core CPU; the 42-layer reference-attention compile is read from its record, and section 4 compiles at one layer, as on tiny; section 5's four predictions compile eight more programs at 1 and 2 layers (about a minute a pair on a CPU host, measured here) |
 #
-# *Reading time: about 28 minutes.*
+# *Reading time: about 31 minutes.*
 
 # %%
 # %xmode Minimal
@@ -650,7 +650,8 @@ weights_2b = {stage: sum(2 * t.numel() for t in (*model.parameters(), *model.buf
               for stage, model in (("text", t5), ("denoise", transformer_2b))}
 (one_chip,) = [r for r in results.load(Path("..") / plan.DEFAULT_RECORDS)
                if r["checkpoint"] == cogvideox.SMALL_ID and r["topology"] == "v5e:1x1" and r["fits"]
-               and [st["stage"] for st in r["stages"]] == ["text", "denoise"]]  # its decode is a plan of its own
+               and [st["stage"] for st in r["stages"]] == ["text", "denoise"]  # its decode is a plan of its own
+               and "--block-sizes" not in r["command"]]  # the blocks the plan chose for the chip
 for st in one_chip["stages"]:
     print(f"{st['stage']:>8}: peak {st['peak'] / 2**30:5.2f} GiB, of which weights {weights_2b[st['stage']] / 2**30:5.2f} GiB "
           "(from shapes)")
@@ -683,6 +684,87 @@ assert weights_2b["text"] <= one_chip_peaks["text"] < 1.1 * weights_2b["text"]  
 # your laptop whether that command fits a v6e-8, and `make rehearse` does it for every `generate`
 # path and every notebook's full-preset calls (`tpupedia.rehearse`).
 #
+# ## 7. A chip with two devices: TPU7x
+#
+# Everything above counted chips, because on a v5e or a v6e a chip is one JAX device. A TPU7x
+# (Ironwood) chip is not: its two TensorCores are two devices, each with half the chip's 192 GiB
+# of HBM and half its compute (Google's [TPU7x page](https://docs.cloud.google.com/tpu/docs/tpu7x),
+# read 2026-12-02). libtpu describes a `tpu7x:2x2x1` slice, a `tpu7x-8`, as four chips and eight
+# devices. A mesh, a sharding and a compile budget count devices; peaks, HBM per chip and prices
+# count chips (`hardware.Topology`: `num_chips`, `num_devices`, `hosts`).
+
+# %%
+seven = hardware.parse_topology("tpu7x:2x2x1")
+found = devices.tpu_topology(seven)
+print(f"{seven.name} ({seven.accelerator_type}): {seven.num_chips} chips, {seven.num_devices} devices, "
+      f"{seven.hosts} host; a device's compile budget {aot.hbm_budget(found) / 2**30:.2f} GiB")
+mesh7 = devices.topology_mesh(seven, (2, 4), ("dp", "tp"))
+for i, row in enumerate(mesh7.devices):
+    print(f"dp={i}: tp group", " ".join(f"chip{tuple(d.coords)}/core{d.core_on_chip}" for d in row))
+
+# %% tags=["check"]
+assert (seven.num_chips, seven.num_devices, len(found)) == (4, 8, 8)
+assert aot.hbm_budget(found) < hardware.chip("tpu7x").hbm_bytes / 2  # a device has half the chip's HBM
+for row in mesh7.devices:  # each chip's two cores sit side by side along tp
+    assert [tuple(d.coords) for d in row[0::2]] == [tuple(d.coords) for d in row[1::2]]
+
+# %% [markdown]
+# JAX's mesh builder puts a chip's two cores next to each other along the last axis, `tp`. That
+# is the axis to keep close: tensor parallelism all-reduces inside every layer, while `dp` splits
+# the guidance pair and sends nothing during a step. So each `tp` group of four is two chips of two
+# cores, and half of every all-reduce stays on a chip.
+#
+# Now one program on both slices: CogVideoX1.5's denoising step at 480p and 49 frames, one layer
+# compiled with splash attention (memory), and the predictor's full-depth step time (section 5's
+# model: the compiler's counts at each device's share of its chip's peak, splash at upstream's
+# profiled efficiency). The TPU7x time is predicted, and no one has reported one for this
+# course's code: read it as what the model expects, not as a measurement.
+
+# %%
+from tpupedia import predict
+
+side = {}
+for name in ("v6e:2x4", "tpu7x:2x2x1"):
+    memory = dryrun.run("cogvideox", topology=name, resolution="480p", frames=49, attention="splash", layers=1)
+    step = predict.predict_step("cogvideox", name, "480p", 49)
+    side[name] = (memory, step)
+print(f"{'slice':<12} {'devices':>7} {'per device':>11} {'budget':>9}  predicted step (not measured)")
+for name, (memory, step) in side.items():
+    peak = memory.arguments_bytes + memory.temporaries_bytes + memory.outputs_bytes
+    print(f"{name:<12} {hardware.parse_topology(name).num_devices:>7} {peak / 2**30:>7.2f} GiB "
+          f"{memory.hbm_bytes / 2**30:>5.2f} GiB  {step.step_s:.2f} s")
+
+# %% tags=["check"]
+(v6e_memory, v6e_step), (tpu7x_memory, tpu7x_step) = side["v6e:2x4"], side["tpu7x:2x2x1"]
+assert v6e_memory.fits and tpu7x_memory.fits and tpu7x_memory.hbm_bytes > 2.5 * v6e_memory.hbm_bytes
+assert v6e_memory.mesh == tpu7x_memory.mesh == {"dp": 2, "tp": 4}  # the same mesh: 8 devices each
+assert tpu7x_step.step_s < v6e_step.step_s  # 4 chips of 2,307 TFLOP/s against 8 of 918
+
+# %% [markdown]
+# The same mesh, the same shards per device, three times the budget per device; and half the
+# chips, each 2.5 times a v6e's bf16 peak, so the model predicts a faster step. Whether the
+# kernels reach that peak on TPU7x is what the predictor cannot know: its splash efficiency comes
+# from a v6e profile.
+#
+# A one-chip slice is the other end. The blocks the families tuned on v6e need more scoped VMEM
+# than a v5e's compiler gives a kernel (16 MiB against the v6e's 32, `Chip.scoped_vmem_bytes`, measured
+# here from libtpu's refusals), so a pipeline, a plan and the dry-run on a v5e step them down until
+# the compiler fits them (`attention.chip_block_sizes`), and a plan that still fails names the
+# limit flag to raise instead.
+
+# %%
+from tpupedia import attention
+
+v5e_chip = devices.tpu_topology("v5e:1x1")[0]
+v5e_blocks = attention.chip_block_sizes(v5e_chip, cogvideox.SPLASH_BLOCK_SIZES)
+print(f"CogVideoX's splash blocks: {'/'.join(map(str, cogvideox.SPLASH_BLOCK_SIZES))} on a v6e, "
+      f"{'/'.join(map(str, v5e_blocks))} on a v5e")
+
+# %% tags=["check"]
+assert attention.chip_block_sizes(found[0], cogvideox.SPLASH_BLOCK_SIZES) == cogvideox.SPLASH_BLOCK_SIZES
+assert v5e_blocks in attention.block_candidates(cogvideox.SPLASH_BLOCK_SIZES)[1:]
+
+# %% [markdown]
 # ## Takeaways
 #
 # * Count FLOPs first. At 720p and 81 frames, attention is over two thirds of a CogVideoX step.

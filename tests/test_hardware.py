@@ -1,12 +1,12 @@
 import pytest
 
-from tpupedia import hardware
+from tpupedia import devices, hardware
 
 
 def test_v6e_facts():
-    """https://cloud.google.com/tpu/docs/v6e: 918 TFLOP/s bf16, 32 GB, 1638 GBps HBM, 800 GBps ICI."""
+    """https://cloud.google.com/tpu/docs/v6e: 918 TFLOP/s bf16, 32 GiB (the page: "32 GB"), 1638 GBps HBM, 800 GBps ICI."""
     v6e = hardware.chip("V6E")
-    assert v6e.hbm_bytes == 32e9 and v6e.bf16_flops == 918e12 and v6e.hbm_bytes_per_s == 1638e9
+    assert v6e.hbm_bytes == 32 * 2**30 and v6e.bf16_flops == 918e12 and v6e.hbm_bytes_per_s == 1638e9
     assert v6e.ridge_flops_per_byte == pytest.approx(560.44, abs=0.01)  # 918e12 / 1638e9
     assert round(v6e.ridge_flops_per_byte) == 560
 
@@ -73,6 +73,19 @@ def test_bad_topology_names(bad):
 
 def test_table_rows_are_in_human_units():
     row = next(r for r in hardware.table_rows() if r["chip"] == "v6e")
-    assert row["HBM (GB)"] == 32 and row["bf16 peak (TFLOP/s)"] == 918 and row["ridge (FLOP/byte)"] == 560
+    assert row["HBM (GiB)"] == 32 and row["devices per chip"] == 1 and row["scoped VMEM (MiB)"] == 32 and row["bf16 peak (TFLOP/s)"] == 918 and row["ridge (FLOP/byte)"] == 560
     assert row["HBM bandwidth (GB/s)"] == 1638 and row["link (GB/s)"] == 800 and row["ICI ring, one axis (GB/s)"] == 200
     assert next(r for r in hardware.table_rows() if r["chip"] == "H100")["ICI ring, one axis (GB/s)"] == "—"
+
+
+@pytest.mark.skipif(not devices.has_libtpu(), reason="needs libtpu (pip install 'jax[tpu]')")
+@pytest.mark.parametrize("topology, chip", [("v5e:1x1", "v5e"), ("v6e:1x1", "v6e"), ("tpu7x:1x1x1", "tpu7x")])
+def test_a_tpu_chips_hbm_is_in_gib_as_its_compile_budget_shows(topology, chip):
+    """The budget libtpu gives one program (per device) is more than the decimal reading of the
+    page's figure could hold (15.75 GiB on a v5e against 16 x 10^9 bytes = 14.9 GiB) and less than
+    the GiB reading, the unit Google's TPU7x table now states."""
+    from tpupedia import aot
+
+    c = hardware.chip(chip)
+    budget = aot.hbm_budget(devices.tpu_topology(topology)) * c.devices_per_chip
+    assert c.hbm_bytes / 2**30 * 1e9 < budget < c.hbm_bytes

@@ -81,3 +81,41 @@ def test_a_plan_on_tpu7x_meshes_its_devices_and_holds_each_against_its_own_budge
     head = found.summary().splitlines()
     assert "on tpu7x:2x2x1 (4 chips, 8 devices), mesh {'dp': 2, 'tp': 4}" in head[0]
     assert head[1] == "  HBM per device: 94.75 GiB"
+
+
+@requires_libtpu
+@pytest.mark.parametrize("name, processes", [("v6e:2x4", 1), ("v5e:2x4", 1), ("v5e:1x1", 1), ("tpu7x:1x1x1", 1),
+                                             ("tpu7x:2x2x1", 1), ("v6e:4x4", 4), ("tpu7x:2x2x2", 2)])
+def test_a_slice_compiles_on_as_many_hosts_as_it_has_vms(name, processes):
+    """A v6e-8 or a v5e-8 is one 8-chip VM: its devices are one process, not libtpu's default two
+    hosts of 2x2 chips; a multi-host slice keeps 4 chips per VM (`devices.host_bounds`)."""
+    found = devices.tpu_topology(name)
+    assert len({d.process_index for d in found}) == processes == hardware.parse_topology(name).hosts
+
+
+def test_the_slice_picker_sums_up_each_releases_recorded_plans_per_slice(tmp_path, monkeypatch):
+    """The free-TPU guide's and the results page's picker (`docs/hooks._slice_picker_table`):
+    a stage fits a slice if a recorded plan of it there fits, does not if none does, and a slice
+    no plan covered says so."""
+    import importlib.util
+    from pathlib import Path
+
+    from tpupedia import results
+
+    path = Path(__file__).resolve().parents[1] / "docs" / "hooks.py"
+    spec = importlib.util.spec_from_file_location("docs_hooks", path)
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+
+    def plan(topology, stages, hbm=10.0):
+        return {"family": "wan", "checkpoint": "Wan-AI/X", "topology": topology, "resident": False, "hbm": hbm,
+                "request": {"width": 832, "height": 480, "frames": 81},
+                "stages": [{"stage": s, "peak": p} for s, p in stages]}
+
+    plans = tmp_path / "plans.json"
+    results.write_json_atomic(plans, {"records": [plan("v5e:1x1", [("text", 5.0), ("denoise", 12.0)]),
+                                                  plan("tpu7x:2x2x1", [("text", 5.0), ("denoise", 6.0)])]})
+    monkeypatch.setattr(hooks, "_PLANS", plans)
+    (row,) = [line for line in hooks._slice_picker_table().splitlines() if "Wan-AI/X" in line]
+    cells = [c.strip() for c in row.split("|")[2:-1]]
+    assert cells == ["text fits; **denoise does not fit**", "not planned", "not planned", "text, denoise fit", "not planned"]

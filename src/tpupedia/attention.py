@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +62,10 @@ __all__ = [
     "check_block_sizes",
     "check_block_rules",
     "parse_block_sizes",
+    "BLOCK_LADDER",
+    "block_candidates",
+    "chip_block_sizes",
+    "fitting_block_sizes",
     "split_mask",
     "reference_attention",
     "splash_attention",
@@ -161,6 +166,81 @@ def parse_block_sizes(text: str) -> tuple[int, int, int]:
         raise AttentionError(f"block sizes {text!r}: expected three positive integers "
                              "BLOCK_Q,BLOCK_KV,BLOCK_KV_COMPUTE, e.g. 3328,2816,256")
     return check_block_rules(tuple(int(p) for p in parts))
+
+
+BLOCK_LADDER = ((2048, 2048), (2048, 1024), (1024, 1024), (1024, 512), (512, 512))
+"""The `(block_q, block_kv)` steps a chip with less scoped VMEM than its family's blocks need
+steps down through, largest first (`block_candidates`)."""
+
+PROBE_HEAD_DIM = 128
+"""The head width a block probe compiles at: the widest of the three families' heads (Wan's and
+HunyuanVideo-1.5's; CogVideoX's are 64), so blocks that fit it fit them all."""
+
+
+def block_candidates(block_sizes: Any) -> list[tuple[int, int, int]]:
+    """`block_sizes`, then each step of `BLOCK_LADDER` no larger than it in either sequence, with
+    `block_kv_compute` the largest common multiple of 128 of the asked one and the step's
+    `block_kv` (it must divide `block_kv`): what `fitting_block_sizes` tries, in order."""
+    bq, bkv, bkvc = check_block_rules(block_sizes)
+    found = [(bq, bkv, bkvc)]
+    for q, kv in BLOCK_LADDER:
+        if q <= bq and kv <= bkv and (q, kv) != (bq, bkv):
+            found.append((q, kv, math.gcd(kv, bkvc)))
+    return found
+
+
+def _fits_vmem(device: Any, blocks: tuple[int, int, int], head_dim: int) -> bool:
+    """Whether the TPU compiler fits one splash call at `blocks` in `device`'s scoped VMEM,
+    compiled for that device alone (kept like every compile) at the call shape that needs the
+    most as measured here with libtpu 0.0.42.1: a batch of two (the guidance pair on one device
+    asks about 3 MiB more than one video), 16 heads and a padded sequence eight blocks long (with
+    a batch of two, 8 heads or more ask 1 to 2 MiB more than 2 to 4; Wan 14B's 40 heads at 75,600
+    tokens asked no more than 16 at 16,376)."""
+    from jax.sharding import Mesh, NamedSharding
+
+    from tpupedia import aot
+
+    mesh = Mesh([device], ("x",))
+    arg = aot.abstract((2, 16, 8 * max(blocks[:2]) - 8, head_dim), jnp.bfloat16, NamedSharding(mesh, P()))
+    result = aot.compile_aot(lambda q, k, v: splash_attention(q, k, v, block_sizes=blocks, interpret=False),
+                             arg, arg, arg)
+    return result.vmem_required_bytes is None
+
+
+@functools.lru_cache(maxsize=None)
+def fitting_block_sizes(device: Any, block_sizes: tuple[int, int, int],
+                        head_dim: int = PROBE_HEAD_DIM) -> tuple[int, int, int]:
+    """The first of `block_candidates(block_sizes)` whose splash kernel the TPU compiler fits in
+    `device`'s scoped VMEM (it reports a kernel that does not: "Scoped allocation with size
+    23.94M and limit 16.00M exceeded"). Measured with libtpu 0.0.42.1 on this project's CI host:
+    one bf16 head of width 128 at the families' blocks (3072/2048/1024, 2048/2048/512,
+    3328/2816/256) needs 17.95 to 23.35 MiB on a v5e and 20.67 to 28.04 MiB on a v5p, whose
+    limit is 16 MiB, and a batch of two about 3 MiB more; a v6e's and a TPU7x's limit is 32 MiB.
+    Raises `AttentionError` if none fits.
+
+    Introduced in notebook `tune_before_you_rent` (one v5e chip)."""
+    for blocks in block_candidates(block_sizes):
+        if _fits_vmem(device, blocks, head_dim):
+            return blocks
+    raise AttentionError(f"splash blocks {'/'.join(map(str, block_sizes))}: no step down to "
+                         f"{'/'.join(map(str, block_candidates(block_sizes)[-1]))} fits the scoped VMEM of "
+                         f"{device.device_kind}; raise the limit (--xla_tpu_scoped_vmem_limit_kib in LIBTPU_INIT_ARGS)")
+
+
+def chip_block_sizes(device: Any, block_sizes: Any) -> tuple[int, int, int]:
+    """The splash blocks a TPU `device` runs a family's `block_sizes` at: as they are on a chip
+    with at least the scoped VMEM of the v6e they were tuned on (`Chip.scoped_vmem_bytes`: v6e
+    and TPU7x 32 MiB), else the first that fits (`fitting_block_sizes`: a v5e's or v5p's 16 MiB).
+    A chip the hardware table does not know is probed."""
+    from tpupedia import hardware
+
+    blocks = check_block_rules(block_sizes)
+    tuned_on = hardware.chip("v6e").scoped_vmem_bytes
+    known = hardware.chip_for_device_kind(device.device_kind)
+    vmem = None if known is None else known.scoped_vmem_bytes
+    if vmem is not None and vmem >= tuned_on:
+        return blocks
+    return fitting_block_sizes(device, blocks)
 
 
 def _cap_block_sizes(bs: sa.BlockSizes, q_len: int, kv_len: int) -> sa.BlockSizes:

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from tpupedia.errors import TpupediaError
-from tpupedia.hardware import MULTIHOST_CHIPS_PER_HOST, HardwareError, Topology, parse_topology
+from tpupedia.hardware import HardwareError, Topology, parse_topology
 
 if TYPE_CHECKING:  # pragma: no cover
     import jax
@@ -294,16 +294,20 @@ def tpu_topology(name: str | Topology = "v6e:2x4") -> list[jax.Device]:
         ) from None
 
 
-def host_bounds(topo: Topology) -> tuple[int, int, int] | None:
-    """The `chips_per_host_bounds` libtpu needs for `topo`, or `None` for its default.
+def host_bounds(topo: Topology) -> tuple[int, ...] | None:
+    """The `chips_per_host_bounds` libtpu needs to lay `topo` out in the VMs it really has, or
+    `None` for libtpu's default.
 
-    libtpu lays a v5e or v6e slice out in hosts of 2x2 chips by default, so it refuses a slice
-    smaller than one such host ("v5e:1x1 is not divisible by ... 2x2x1"). A single chip or a
-    1x2 pair is a host of its own (a v5litepod-1 VM, Colab's v5e-1): its
-    bounds are its own shape. Larger slices keep libtpu's default."""
-    if len(topo.shape) != 2 or topo.num_chips >= MULTIHOST_CHIPS_PER_HOST:
+    libtpu's default host is 2x2 chips (2x2x1 on v5p and TPU7x). That is right for a multi-host
+    slice, whose VMs hold 4 chips each, but not for a one-VM slice of another size: by default
+    libtpu refuses a single chip ("v5e:1x1 is not divisible by ... 2x2x1") and describes a
+    v6e-8 or a v5e-8, one 8-chip VM (`Topology.hosts`), as two processes of 4 chips. A slice on
+    one VM gets its own shape as its bounds, so its devices are one process, as on the VM.
+    Used by notebook `plan_without_tpu`'s compiles and every plan."""
+    if topo.hosts != 1:
         return None
-    return (*topo.shape, 1)
+    bounds = tuple(topo.shape) + (1,) * (3 - len(topo.shape))
+    return None if bounds == (2, 2, 1) else bounds
 
 
 def topology_mesh(

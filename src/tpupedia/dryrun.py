@@ -222,8 +222,8 @@ def run(model: str, topology: str = "v6e:2x4", resolution: str | None = None,
     chips, for LLMs `dp=1`. A family whose stock attention builds a (B, 1, S, S) mask compiles the
     pipeline's forward with the padding as a vector (`mask="vector"`, its `padded_forward`) or the
     stock processor (`mask="matrix"`, notebook `hunyuan_video` compares them).
-    Splash runs at `block_sizes`, by default the family's `SPLASH_BLOCK_SIZES` (what the pipeline
-    runs). `resolution` and `frames` default to the family's full-preset request (`generate`'s).
+    Splash runs at `block_sizes`, by default the family's `SPLASH_BLOCK_SIZES` as the slice's chip
+    fits them in its scoped VMEM (what the pipeline runs: `attention.chip_block_sizes`). `resolution` and `frames` default to the family's full-preset request (`generate`'s).
     Bad arguments raise `DryRunError` before anything is built.
     """
     try:
@@ -264,8 +264,10 @@ def run(model: str, topology: str = "v6e:2x4", resolution: str | None = None,
     family = spec.facts
     full_layers = family.FULL_LAYERS
     blocks = None
-    if attention == "splash":
-        blocks = tuple(block_sizes or family.SPLASH_BLOCK_SIZES)
+    if attention == "splash":  # the family's as this chip fits them, like a pipeline's
+        from tpupedia import attention as kernel
+
+        blocks = tuple(block_sizes or kernel.chip_block_sizes(mesh.devices.flat[0], family.SPLASH_BLOCK_SIZES))
     module = family.build(layers)
     if spec.kind == "llm":
         specs, call = family.step_inputs(seq)

@@ -37,6 +37,7 @@ __all__ = [
 ]
 
 GB = 1e9
+GIB = 2**30
 TB = 1e12
 TFLOP = 1e12
 
@@ -78,7 +79,10 @@ class Chip:
     name: str
     vendor: str
     hbm_bytes: float
-    """HBM capacity per chip, in bytes (vendor figure, decimal GB)."""
+    """HBM capacity per chip, in bytes, in the vendor's unit: GiB for TPUs (Google's TPU7x table
+    heads its column "HBM capacity per chip (GiB)": v5p 95, v6e 32, TPU7x 192; the compile
+    budget libtpu gives a v5e or v6e program, 15.75 and 31.25 GiB, is more than 16 or 32 x 10^9
+    bytes could hold), decimal GB for NVIDIA's GPUs."""
     bf16_flops: float
     """Peak dense bf16 matrix throughput per chip, FLOP/s (no structured-sparsity doubling)."""
     hbm_bytes_per_s: float
@@ -90,6 +94,8 @@ class Chip:
     chips_per_host: int
     source: str
     note: str = ""
+    read: str = ""
+    """When the row was last read against its source (a date), where that was recorded."""
     ici_ports: int | None = None
     """ICI ports per chip (TPUs; `None` for GPUs): one per torus neighbour. 4 for the 2D-torus
     v5e and v6e ("ICI ports per chip 4" on Google's pages); 6 for the 3D-torus v5p (its page
@@ -105,6 +111,14 @@ class Chip:
     with half the chip's HBM (libtpu 0.0.42.1 here lists `tpu7x:2x2x1`, four chips, as eight
     devices with a 94.75 GiB compile budget each). A mesh, a sharding and a compile budget count
     devices; peaks, HBM and prices are per chip (`Topology`)."""
+    scoped_vmem_bytes: float | None = None
+    """The TPU compiler's default limit on the VMEM one kernel may allocate, bytes (`None` for
+    GPUs): what a splash kernel's blocks must fit (`tpupedia.attention.chip_block_sizes`).
+    Measured here, not a vendor figure: the limit libtpu 0.0.42.1's error states when a kernel
+    asks for more ("Scoped allocation with size 23.35M and limit 16.00M exceeded"), 16 MiB on
+    v5e and v5p, 32 MiB on v6e and TPU7x (`tests/test_splash_blocks.py` compiles it again).
+    `--xla_tpu_scoped_vmem_limit_kib` in `LIBTPU_INIT_ARGS` raises it, at the cost of the VMEM
+    the compiler keeps for its own fusions."""
     fp8_flops: float | None = None
     """Peak dense fp8 matrix throughput per chip, FLOP/s, where the vendor lists one; `None` where
     it does not (v5e lists int8, not fp8; the TPU7x page lists v5p's and v6e's fp8 as their bf16)."""
@@ -148,22 +162,28 @@ class Chip:
 CHIPS: dict[str, Chip] = {
     c.name: c
     for c in (
-        Chip("v5e", "Google", 16 * GB, 197 * TFLOP, 819 * GB, 1600e9 / 8, "ICI", 8, _TPU_V5E,
-             "ICI listed as 1,600 Gbps per chip; the current page gives 400 GB/s bidirectional, which the "
-             "one-axis ring figure uses", ici_ports=4, ici_port_bytes_per_s=400 * GB / (2 * 4)),
-        Chip("v5p", "Google", 95 * GB, 459 * TFLOP, 2765 * GB, 1200 * GB, "ICI", 4, _TPU_V5P,
-             "two TensorCores per chip; 3D torus", ici_ports=6, ici_port_bytes_per_s=1200 * GB / (2 * 6),
-             fp8_flops=459 * TFLOP),
-        Chip("v6e", "Google", 32 * GB, 918 * TFLOP, 1638 * GB, 800 * GB, "ICI", 8, _TPU_V6E,
-             "Trillium; earlier revisions of the page listed 1,640 and 1,600 GB/s HBM, and 3,584 or "
-             "3,200 Gbps ICI without a direction", ici_ports=4, ici_port_bytes_per_s=800 * GB / (2 * 4),
-             fp8_flops=918 * TFLOP),
-        Chip("tpu7x", "Google", 192 * 2**30, 2307 * TFLOP, 7380 * GB, 1200 * GB, "ICI", 4, _TPU7X,
+        Chip("v5e", "Google", 16 * GIB, 197 * TFLOP, 819 * GB, 400 * GB, "ICI", 8, _TPU_V5E,
+             "HBM 16 GiB (the page writes 16 GB); ICI 400 GB/s bidirectional as the current page gives it "
+             "(older copies: 1,600 Gbps, no direction); HBM bandwidth 819 GB/s as older copies give it, the "
+             "current one '800 GiBps', which is not the same figure in other units (819 GB/s is 763 GiB/s)",
+             ici_ports=4, ici_port_bytes_per_s=400 * GB / (2 * 4), scoped_vmem_bytes=16 * 2**20,
+             read="2026-12-02, stored copies of the page"),
+        Chip("v5p", "Google", 95 * GIB, 459 * TFLOP, 2765 * GB, 1200 * GB, "ICI", 4, _TPU_V5P,
+             "two TensorCores per chip acting as one device; 3D torus; 95 GiB of 96 GiB physical (the rest "
+             "kept by the runtime, the page says); one copy of the page gives the bandwidth as 2,575 GiBps, "
+             "the same figure", ici_ports=6, ici_port_bytes_per_s=1200 * GB / (2 * 6),
+             fp8_flops=459 * TFLOP, scoped_vmem_bytes=16 * 2**20, read="2026-12-02, stored copies of the page"),
+        Chip("v6e", "Google", 32 * GIB, 918 * TFLOP, 1638 * GB, 800 * GB, "ICI", 8, _TPU_V6E,
+             "Trillium; HBM 32 GiB (the v6e page writes 32 GB, the TPU7x page's table 32 GiB); earlier "
+             "revisions of the page listed 1,640 and 1,600 GB/s HBM, and 3,584 or 3,200 Gbps ICI without a "
+             "direction", ici_ports=4, ici_port_bytes_per_s=800 * GB / (2 * 4),
+             fp8_flops=918 * TFLOP, scoped_vmem_bytes=32 * 2**20, read="2026-12-02, stored copies of the page"),
+        Chip("tpu7x", "Google", 192 * GIB, 2307 * TFLOP, 7380 * GB, 1200 * GB, "ICI", 4, _TPU7X,
              "Ironwood, read 2026-12-02 from stored copies of the page; two TensorCores per chip, each a JAX "
              "device; HBM 192 GiB (206 GB) as the page states it, in GiB; HBM bandwidth 7,380 GB/s (copies of the "
              "page label it GB/s and GBps); ICI 1,200 GB/s bidirectional; the page gives no ICI port count: 6 "
              "assumes a 3D torus like v5p's (it 'shares many similarities with TPU v5p'); no public list price", ici_ports=6, ici_port_bytes_per_s=1200 * GB / (2 * 6), devices_per_chip=2,
-             fp8_flops=4614 * TFLOP),
+             fp8_flops=4614 * TFLOP, scoped_vmem_bytes=32 * 2**20, read="2026-12-02, stored copies of the page"),
         Chip("H100", "NVIDIA", 80 * GB, 989 * TFLOP, 3.35 * TB, 900 * GB, "NVLink 4", 8, _H100,
              "SXM5; the datasheet's 1,979 TFLOP/s bf16 figure assumes 2:4 sparsity"),
         Chip("H200", "NVIDIA", 141 * GB, 989 * TFLOP, 4.8 * TB, 900 * GB, "NVLink 4", 8, _H200,
@@ -269,6 +289,10 @@ def parse_topology(name: str) -> Topology:
     return Topology(name=text, chip=chip(m.group(1)), shape=shape)
 
 
+def _one_decimal(x: float) -> float | int:
+    return int(round(x)) if abs(x - round(x)) < 0.05 else round(x, 1)
+
+
 def table_rows() -> list[dict[str, object]]:
     """The chip table as plain rows (for notebooks and the docs), in human units."""
     rows = []
@@ -278,14 +302,17 @@ def table_rows() -> list[dict[str, object]]:
             {
                 "chip": c.name,
                 "vendor": c.vendor,
-                "HBM (GB)": round(d["hbm_bytes"] / GB),
+                "HBM (GiB)": _one_decimal(d["hbm_bytes"] / GIB),
+                "devices per chip": c.devices_per_chip,
                 "bf16 peak (TFLOP/s)": round(d["bf16_flops"] / TFLOP),
                 "HBM bandwidth (GB/s)": round(d["hbm_bytes_per_s"] / GB),
                 "ridge (FLOP/byte)": round(c.ridge_flops_per_byte),
                 "link (GB/s)": round(d["link_bytes_per_s"] / GB),
                 "ICI ring, one axis (GB/s)": "—" if c.ring_bytes_per_s is None else round(c.ring_bytes_per_s / GB),
                 "link type": c.link,
+                "scoped VMEM (MiB)": "—" if c.scoped_vmem_bytes is None else round(c.scoped_vmem_bytes / 2**20),
                 "source": c.source,
+                "read": c.read or "—",
                 "note": c.note,
             }
         )

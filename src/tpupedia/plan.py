@@ -217,9 +217,12 @@ class Plan:
                 continue
             vmem = next((p for p in s.programs if p.vmem_required), None)
             if vmem is not None:  # the kernel's tiles, not the chip's memory: smaller splash blocks
+                kib = 1024 * math.ceil(vmem.vmem_required / 2**20)
                 return (f"stage {s.stage}: a splash kernel's blocks need {vmem.vmem_required / 2**20:.2f} MiB of "
-                        f"scoped VMEM, this chip's compiler allows {vmem.vmem_limit / 2**20:.2f} MiB: try smaller "
-                        f"blocks, --block-sizes 1024,1024,512 (the attention is {self.attention})")
+                        f"scoped VMEM, this chip's compiler allows {vmem.vmem_limit / 2**20:.2f} MiB: leave "
+                        f"--block-sizes out (the family's blocks are stepped down to fit this chip), pass smaller "
+                        f"ones such as 1024,1024,512, or raise the limit with LIBTPU_INIT_ARGS="
+                        f"--xla_tpu_scoped_vmem_limit_kib={kib} (the attention is {self.attention})")
             need = "did not compile" if s.peak is None else f"needs {s.peak / _GIB:.2f} GiB"
             head = f"stage {s.stage} {need} per {self.unit} of {self.hbm / _GIB:.2f} GiB ({self.memory})"
             if s.weights > self.hbm:  # no frame size, tiling or kernel helps: the weights must be split

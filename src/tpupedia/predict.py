@@ -48,7 +48,7 @@ from dataclasses import asdict, astuple, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tpupedia import aot, attention, dryrun, families, hardware, results
+from tpupedia import aot, attention, devices, dryrun, families, hardware, results
 from tpupedia.errors import TpupediaError
 
 __all__ = ["PredictError", "SPLASH_FAMILY", "SPLASH_REPORT", "SPLASH_EFFICIENCY", "splash_flops", "splash_efficiency", "REPORTED",
@@ -248,7 +248,7 @@ def predict_step(model: str, topology: str = "v6e:2x4", resolution: str | None =
                            "the compiler costed (" + "; ".join(r.summary().splitlines()[1] for r in reports) + ")")
     topo = hardware.parse_topology(topology)
     chip, n_chips = topo.chip, topo.num_chips
-    blocks = tuple(block_sizes or spec.facts.SPLASH_BLOCK_SIZES)
+    blocks = tuple(block_sizes or attention.chip_block_sizes(devices.tpu_topology(topo)[0], spec.facts.SPLASH_BLOCK_SIZES))
 
     def work(report) -> Work:  # the dry-run scaled its traffic to full depth as if every byte were per layer
         sent = sum(report.collective_bytes.values()) * report.layers_compiled / report.layers_full

@@ -361,8 +361,9 @@ class StagedPipeline:
         """Build models on PyTorch's `meta` device from `configs` and plan their shardings without
         placing anything (`tpupedia.plan`): the stages' `_*_programs` then describe, with abstract
         weights, the programs a real run compiles."""
-        self.block_sizes: tuple[int, int, int] = tuple(options.block_sizes or self.family.SPLASH_BLOCK_SIZES)
-        """The splash kernel's block sizes for the long sequences (capped per call to shorter ones)."""
+        self.block_sizes: tuple[int, int, int] = tuple(options.block_sizes or family_block_sizes(self.family, mesh))
+        """The splash kernel's block sizes for the long sequences (capped per call to shorter ones):
+        the ones asked, else the family's as this mesh's chip fits them (`family_block_sizes`)."""
         self.layers: int | None = None
         """With `abstract`: build transformers and text encoders this many layers deep (a cheaper
         compile; `tpupedia.plan` adds the missing layers' weight shards from their shapes)."""
@@ -738,6 +739,20 @@ def _free(value: Any) -> int:
                 leaf.delete()
         return freed
     return 0
+
+
+def family_block_sizes(family: Any, mesh: Any = None) -> tuple[int, int, int]:
+    """A family's splash blocks (`SPLASH_BLOCK_SIZES`, tuned on a v6e) as the TPU chip of `mesh`
+    (default: this process's devices) fits them in its scoped VMEM
+    (`tpupedia.attention.chip_block_sizes`: smaller on a v5e); off a TPU, as they are."""
+    if not on_tpu(mesh):
+        return tuple(family.SPLASH_BLOCK_SIZES)
+    import jax
+
+    from tpupedia import attention
+
+    device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+    return attention.chip_block_sizes(device, family.SPLASH_BLOCK_SIZES)
 
 
 def on_tpu(mesh=None) -> bool:
