@@ -36,7 +36,7 @@
 #
 # | preset | loads | memory | compute time |
 # |---|---|---|---|
-# | `tiny` (CPU, CI) | no weights: abstract shapes only; the compiles read from their records | about 1.8 GB of host RAM | about 2 minutes, measured here on a 2-core CPU |
+# | `tiny` (CPU, CI) | no weights: abstract shapes only; the compiles read from their records | about 1.8 GB of host RAM | about 10–120 s, measured here on a 2-core CPU (10 s with the TPU compiles kept, as CI keeps them) |
 # | `full` (TPU VM or any host with libtpu) | no weights either: this notebook only compiles, on the host CPU | the program it plans: 3.8 GiB of arguments + 1.6 GiB of temporaries per chip (AOT here); host RAM for the 42-layer compile not recorded (the 54-block HunyuanVideo-1.5 compiles took 3.6–8.7 GB, measured here) | adds one live compile at all 42 layers, the splash-attention step of section 3: 182 s, measured on a shared 2-core CPU; the 42-layer reference-attention compile is read from its record, and section 4 compiles at one layer, as on tiny; section 5's four predictions compile eight more programs at 1 and 2 layers (about a minute a pair on a CPU host, measured here) |
 #
 # *Reading time: about 31 minutes.*
