@@ -41,6 +41,7 @@ _COLUMNS = [
     "ICI ring, one axis (GB/s)",
     "link type",
     "scoped VMEM (MiB)",
+    "MXU",
     "read",
 ]
 
@@ -194,35 +195,52 @@ PICKER_SLICES = (("v5e:1x1", "one v5e chip (Colab's v5e-1)"), ("v5e:2x4", "v5e-8
 def _slice_picker_table() -> str:
     """One row per release and video size, one column per slice (`PICKER_SLICES`): which recorded stages fit
     there (a stage fits if any recorded plan of it on that slice fits, with the plan's settings
-    in its command), which do not, and which no plan has covered yet."""
+    in its command), which do not, and which no plan has covered yet; where every stage of a video
+    fits, its predicted time (`tpupedia.plan.recorded_run`) and, where the chip has a list price
+    (`hardware.PRICES`), what that time costs on demand."""
+    from tpupedia import plan
+
     records = results.load(_PLANS) if _PLANS.exists() else []
     if not records:
         return "*No plan has been recorded yet.*"
-    found: dict[str, dict[str, dict[str, list[bool]]]] = {}
+    found: dict[tuple, dict[str, dict[str, list[bool]]]] = {}
+    steps: dict[tuple, int] = {}
     for r in records:
         if r["resident"]:
             continue
         q = r["request"]
-        row = f"`{r.get('checkpoint') or r['family']}`<br>{q['width']}x{q['height']}, {q['frames']} frames"
+        row = (r.get("checkpoint") or r["family"], q["width"], q["height"], q["frames"], bool(q.get("image")))
         cell = found.setdefault(row, {}).setdefault(r["topology"], {})
         for stage in r["stages"]:
             cell.setdefault(stage["stage"], []).append(stage["peak"] is not None and stage["peak"] <= r["hbm"])
+            if stage["stage"] == "denoise":
+                steps.setdefault(row, q["steps"])
     lines = ["| release | " + " | ".join(label for _, label in PICKER_SLICES) + " |",
              "|---|" + "---|" * len(PICKER_SLICES)]
-    for release in sorted(found):
+    for row in sorted(found):
+        checkpoint, width, height, frames, image = row
         cells = []
         for topology, _ in PICKER_SLICES:
-            stages = found[release].get(topology)
+            stages = found[row].get(topology)
             if not stages:
                 cells.append("not planned")
                 continue
             fit = [s for s in ("text", "image", "denoise", "decode") if s in stages and any(stages[s])]
             over = [s for s in ("text", "image", "denoise", "decode") if s in stages and not any(stages[s])]
             verb = lambda stages, one, many: ", ".join(stages) + (one if len(stages) == 1 else many)  # noqa: E731
-            cells.append("; ".join(part for part in (verb(fit, " fits", " fit") if fit else "",
-                                                     "**" + verb(over, " does not fit", " do not fit") + "**" if over else "")
-                                   if part))
-        lines.append(f"| {release} | " + " | ".join(cells) + " |")
+            text = "; ".join(part for part in (verb(fit, " fits", " fit") if fit else "",
+                                               "**" + verb(over, " does not fit", " do not fit") + "**" if over else "")
+                             if part)
+            run = (plan.recorded_run(records, checkpoint, topology, width, height, frames, steps[row], image=image)
+                   if row in steps else None)
+            if run is not None:
+                topo = hardware.parse_topology(topology)
+                price = hardware.PRICES.get(topo.chip.name)
+                cost = (f", ${run['seconds'] / 3600 * topo.num_chips * price['on_demand']:.2f} on demand" if price
+                        else ", no list price")
+                text += f"<br>{run['seconds']:.0f} s a video, {steps[row]} steps (predicted{cost})"
+            cells.append(text)
+        lines.append(f"| `{checkpoint}`<br>{width}x{height}, {frames} frames | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -396,6 +414,34 @@ def _plan_predictions_table() -> str:
     return "\n".join(lines)
 
 
+def _elsewhere_table() -> str:
+    """Whole runs other implementations report (each family module's `REPORTED_ELSEWHERE`), each
+    beside this course's predicted run of the same video on the same slice, summed from its
+    recorded stage plans (`tpupedia.plan.recorded_run`)."""
+    from tpupedia import families, plan
+
+    records = results.load(_PLANS) if _PLANS.exists() else []
+    lines = ["| run | slice | reported, and by whom | their mesh | this course's mesh | predicted text + denoise + "
+             "decode | predicted run | predicted vs reported |", "|---|---|---|---|---|---|---|---|"]
+    for spec in families.video():
+        for x in getattr(spec.facts, "REPORTED_ELSEWHERE", ()):
+            width, height = map(int, x["resolution"].split("x"))
+            run = plan.recorded_run(records, x["model"], x["topology"], width, height, x["frames"], x["steps"])
+            topo = hardware.parse_topology(x["topology"])
+            where = f"{x['topology']} ({x['accelerator']}: {topo.num_chips} chips, {topo.num_devices} devices)"
+            head = (f"| `{x['model']}` {width}x{height}, {x['frames']} frames, {x['steps']} steps | {where} "
+                    f"| {x['seconds']:.1f} s, {x['project']} | `{x['mesh']}` ")
+            if run is None:
+                lines.append(head + "| not planned | - | - | - |")
+                continue
+            mesh = next(",".join(f"{k}={v}" for k, v in r["mesh"].items()) for r in records
+                        if r["command"] == run["commands"][0])
+            parts = " + ".join(f"{run['stages'][s]:.2f}" for s in ("text", "denoise", "decode"))
+            lines.append(head + f"| {mesh} | {parts} s | **{run['seconds']:.1f} s** (predicted) "
+                         f"| {run['seconds'] / x['seconds'] - 1:+.0%} |")
+    return "\n".join(lines)
+
+
 def _predictions_chart() -> str:
 
     import matplotlib
@@ -457,7 +503,7 @@ def on_page_markdown(markdown, page, config, files):  # noqa: ARG001 - mkdocs ho
               "v5e_plans_table": lambda: _plans_table("v5e"), "slice_picker_table": _slice_picker_table,
               "results_chart": _results_chart, "zh_terms": _zh_terms,
               "predictions_table": _predictions_table, "predictions_chart": _predictions_chart,
-              "plan_predictions_table": _plan_predictions_table}
+              "plan_predictions_table": _plan_predictions_table, "elsewhere_table": _elsewhere_table}
     for name, render in tables.items():
         if "{{ " + name + " }}" in markdown:
             markdown = markdown.replace("{{ " + name + " }}", render())

@@ -39,7 +39,7 @@
 # The full preset downloads `zai-org/CogVideoX1.5-5B`, released under the **CogVideoX LICENSE**
 # (linked from its model card on the Hugging Face Hub): read it before you run the full preset.
 #
-# *Reading time: about 24 minutes.*
+# *Reading time: about 28 minutes.*
 
 # %%
 # %xmode Minimal
@@ -621,6 +621,108 @@ assert stretched == stepcache.magcache_full_steps(record.ratio, 0.06, longer)  #
 assert f"calibrated at {cache_request.steps} steps and this run has {longer}" in str(refusal)  # changes do not
 
 # %% [markdown]
+# ## 5. Fewer bytes a weight: int8, the scale after the matmul
+#
+# Steps and calls are what a video costs in time; bytes are what decide whether it runs at all on a
+# small chip. One v5e chip gives a program 15.75 GiB, and HunyuanVideo-1.5's transformer's bf16
+# weights alone leave 0.24 GiB of it (the plan on the free-TPU guide). Weight-only quantization
+# keeps each weight in 8 bits and one scale per output channel, `w ≈ q × s`, with `s` the row's
+# largest magnitude over 127.5, the range qwix's int8 quantization uses. By hand, on one linear:
+
+# %%
+from tpupedia import quantize
+
+torch.manual_seed(0)
+linear = torch.nn.Linear(256, 128)
+w = linear.weight.detach()
+scale = w.abs().amax(dim=1) / 127.5
+q = (w / scale[:, None]).round().clamp(-128, 127).to(torch.int8)
+values, package_scale = quantize.quantize_weight(w, "int8")
+steps_off = ((q.to(torch.float32) * scale[:, None] - w).abs() / scale[:, None]).max().item()
+print(f"by hand equals tpupedia.quantize: {torch.equal(q, values) and torch.equal(scale, package_scale)}; "
+      f"bytes {w.numel() * 2:,} in bf16, {q.numel() + 4 * scale.numel():,} as int8 and scales")
+print(f"largest error, in steps of its row's scale: {measured_text(steps_off, 0.5 + 1e-5, fmt='.3f')}")
+
+# %% tags=["check"]
+assert torch.equal(q, values) and torch.equal(scale, package_scale) and steps_off <= 0.5 + 1e-5
+
+# %% [markdown]
+# Where the scale is applied matters on a TPU. Each scale belongs to one output column of
+# `x @ q.T`, so multiplying the product by it gives the same sums as multiplying the weight first,
+# and the compiler never has to build the bf16 copy of the weight. `quantize.QuantizedLinear` does
+# that, and its error against the float linear stays inside the rounding bound, half a step per
+# weight: the sum over the inputs of `|x_k| × s / 2`.
+
+# %%
+x = torch.randn(16, 256)
+layer = quantize.QuantizedLinear.from_linear(linear, "int8")
+with torch.no_grad():
+    by_hand = (x @ q.to(torch.float32).T) * scale + linear.bias
+    gap = (layer(x) - by_hand).abs().max().item()
+    slack = ((layer(x) - linear(x)).abs() / (x.abs().sum(dim=1, keepdim=True) * scale / 2)).max().item()
+print(f"QuantizedLinear against the sum by hand: {error_text(gap, 1e-5)}")
+print(f"its error against the float linear, as a share of the rounding bound: {measured_text(slack, 1.0, fmt='.2f')}")
+
+# %% tags=["check"]
+assert gap <= 1e-5 and slack <= 1.0
+
+# %% [markdown]
+# The memory, compiled ahead of time for one v6e chip (the host's libtpu, as in notebook
+# `plan_without_tpu`): a 4096 x 8192 bf16 activation against an 8192 x 8192 weight, three ways.
+# The int8 weight halves the weight's argument bytes in both int8 programs; dequantizing first
+# leaves temporaries (part of the weight's bf16 copy) that the scale-after program never makes. Either way the matmul
+# runs at the bf16 rate: weight-only int8 buys bytes, not FLOPs.
+
+# %%
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from tpupedia import aot, devices, hardware
+
+one_chip = NamedSharding(devices.topology_mesh(hardware.parse_topology("v6e:1x1"), (1, 1), ("dp", "tp")), P())
+acts = aot.abstract((4096, 8192), jnp.bfloat16, one_chip)
+int8_weight, scales = aot.abstract((8192, 8192), jnp.int8, one_chip), aot.abstract((8192,), jnp.float32, one_chip)
+programs = {
+    "bf16 weight": (lambda x, w: x @ w.T, (acts, aot.abstract((8192, 8192), jnp.bfloat16, one_chip))),
+    "int8, scale after": (lambda x, q, s: ((x @ q.astype(x.dtype).T).astype(jnp.float32) * s).astype(x.dtype),
+                          (acts, int8_weight, scales)),
+    "int8, dequantize first": (lambda x, q, s: x @ (q.astype(jnp.float32) * s[:, None]).astype(x.dtype).T,
+                               (acts, int8_weight, scales)),
+}
+memory = {name: aot.compile_aot(fn, *args).memory for name, (fn, args) in programs.items()}
+for name, m in memory.items():
+    print(f"{name:24} arguments {aot.format_bytes(m.arguments):>10}, temporaries {aot.format_bytes(m.temporaries):>10}")
+
+# %% tags=["check"]
+assert memory["bf16 weight"].arguments - memory["int8, scale after"].arguments == 8192 * 8192 - 4 * 8192
+assert memory["int8, scale after"].temporaries == 0 < memory["int8, dequantize first"].temporaries
+
+# %% [markdown]
+# ### Exercise 5: a transformer's largest weight, in int8
+#
+# Wan 2.1 14B's feed-forward layers map 5120 features to 13824 and back. **Predict** the argument
+# bytes of one up-projection on one v6e chip against 1024 tokens of bf16 activations, with the
+# weight in bf16 and in int8 with its scales. Then compile both. (A hint for the last bytes: the
+# TPU lays a float32 vector out in tiles of 8 x 128 values, and 13,824 is not a multiple of 1,024;
+# section 5's 8,192 scales were.)
+
+# %% tags=["solution"]
+tokens_in = aot.abstract((1024, 5120), jnp.bfloat16, one_chip)
+up_bf16 = aot.compile_aot(programs["bf16 weight"][0], tokens_in,
+                          aot.abstract((13824, 5120), jnp.bfloat16, one_chip)).memory
+up_int8 = aot.compile_aot(programs["int8, scale after"][0], tokens_in, aot.abstract((13824, 5120), jnp.int8, one_chip),
+                          aot.abstract((13824,), jnp.float32, one_chip)).memory
+tile = 8 * 128
+scale_bytes = 4 * -(-13824 // tile) * tile  # 13,824 floats padded to 14 tiles of 1,024
+print(f"bf16: {up_bf16.arguments:,} bytes of arguments; int8: {up_int8.arguments:,}, of which scales "
+      f"{scale_bytes:,} ({4 * 13824:,} unpadded)")
+
+# %% tags=["check"]
+assert up_bf16.arguments == 2 * 1024 * 5120 + 2 * 13824 * 5120
+assert up_int8.arguments == 2 * 1024 * 5120 + 13824 * 5120 + scale_bytes and scale_bytes > 4 * 13824
+
+# %% [markdown]
 # ## Takeaways
 #
 # - A video costs its transformer calls: steps times guidance branches. Few-step releases cut the
@@ -634,6 +736,8 @@ assert f"calibrated at {cache_request.steps} steps and this run has {longer}" in
 # - A step cache under `jax.jit` is a schedule fixed on the host and two compiled programs; a
 #   calibration run turns a threshold into the schedule, replaying stock's choices gives stock's
 #   latents, and the FLOPs of the two programs bound the gain (section 4).
+# - Weight-only int8 keeps a byte a weight and one scale per output channel; applied after the
+#   matmul, the scale never builds a bf16 copy. It halves a weight's HBM, not its FLOPs (section 5).
 
 # %% [markdown]
 # ## Further reading

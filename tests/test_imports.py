@@ -65,7 +65,8 @@ LAYERS = (
     ("tpupedia.sharding", "tpupedia.attention", "tpupedia.torchax_utils", "tpupedia.compat", "tpupedia.aot",
      "tpupedia.devices", "tpupedia.hardware", "tpupedia.presets", "tpupedia.session", "tpupedia.results",
      "tpupedia.batch", "tpupedia.video", "tpupedia.image", "tpupedia.pictures", "tpupedia.notebooks", "tpupedia.distributed",
-     "tpupedia.files", "tpupedia.metrics", "tpupedia.lora", "tpupedia.traces", "tpupedia.errors", "tpupedia.rehearsal"),
+     "tpupedia.files", "tpupedia.metrics", "tpupedia.lora", "tpupedia.quantize", "tpupedia.traces", "tpupedia.errors",
+     "tpupedia.rehearsal"),
 )
 """The package's layers, top first (DESIGN.md's module map): the command line; the tools built on
 runs (benchmarks, tuning, doctor, the docs' figures and diagrams); the pipelines with the plan

@@ -51,15 +51,15 @@ def test_libtpu_lists_two_devices_per_tpu7x_chip_each_with_its_own_budget():
 
 def test_a_step_on_a_tpu7x_device_runs_at_half_a_chips_peak_and_attention_at_the_chips():
     """`predict.Work` is one device's compiled FLOPs and bytes: on TPU7x, at a device's share of
-    the chip's peak and bandwidth (each TensorCore does half the chip's work); splash's FLOPs,
-    counted over the slice, at the chips' peak: four chips, not eight devices."""
+    the chip's peak and bandwidth (each TensorCore does half the chip's work); splash's MXU
+    passes, counted over the slice, at the chips' peak: four chips, not eight devices."""
     from tpupedia import predict
 
     chip = hardware.chip("tpu7x")
     work = predict.Work(flops=1e15, bytes=0.0, ici_bytes=0.0, attention_flops=4e15)
     xla, attention, ici = work.times(chip, 4)
     assert xla == pytest.approx(1e15 / (2307e12 / 2))
-    assert attention == pytest.approx(4e15 / (4 * 2307e12 * predict.SPLASH_EFFICIENCY)) and ici == 0.0
+    assert attention == pytest.approx(4e15 / (4 * 2307e12)) and ici == 0.0
     v6e = hardware.chip("v6e")
     assert work.times(v6e, 8)[0] == pytest.approx(1e15 / v6e.bf16_flops)  # one device per chip: unchanged
 
@@ -109,13 +109,20 @@ def test_the_slice_picker_sums_up_each_releases_recorded_plans_per_slice(tmp_pat
 
     def plan(topology, stages, hbm=10.0):
         return {"family": "wan", "checkpoint": "Wan-AI/X", "topology": topology, "resident": False, "hbm": hbm,
-                "request": {"width": 832, "height": 480, "frames": 81},
-                "stages": [{"stage": s, "peak": p} for s, p in stages]}
+                "request": {"width": 832, "height": 480, "frames": 81, "steps": 50}, "command": f"plan {topology}",
+                "stages": [{"stage": s, "peak": p, "predicted_s": 100.0} for s, p in stages]}
 
     plans = tmp_path / "plans.json"
     results.write_json_atomic(plans, {"records": [plan("v5e:1x1", [("text", 5.0), ("denoise", 12.0)]),
-                                                  plan("tpu7x:2x2x1", [("text", 5.0), ("denoise", 6.0)])]})
+                                                  plan("tpu7x:2x2x1", [("text", 5.0), ("denoise", 6.0)]),
+                                                  plan("tpu7x:2x2x1", [("decode", 6.0)]),
+                                                  plan("v5e:2x4", [("text", 5.0), ("denoise", 6.0), ("decode", 6.0)])]})
     monkeypatch.setattr(hooks, "_PLANS", plans)
     (row,) = [line for line in hooks._slice_picker_table().splitlines() if "Wan-AI/X" in line]
     cells = [c.strip() for c in row.split("|")[2:-1]]
-    assert cells == ["text fits; **denoise does not fit**", "not planned", "not planned", "text, denoise fit", "not planned"]
+    # a whole video that fits gets its predicted time (three stages of 100 s) and, with a list price, its cost
+    dollars = 300 / 3600 * 8 * hardware.PRICES["v5e"]["on_demand"]
+    assert cells == ["text fits; **denoise does not fit**",
+                     f"text, denoise, decode fit<br>300 s a video, 50 steps (predicted, ${dollars:.2f} on demand)",
+                     "not planned",
+                     "text, denoise, decode fit<br>300 s a video, 50 steps (predicted, no list price)", "not planned"]

@@ -66,6 +66,23 @@ def test_the_cheapest_slice_is_priced_from_the_prediction_and_the_listed_price(t
         tune.cheapest("cogvideox", request, options, videos=0)
 
 
+def test_tpu7x_has_no_list_price_and_is_priced_only_at_the_users(tiny):
+    """TPU7x is in no price list (`hardware.PRICES`), so `cheapest` leaves its single-host slice out
+    unless the user gives a price (`--price tpu7x=DOLLARS`), and then prices its 4 chips at it; a
+    bad `--price` is refused naming the item and the chips allowed."""
+    configs, request, options = tiny
+    assert "tpu7x" not in hardware.PRICES and tune.priced_slices() == tune.SLICES
+    assert tune.priced_slices({"tpu7x": 9.0}) == (*tune.SLICES, "tpu7x:2x2x1")
+    assert tune.parse_prices(["tpu7x=9", "V6E=2.5"]) == {"tpu7x": 9.0, "v6e": 2.5}
+    for bad in ("tpu7x", "tpu7x=0", "tpu7x=free", "v7x=9", "h100=3"):
+        with pytest.raises(plan.PlanError, match=f"--price '{bad}'.*tpu7x, v5e, v6e"):
+            tune.parse_prices([bad])
+    (seven,) = tune.cheapest("cogvideox", request, options, slices=("tpu7x:2x2x1",), prices={"tpu7x": 9.0},
+                             configs=configs, stages=("denoise",), dtype="float32")
+    assert seven.fits and seven.chips == 4 and seven.price_per_chip_hour == 9.0
+    assert seven.dollars_per_video == pytest.approx(4 * 9.0 * (seven.video_s + seven.compile_s) / 3600)
+
+
 def test_a_missing_price_is_refused_naming_the_chips_that_have_one():
     with pytest.raises(hardware.HardwareError, match="no on_demand price for 'v5p'.*v5e, v6e"):
         hardware.price("v5p")
@@ -109,6 +126,8 @@ def test_a_decode_adds_tiling_to_the_grid_and_a_step_cache_is_predicted_beside_t
     assert skip.calls >= 1 and skip.predicted_s < full.predicted_s  # a cached step runs only the last block
     (step,) = plain.stage("denoise").programs
     assert full.predicted_s >= step.predicted_s  # the full step does all the work, and keeps the cache too
+    # its splash calls recorded though its shapes were read first (`common.fresh_trace`): the plain step's attention
+    assert full.work["attention_flops"] == step.work["attention_flops"] > 0
     assert "--step-cache deepcache:1:3:3" in tune.command_line("cogvideox", cached.settings)
     shallow = tune.with_step_cache("cogvideox", request, options, settings, topology="v6e:2x2", cache="deepcache:1:3:3",
                                    configs=configs, layers=1, stages=("denoise",), dtype="float32")

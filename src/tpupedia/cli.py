@@ -190,8 +190,13 @@ def _tune(args: argparse.Namespace, request, options, model) -> int:
     print(f"predicted, not measured: stages {', '.join(stages)}, {layers} layer(s) per model compiled and scaled "
           "to full depth; compile times at this host's speed")
     if args.cheapest:
+        prices = tune.parse_prices(args.price)
+        for chip, slices in tune.UNLISTED_SLICES.items():
+            if chip not in prices:
+                print(f"  {', '.join(slices)}: not priced, {chip} has no public list price (--price {chip}=DOLLARS "
+                      "per chip-hour adds it)")
         priced = tune.cheapest(args.model_family, request, options, videos=args.videos, deadline=args.deadline,
-                               kind="spot" if args.spot else "on_demand", searched=args.search, **make)
+                               kind="spot" if args.spot else "on_demand", searched=args.search, prices=prices, **make)
         for c in priced:
             cost = (f"{c.video_s:.1f} s a video + {c.compile_s:.0f} s of compiles / {c.videos} = "
                     f"${c.dollars_per_video:.3f} a video at ${c.price_per_chip_hour:.2f} per chip-hour"
@@ -220,8 +225,8 @@ def _tune(args: argparse.Namespace, request, options, model) -> int:
         raise CommandLineError(f"no setting fits {args.topology}: try a larger slice (--cheapest names one)")
     print("fastest predicted: " + tune.command_line(args.model_family, ranked[0].settings))
     if len({c.settings["block_sizes"] for c in ranked}) > 1:
-        print("  block sizes rank by their padding alone: the splash model runs every block size at one efficiency "
-              "(upstream's profile); measure the winners on the slice (notebook splash_attention's sweep)")
+        print("  block sizes rank by their padding alone: the splash model runs every block size at the MXU's ceiling; "
+              "measure the winners on the slice (notebook splash_attention's sweep)")
     for symptom in tune.diagnose(ranked[0].plan):
         print(f"  symptom, {symptom.name}: {symptom.evidence}; try {symptom.settings[0]}")
     if getattr(request, "step_cache", None) is None:  # not ranked: it changes the video
@@ -759,13 +764,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="plan every mesh, sharding table and splash block size this slice allows and rank those "
                             "that fit by predicted time (default --layers 1); prints the best's generate command")
         q.add_argument("--cheapest", action="store_true",
-                       help="price one video on each single-host v5e and v6e slice at the listed prices and name the "
-                            "cheapest that fits (and meets --deadline); with --search, each slice at its best setting")
+                       help="price one video on each single-host v5e and v6e slice at the listed prices (and tpu7x:2x2x1 at "
+                            "your --price) and name the cheapest that fits (and meets --deadline); with --search, each "
+                            "slice at its best setting")
         q.add_argument("--deadline", type=float, default=None, metavar="SECONDS",
                        help="with --cheapest: the predicted seconds one video may take (compiles not counted)")
         q.add_argument("--videos", type=int, default=1,
                        help="with --cheapest: videos one process makes, sharing its compiles (default 1)")
         q.add_argument("--spot", action="store_true", help="with --cheapest: Spot prices instead of on-demand")
+        q.add_argument("--price", action="append", default=[], metavar="CHIP=DOLLARS",
+                       help="with --cheapest: your price per chip-hour for CHIP (repeatable); tpu7x has no public list "
+                            "price, so its single-host slice is priced only with one")
         q.add_argument("--record", default=None, nargs="?", const="docs/results/plans.json",
                        help="merge the plan into a results file (default docs/results/plans.json)")
         q.set_defaults(func=_plan)

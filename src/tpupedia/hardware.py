@@ -25,6 +25,7 @@ from tpupedia.errors import TpupediaError
 __all__ = [
     "Chip",
     "CHIPS",
+    "MXU_SOURCE",
     "PRICES",
     "price",
     "HardwareError",
@@ -46,6 +47,9 @@ _TPU_V5P = "https://cloud.google.com/tpu/docs/v5p"
 _TPU_V6E = "https://cloud.google.com/tpu/docs/v6e"
 _TPU7X = "https://docs.cloud.google.com/tpu/docs/tpu7x"
 _H100 = "https://www.nvidia.com/en-us/data-center/h100/"
+MXU_SOURCE = ("https://cloud.google.com/tpu/docs/system-architecture-tpu-vm, read 2026-12-02 from stored copies: \"An "
+              "MXU is composed of either 256 x 256 (TPU v6e) or 128 x 128 (TPU versions prior to v6e) "
+              "multiply-accumulators in a systolic array\" (older copies: 128 x 128 only)")
 _H200 = "https://www.nvidia.com/en-us/data-center/h200/"
 _B200 = "https://www.nvidia.com/en-us/data-center/hgx/"
 
@@ -119,6 +123,12 @@ class Chip:
     v5e and v5p, 32 MiB on v6e and TPU7x (`tests/test_splash_blocks.py` compiles it again).
     `--xla_tpu_scoped_vmem_limit_kib` in `LIBTPU_INIT_ARGS` raises it, at the cost of the VMEM
     the compiler keeps for its own fusions."""
+    mxu_width: int | None = None
+    """The side of one MXU's systolic array (TPUs; `None` for GPUs): a matmul whose contracted or
+    output dimension is narrower than it leaves the rest of each pass idle, which is what a splash
+    call's `head_dim` is (`tpupedia.predict.mxu_fill`). Google's TPU architecture page
+    (`MXU_SOURCE`): 128 x 128 on v5e and v5p, 256 x 256 on v6e. TPU7x's is on no page read here:
+    256, as on v6e, is assumed."""
     fp8_flops: float | None = None
     """Peak dense fp8 matrix throughput per chip, FLOP/s, where the vendor lists one; `None` where
     it does not (v5e lists int8, not fp8; the TPU7x page lists v5p's and v6e's fp8 as their bf16)."""
@@ -167,23 +177,23 @@ CHIPS: dict[str, Chip] = {
              "(older copies: 1,600 Gbps, no direction); HBM bandwidth 819 GB/s as older copies give it, the "
              "current one '800 GiBps', which is not the same figure in other units (819 GB/s is 763 GiB/s)",
              ici_ports=4, ici_port_bytes_per_s=400 * GB / (2 * 4), scoped_vmem_bytes=16 * 2**20,
-             read="2026-12-02, stored copies of the page"),
+             mxu_width=128, read="2026-12-02, stored copies of the page"),
         Chip("v5p", "Google", 95 * GIB, 459 * TFLOP, 2765 * GB, 1200 * GB, "ICI", 4, _TPU_V5P,
              "two TensorCores per chip acting as one device; 3D torus; 95 GiB of 96 GiB physical (the rest "
              "kept by the runtime, the page says); one copy of the page gives the bandwidth as 2,575 GiBps, "
              "the same figure", ici_ports=6, ici_port_bytes_per_s=1200 * GB / (2 * 6),
-             fp8_flops=459 * TFLOP, scoped_vmem_bytes=16 * 2**20, read="2026-12-02, stored copies of the page"),
+             fp8_flops=459 * TFLOP, scoped_vmem_bytes=16 * 2**20, mxu_width=128, read="2026-12-02, stored copies of the page"),
         Chip("v6e", "Google", 32 * GIB, 918 * TFLOP, 1638 * GB, 800 * GB, "ICI", 8, _TPU_V6E,
              "Trillium; HBM 32 GiB (the v6e page writes 32 GB, the TPU7x page's table 32 GiB); earlier "
              "revisions of the page listed 1,640 and 1,600 GB/s HBM, and 3,584 or 3,200 Gbps ICI without a "
              "direction", ici_ports=4, ici_port_bytes_per_s=800 * GB / (2 * 4),
-             fp8_flops=918 * TFLOP, scoped_vmem_bytes=32 * 2**20, read="2026-12-02, stored copies of the page"),
+             fp8_flops=918 * TFLOP, scoped_vmem_bytes=32 * 2**20, mxu_width=256, read="2026-12-02, stored copies of the page"),
         Chip("tpu7x", "Google", 192 * GIB, 2307 * TFLOP, 7380 * GB, 1200 * GB, "ICI", 4, _TPU7X,
              "Ironwood, read 2026-12-02 from stored copies of the page; two TensorCores per chip, each a JAX "
              "device; HBM 192 GiB (206 GB) as the page states it, in GiB; HBM bandwidth 7,380 GB/s (copies of the "
              "page label it GB/s and GBps); ICI 1,200 GB/s bidirectional; the page gives no ICI port count: 6 "
              "assumes a 3D torus like v5p's (it 'shares many similarities with TPU v5p'); no public list price", ici_ports=6, ici_port_bytes_per_s=1200 * GB / (2 * 6), devices_per_chip=2,
-             fp8_flops=4614 * TFLOP, scoped_vmem_bytes=32 * 2**20, read="2026-12-02, stored copies of the page"),
+             fp8_flops=4614 * TFLOP, scoped_vmem_bytes=32 * 2**20, mxu_width=256, read="2026-12-02, stored copies of the page"),
         Chip("H100", "NVIDIA", 80 * GB, 989 * TFLOP, 3.35 * TB, 900 * GB, "NVLink 4", 8, _H100,
              "SXM5; the datasheet's 1,979 TFLOP/s bf16 figure assumes 2:4 sparsity"),
         Chip("H200", "NVIDIA", 141 * GB, 989 * TFLOP, 4.8 * TB, 900 * GB, "NVLink 4", 8, _H200,
@@ -311,6 +321,7 @@ def table_rows() -> list[dict[str, object]]:
                 "ICI ring, one axis (GB/s)": "—" if c.ring_bytes_per_s is None else round(c.ring_bytes_per_s / GB),
                 "link type": c.link,
                 "scoped VMEM (MiB)": "—" if c.scoped_vmem_bytes is None else round(c.scoped_vmem_bytes / 2**20),
+                "MXU": "—" if c.mxu_width is None else f"{c.mxu_width}x{c.mxu_width}" + ("*" if c.name == "tpu7x" else ""),
                 "source": c.source,
                 "read": c.read or "—",
                 "note": c.note,

@@ -33,7 +33,7 @@ from typing import Any, Sequence
 from tpupedia import aot, devices, hardware
 from tpupedia.errors import TpupediaError
 
-__all__ = ["PlanError", "ProgramCost", "StageCost", "Plan", "make", "programs", "preflight", "gpu_attention", "SCORE_BYTES",
+__all__ = ["PlanError", "recorded_run", "ProgramCost", "StageCost", "Plan", "make", "programs", "preflight", "gpu_attention", "SCORE_BYTES",
            "TILING", "record",
            "DEFAULT_RECORDS", "PREFLIGHT_LAYERS", "memory_budget"]
 
@@ -321,7 +321,7 @@ class Plan:
             lines.append(f"  predicted, not measured: {_seconds(self.predicted_s)} per video on the {self.chips} chips "
                          f"(stages {', '.join(s.stage for s in self.stages)}), after {_seconds(self.predicted_compile_s)}"
                          " of compiles at the planning host's speed (tpupedia.predict: the compiler's counts, splash "
-                         "at upstream's profiled efficiency, collectives at ring bandwidth)")
+                         "at the MXU's ceiling, collectives at ring bandwidth)")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -583,7 +583,8 @@ def _compiled(program: aot.Program, extra: dict[str, float], timing: Any = None)
         result = program.compile()
     seconds = result.compile_seconds if result.compile_seconds is not None else time.perf_counter() - start
     mem = result.memory
-    work = predict.program_work(result, timing.num_devices, splash_calls) if timing is not None and result.fits else None
+    work = (predict.program_work(result, timing.num_devices, splash_calls, timing.chip)
+            if timing is not None and result.fits else None)
     return ProgramCost(
         stage=program.stage, name=program.name, calls=program.calls, fits=result.fits,
         weights=program.weights_bytes + add, arguments=mem.arguments + add if mem else None,
@@ -777,3 +778,32 @@ def record(plan: Plan, path: str = DEFAULT_RECORDS, command: str = "") -> Any:
                 bool(r.get("vae_tiling")))
 
     return results.merge(data, path, key=key)
+
+
+
+def recorded_run(records: Sequence[dict], checkpoint: str, topology: str, width: int, height: int, frames: int,
+                 steps: int, *, image: bool = False) -> dict[str, Any] | None:
+    """One video's predicted time from plans recorded with `record` (`DEFAULT_RECORDS`): each of
+    its stages from a plan of `checkpoint` on `topology` at that size and frame count that fits
+    (the text and denoise stages are often one `--layers 1` record, the decode another), the
+    denoise stage at `steps` steps; a video's stages run one after another, so the times add.
+    `{"stages": {stage: seconds}, "seconds": total, "commands": [...]}`, or `None` where a stage
+    has no fitting record with a predicted time. Predicted, never measured: the notebook
+    `plan_without_tpu` says how far such a prediction is from a run."""
+    wanted = ("text", "image", "denoise", "decode") if image else ("text", "denoise", "decode")
+    found: dict[str, tuple[float, str]] = {}
+    for r in records:
+        q = r["request"]
+        if (r.get("checkpoint"), r["topology"], q["width"], q["height"], q["frames"]) != \
+                (checkpoint, topology, width, height, frames) or r["resident"] or bool(q.get("image")) != image:
+            continue
+        for s in r["stages"]:
+            fits = s["peak"] is not None and s["peak"] <= r["hbm"]
+            if (s["stage"] in wanted and fits and s.get("predicted_s") is not None
+                    and (s["stage"] != "denoise" or q["steps"] == steps)):
+                found[s["stage"]] = (s["predicted_s"], r["command"])
+    if set(found) != set(wanted):
+        return None
+    stages = {stage: found[stage][0] for stage in wanted}
+    return {"stages": stages, "seconds": sum(stages.values()),
+            "commands": list(dict.fromkeys(found[stage][1] for stage in wanted))}

@@ -26,9 +26,15 @@ So a step is predicted in three parts, each reported (`StepPrediction`):
    kinds (a single fusion that is both is counted twice: an upper estimate);
 2. `attention_s`: each attention call the stand-in recorded, as splash runs it: queries padded
    to the kernel's `block_q`, keys to `block_kv`, 4 FLOPs per query-key pair and head dimension,
-   spread over the chips at the bf16 peak times `SPLASH_EFFICIENCY`, fixed from upstream's
-   profile of one HunyuanVideo-1.5 block (`SPLASH_REPORT`), never fitted to the step times it is
-   compared with;
+   the head dimension padded to the MXU's width (`mxu_fill`: QK^T contracts over it and PV's
+   output is that wide, so a 64-wide head fills a quarter of a v6e's 256 x 256 array), spread
+   over the chips at the bf16 peak. That is the MXU's ceiling for the call's shape, a floor on
+   the kernel's time (the softmax's exponentials on the vector unit are not counted). Until
+   2026-12-02 the rate came from upstream's profile of one HunyuanVideo-1.5 block
+   (`SPLASH_REPORT`): at the shape that report was taken to have, it implies 83% of the peak
+   (`profile_rate`), more than the 50% a 128-wide head can keep a v6e MXU busy, so the report
+   cannot be of that program (it names a script not in upstream's repository at that commit)
+   and no longer sets the rate;
 3. `ici_s`: the bytes each chip sends in the compiled program's collectives
    (`aot.collective_traffic`, full depth) at what a ring along one torus axis gets
    (`hardware.Chip.ring_bytes_per_s`), counted as not hidden behind compute: an upper estimate.
@@ -51,7 +57,7 @@ from typing import Any
 from tpupedia import aot, attention, devices, dryrun, families, hardware, results
 from tpupedia.errors import TpupediaError
 
-__all__ = ["PredictError", "SPLASH_FAMILY", "SPLASH_REPORT", "SPLASH_EFFICIENCY", "splash_flops", "splash_efficiency", "REPORTED",
+__all__ = ["PredictError", "SPLASH_FAMILY", "SPLASH_REPORT", "mxu_fill", "splash_flops", "profile_rate", "REPORTED",
            "REPORTED_STAGES", "reported_stage", "Work", "program_work", "StepPrediction", "predict_step", "DEFAULT_RECORDS", "record"]
 
 DEFAULT_RECORDS = "docs/results/predictions.json"
@@ -71,23 +77,37 @@ def _profile() -> tuple[str, dict[str, Any]]:
 
 
 SPLASH_FAMILY, SPLASH_REPORT = _profile()
-"""Upstream's profile of one block's splash attention and the family it was taken on: the one
-kernel report with a shape behind it (the family module says where it is from)."""
+"""Upstream's profile of one block's splash attention and the family it was taken on (the family
+module says where it is from): kept as the check that retired it (`profile_rate`)."""
 
 
-def splash_flops(call: list[int] | tuple[int, ...], block_sizes: tuple[int, int, int]) -> float:
+def mxu_fill(head_dim: int, chip: hardware.Chip) -> float:
+    """The share of an MXU pass a splash call's matmuls fill: QK^T contracts over `head_dim` and
+    PV's output is `head_dim` wide, so a head narrower than the chip's systolic array
+    (`hardware.Chip.mxu_width`) leaves the rest of each pass idle: 64 of 256 on a v6e (a quarter),
+    128 of 256 (a half), 128 of 128 on a v5e (all of it). 1 for a chip with no MXU figure."""
+    width = chip.mxu_width
+    return 1.0 if not width else head_dim / (math.ceil(head_dim / width) * width)
+
+
+def splash_flops(call: list[int] | tuple[int, ...], block_sizes: tuple[int, int, int],
+                 chip: hardware.Chip | None = None) -> float:
     """FLOPs a splash call computes: `[batch, heads, q, kv, head_dim]` with the queries padded to a
     multiple of `block_q` and the keys to one of `block_kv`, each capped to its own 128-padded
     length as `tpupedia.attention` caps them (QK^T and PV: 4 FLOPs per query, key and head
-    dimension)."""
+    dimension). With `chip`, the FLOPs its MXU passes take: the head dimension counted at the
+    width it occupies (over `mxu_fill`)."""
     b, h, sq, skv, d = call
     bq, bkv, _ = attention.capped_block_sizes(block_sizes, sq, skv)
-    return 4.0 * b * h * math.ceil(sq / bq) * bq * math.ceil(skv / bkv) * bkv * d
+    flops = 4.0 * b * h * math.ceil(sq / bq) * bq * math.ceil(skv / bkv) * bkv * d
+    return flops if chip is None else flops / mxu_fill(d, chip)
 
 
-def splash_efficiency(report: dict[str, Any] = SPLASH_REPORT, family: str = SPLASH_FAMILY) -> float:
-    """The share of the chips' bf16 peak the report's splash call ran at: its FLOPs over the
-    padded blocks at the family's block sizes, over `chips x peak x seconds`."""
+def profile_rate(report: dict[str, Any] = SPLASH_REPORT, family: str = SPLASH_FAMILY) -> float:
+    """The share of the chips' bf16 peak the report's splash call would have run at, were it the
+    shape `report["assumed"]` takes: its FLOPs over the padded blocks at the family's block sizes,
+    over `chips x peak x seconds` (about 0.83 for upstream's HunyuanVideo-1.5 profile, against a
+    ceiling of `mxu_fill(128, v6e)` = 0.5: the check that retired it as the kernel's rate)."""
     facts = families.get(family, "video").facts
     tokens = facts.video_tokens(report["width"], report["height"], report["frames"]) + report["text_tokens"]
     call = [report["batch"], report["heads"], tokens, tokens, report["head_dim"]]
@@ -95,17 +115,14 @@ def splash_efficiency(report: dict[str, Any] = SPLASH_REPORT, family: str = SPLA
     return splash_flops(call, tuple(facts.SPLASH_BLOCK_SIZES)) / (report["chips"] * chip.bf16_flops * report["seconds"])
 
 
-SPLASH_EFFICIENCY = splash_efficiency()
-"""The kernel model's share of the bf16 peak (`SPLASH_REPORT`): about 0.83."""
-
-
 @dataclass(frozen=True)
 class Work:
     """What one call of a program does, in the units the prediction times: per chip, the compiled
     program's FLOPs and HBM bytes (`aot.compiled_cost`) and the bytes it sends in collectives
-    (`aot.collective_traffic`); over all chips, the FLOPs of its splash calls (`splash_flops`, the
-    blocks padded). Work adds, subtracts and scales, so a program compiled at `n` and `n + 1`
-    layers gives its work at full depth (`deeper`)."""
+    (`aot.collective_traffic`); over all chips, the FLOPs of its splash calls' MXU passes
+    (`splash_flops` for the chip: the blocks padded, the head at the MXU's width). Work adds,
+    subtracts and scales, so a program compiled at `n` and `n + 1` layers gives its work at full
+    depth (`deeper`)."""
 
     flops: float = 0.0
     bytes: float = 0.0
@@ -129,13 +146,13 @@ class Work:
 
     def times(self, chip: hardware.Chip, chips: int) -> tuple[float, float, float]:
         """`(xla, attention, ici)` seconds: the compiler's FLOPs (one device's) at one device's
-        share of the chip's bf16 peak plus its bytes at its share of the HBM bandwidth; splash
-        at `SPLASH_EFFICIENCY` of the `chips`' peak (chips, not devices: a TPU7x chip's two
-        devices share its peak); the collectives' bytes at a device's share of a one-axis ring's
+        share of the chip's bf16 peak plus its bytes at its share of the HBM bandwidth; splash's
+        MXU passes at the `chips`' peak (chips, not devices: a TPU7x chip's two devices share
+        its peak); the collectives' bytes at a device's share of a one-axis ring's
         bandwidth, not overlapped (the module docstring). One device per chip (v5e, v6e): the
         chip's own figures."""
         return (self.flops / chip.device_bf16_flops + self.bytes / chip.device_hbm_bytes_per_s,
-                self.attention_flops / (chips * chip.bf16_flops * SPLASH_EFFICIENCY),
+                self.attention_flops / (chips * chip.bf16_flops),
                 self.ici_bytes / chip.device_ring_bytes_per_s)
 
     def seconds(self, chip: hardware.Chip, chips: int) -> float:
@@ -143,15 +160,17 @@ class Work:
         return sum(self.times(chip, chips))
 
 
-def program_work(result: aot.AOTResult, devices: int, splash_calls: list[list[int]] = ()) -> Work | None:
+def program_work(result: aot.AOTResult, devices: int, splash_calls: list[list[int]] = (),
+                 chip: hardware.Chip | None = None) -> Work | None:
     """The `Work` of one call of a compiled program over `devices` devices (`None`: no cost
     analysis, a compile that did not fit or was not for a TPU). `splash_calls`: its splash calls
-    as `attention.recording` records them, shapes then blocks."""
+    as `attention.recording` records them, shapes then blocks; `chip`: the chip whose MXU they
+    fill (`splash_flops`; `None` counts the useful FLOPs alone)."""
     cost = aot.compiled_cost(result)
     if cost is None:
         return None
     sent = sum(aot.collective_traffic(result.compiled.as_text(), devices).values())
-    return Work(cost["flops"], cost["bytes"], sent, sum(splash_flops(c[:5], tuple(c[5:8])) for c in splash_calls))
+    return Work(cost["flops"], cost["bytes"], sent, sum(splash_flops(c[:5], tuple(c[5:8]), chip) for c in splash_calls))
 
 
 REPORTED = tuple(dict(model=spec.name, **r) for spec in families.video() for r in getattr(spec.facts, "REPORTED_STEPS", ()))
@@ -181,9 +200,12 @@ class StepPrediction:
     """The compiler's own time estimate for the 1-layer program (`optimal_seconds`), kept to show
     why it is not used (negative for these programs)."""
     attention_s: float
-    """Splash at `splash_efficiency` of the bf16 peak over the padded blocks of every call."""
+    """Splash's MXU passes (`splash_flops` for the chip) at the bf16 peak: every call's padded
+    blocks, the head at the MXU's width."""
     attention_flops: float
     splash_efficiency: float
+    """The share of the bf16 peak splash runs at: the MXU's fill for the calls' head width
+    (`mxu_fill`)."""
     ici_s: float
     """The collectives' bytes per chip at a one-axis ring's bandwidth, not overlapped."""
     ici_bytes: float
@@ -216,7 +238,8 @@ class StepPrediction:
                 + (", guidance off (batch 1)" if self.batch == 1 else ""))
         lines = [head, f"  predicted step: {self.step_s:.2f} s = XLA {self.xla_s:.2f} s (the compiler's counts, "
                        f"{self.layers} layers of {self.xla_layer_s * 1e3:.1f} ms) + splash {self.attention_s:.2f} s "
-                       f"({self.attention_flops:.3g} FLOPs at {self.splash_efficiency:.0%} of peak) + ICI "
+                       f"({self.attention_flops:.3g} FLOPs of MXU passes at the peak, {self.splash_efficiency:.0%} of them the "
+                       f"head's) + ICI "
                        f"{self.ici_s:.2f} s ({self.ici_bytes / 2**30:.2f} GiB sent per chip, not overlapped)"]
         if self.steps:
             lines.append(f"  predicted denoising of a video: {self.steps} steps, {self.video_s:.1f} s")
@@ -252,7 +275,7 @@ def predict_step(model: str, topology: str = "v6e:2x4", resolution: str | None =
 
     def work(report) -> Work:  # the dry-run scaled its traffic to full depth as if every byte were per layer
         sent = sum(report.collective_bytes.values()) * report.layers_compiled / report.layers_full
-        attend = sum(splash_flops(c, blocks) for c in report.attention_calls)
+        attend = sum(splash_flops(c, blocks, chip) for c in report.attention_calls)
         return Work(report.compiled_cost["flops"], report.compiled_cost["bytes"], sent, attend)
 
     if not Counter(map(tuple, two.attention_calls)) - Counter(map(tuple, one.attention_calls)):
@@ -261,11 +284,10 @@ def predict_step(model: str, topology: str = "v6e:2x4", resolution: str | None =
     full = shallow.deeper(deeper, one.layers_full, 1)
     xla, attention_s, ici = full.times(chip, n_chips)
     layer = (deeper - shallow).times(chip, n_chips)[0]
-    efficiency = SPLASH_EFFICIENCY
-    notes = []
-    if blocks != tuple(spec.facts.SPLASH_BLOCK_SIZES) or model != SPLASH_FAMILY:
-        notes.append(f"splash at {efficiency:.0%} of peak as in upstream's HunyuanVideo-1.5 profile, at block sizes "
-                     f"{'/'.join(map(str, blocks))}: the kernel's efficiency at other shapes is assumed, not measured")
+    head_dims = {c[4] for c in one.attention_calls}
+    efficiency = min(mxu_fill(d, chip) for d in head_dims)
+    notes = [f"splash at the MXU's ceiling for {'/'.join(map(str, sorted(head_dims)))}-wide heads on {chip.name} "
+             f"({efficiency:.0%} of the bf16 peak): a floor on the kernel's time, the softmax's exponentials not counted"]
     return StepPrediction(
         model=model, topology=topo.name, chips=n_chips, mesh=one.mesh, sharding=sharding, width=one.width,
         height=one.height, frames=one.frames, layers=one.layers_full, block_sizes=list(blocks), xla_s=xla,

@@ -28,10 +28,37 @@ from tpupedia import hardware, plan
 from tpupedia.errors import TpupediaError
 
 __all__ = ["Candidate", "settings_grid", "search", "with_step_cache", "STEP_CACHE", "command_line", "SLICES",
-           "SliceCost", "cheapest", "SYMPTOMS", "Symptom", "stage_parts", "diagnose"]
+           "SliceCost", "cheapest", "UNLISTED_SLICES", "priced_slices", "parse_prices", "SYMPTOMS", "Symptom", "stage_parts", "diagnose"]
 
 SLICES = ("v5e:1x1", "v5e:2x2", "v5e:2x4", "v6e:1x1", "v6e:2x2", "v6e:2x4")
-"""The single-host slices `cheapest` prices (one TPU VM: no multi-host launch needed)."""
+"""The single-host slices `cheapest` prices at listed prices (one TPU VM: no multi-host launch needed)."""
+
+UNLISTED_SLICES = {"tpu7x": ("tpu7x:2x2x1",)}
+"""Single-host slices of chips with no public list price (`hardware.PRICES`): `cheapest` prices
+them only at a price the user gives (`prices`, `tpupedia plan --cheapest --price tpu7x=DOLLARS`).
+TPU7x is rented through GKE and a sales contact; Google lists no hourly price for it."""
+
+
+def priced_slices(prices: dict[str, float] | None = None) -> tuple[str, ...]:
+    """The slices `cheapest` prices: `SLICES`, and the `UNLISTED_SLICES` of each chip `prices` names."""
+    return SLICES + tuple(t for chip, slices in UNLISTED_SLICES.items() if chip in (prices or {}) for t in slices)
+
+
+def parse_prices(items: Sequence[str]) -> dict[str, float]:
+    """`["tpu7x=8.5", "v6e=2.1"]` (`--price CHIP=DOLLARS`, dollars per chip-hour) as a dict; a bad
+    item gets an error naming it and what is allowed, before anything compiles."""
+    prices = {}
+    for item in items:
+        name, _, dollars = item.partition("=")
+        try:
+            chip, value = hardware.chip(name).name, float(dollars)
+        except (hardware.HardwareError, ValueError):
+            chip, value = None, float("nan")
+        if chip is None or not value > 0 or chip not in {t.split(":")[0] for t in SLICES} | set(UNLISTED_SLICES):
+            raise plan.PlanError(f"--price {item!r}: give CHIP=DOLLARS per chip-hour, a positive price for one of "
+                            f"{', '.join(sorted({t.split(':')[0] for t in SLICES} | set(UNLISTED_SLICES)))}")
+        prices[chip] = value
+    return prices
 
 
 @dataclass
@@ -178,21 +205,22 @@ class SliceCost:
         return None if s is None else self.chips * self.price_per_chip_hour * s / 3600
 
 
-def cheapest(family: str, request: Any, options: Any, *, slices: Sequence[str] = SLICES, videos: int = 1,
+def cheapest(family: str, request: Any, options: Any, *, slices: Sequence[str] | None = None, videos: int = 1,
              deadline: float | None = None, kind: str = "on_demand", searched: bool = False,
              prices: dict[str, float] | None = None, grid: list[dict] | None = None, **make: Any) -> list[SliceCost]:
     """Price one video of `request` on each of `slices` and return them cheapest first, those that
     fit and meet `deadline` (seconds per video, predicted, compiles excluded) ahead of the rest.
     Per slice: the plan at `options` (or, with `searched`, the fastest setting `search` finds),
     `videos` videos sharing one process's compiles, at `prices` (chip name to dollars per
-    chip-hour) or the listed `kind` price (`hardware.price`); `grid`: what `search` tries (default
-    `settings_grid` for each slice)."""
+    chip-hour) or the listed `kind` price (`hardware.price`); `slices` defaults to `priced_slices`
+    (TPU7x only with a price given); `grid`: what `search` tries (default `settings_grid` for each
+    slice)."""
     if not isinstance(videos, int) or isinstance(videos, bool) or videos < 1:
         raise plan.PlanError(f"videos={videos!r}: a positive number of videos sharing one process's compiles")
     if deadline is not None and not deadline > 0:
         raise plan.PlanError(f"deadline={deadline!r}: a positive number of seconds per video")
     priced = []
-    for topology in slices:
+    for topology in priced_slices(prices) if slices is None else slices:
         topo = hardware.parse_topology(topology)
         dollars = (prices or {}).get(topo.chip.name)
         dollars = hardware.price(topo.chip.name, kind) if dollars is None else dollars

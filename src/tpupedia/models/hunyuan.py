@@ -132,9 +132,11 @@ SPLASH_PROFILE = dict(
             "script runs), one joint attention call per block over video and text tokens (no image slots: that "
             "script passes no vision states for text-to-video), at the family's splash block sizes",
 )
-"""Upstream's one splash-kernel report with a shape behind it: about 35 ms of one block's time in
-splash attention on a v6e-8 (reported upstream). `assumed` says what the report leaves unsaid and
-the kernel model of `tpupedia.predict` takes."""
+"""Upstream's one splash-kernel report: about 35 ms of one block's time in splash attention on a
+v6e-8 (reported upstream, from `stage2_transformer_flax.py`, a script not in the repository at that
+commit, size and frames unstated). `assumed` is the shape the kernel model of `tpupedia.predict`
+once took it to have; at that shape it would beat the MXU's ceiling for 128-wide heads
+(`tpupedia.predict.profile_rate`), so it no longer sets the kernel's rate."""
 
 
 

@@ -35,7 +35,7 @@ from tpupedia.models import ModelInputError, checkpoints, tokenizer_files
 from tpupedia.models.shapes import ShapeFacts
 from tpupedia.models.spec import FamilySpec, FewStepRelease, ReleaseAdapter
 
-__all__ = ["attention_call", "REPORTED_STEPS", "REPORTED_STAGES", "FAMILY", "FULL_ID", "FULL_ID_22", "CACHE_BLOCKS", "CACHE_TEXT_STREAM", "FULL_LAYERS", "DEFAULT_SHAPES", "TEXT_TOKENS", "TEXT_DIM",
+__all__ = ["attention_call", "REPORTED_STEPS", "REPORTED_STAGES", "REPORTED_ELSEWHERE", "FAMILY", "FULL_ID", "FULL_ID_22", "CACHE_BLOCKS", "CACHE_TEXT_STREAM", "FULL_LAYERS", "DEFAULT_SHAPES", "TEXT_TOKENS", "TEXT_DIM",
            "SPLASH_BLOCK_SIZES", "SCHEDULER_CONFIG", "SHARDING", "SPEC", "ENV_MODEL", "ModelInputError",
            "full_transformer_config", "full_configs", "tiny_transformer_config", "tiny_vae_config",
            "tiny_text_encoder_config", "TI2V_VAE", "default_request", "shape_facts", "check_frames", "check_size",
@@ -116,6 +116,25 @@ tp=4: a stage's run time (`what="run"`) or its compile time (`"compile"`), what 
 predictions are set against (`tpupedia.predict.reported_stage`). The text stage's ~3 s is the
 stage's wall time and left out."""
 
+
+_MAXDIFFUSION = ("AI-Hypercomputer/maxdiffusion, commit 7cfb880, README.md, \"Ring Attention\": e2e generation time of "
+                 "one 720p (81 frames) video with the guidance pair on dp, Tokamax flash attention")
+REPORTED_ELSEWHERE = (
+    dict(project="MaxDiffusion", model=FULL_ID, accelerator="v7x-8", topology="tpu7x:2x2x1", resolution="1280x720",
+         frames=81, steps=50, seconds=249.3, mesh="dp2-fsdp1-context4-tp1", source=_MAXDIFFUSION),
+    dict(project="MaxDiffusion", model=FULL_ID_22, accelerator="v7x-8", topology="tpu7x:2x2x1", resolution="1280x720",
+         frames=81, steps=40, seconds=194.4, mesh="dp2-fsdp1-context4-tp1", source=_MAXDIFFUSION),
+    dict(project="MaxDiffusion", model=FULL_ID, accelerator="v7x-16", topology="tpu7x:2x2x2", resolution="1280x720",
+         frames=81, steps=50, seconds=127.1, mesh="dp2-fsdp1-context8-tp1", source=_MAXDIFFUSION),
+    dict(project="MaxDiffusion", model=FULL_ID_22, accelerator="v7x-16", topology="tpu7x:2x2x2", resolution="1280x720",
+         frames=81, steps=40, seconds=106.0, mesh="dp2-fsdp1-context8-tp1", source=_MAXDIFFUSION),
+)
+"""Whole runs another implementation reports on TPU7x (reported, not measured here): MaxDiffusion's
+Wan 2.1 (14B) and Wan 2.2 (A14B; its table says neither text- nor image-to-video) at 720p. A
+"v7x-8" is eight TensorCores, the eight devices of its `dp2 x context4` mesh: four chips, libtpu's
+`tpu7x:2x2x1`. The results page sets this course's predicted runs of the same videos beside them
+(`tpupedia.plan.recorded_run`): another implementation, context parallelism where this course
+uses tp, its kernels tuned on TPU7x."""
 
 # The scheduler the Wan 2.1 14B diffusers checkpoints ship (scheduler/scheduler_config.json):
 # UniPC on flow sigmas, second order, B(h) = expm1(h), shift 3.

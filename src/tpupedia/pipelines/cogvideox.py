@@ -460,7 +460,7 @@ class CogVideoX(common.StagedPipeline):
         record = None  # the cache's shapes (a trace of the full step) only where a plan compiles the cached step
         if self.abstract:
             with context():
-                record = jax.tree.map(lambda a: aot.abstract(a.shape, a.dtype, batch), jax.eval_shape(full, *args)[2])
+                record = jax.tree.map(lambda a: aot.abstract(a.shape, a.dtype, batch), jax.eval_shape(common.fresh_trace(full), *args)[2])
         n_full = len(cache.full_steps(request.steps)) if not cache.calibrated else len(setup.timesteps)
         return [aot.Program("denoise", f"{cache.method} full step ({latents})", full, args,
                             jit_kwargs={"donate_argnums": (2, 3), "out_shardings": (replicated, replicated, batch)},

@@ -33,7 +33,7 @@ from tpupedia.models.checkpoints import DEPTH_FIELDS, depth
 from tpupedia.pipelines import stages
 from tpupedia.pipelines.stages import config_fingerprint
 
-__all__ = ["PipelineError", "Request", "Options", "validate", "mesh_shape", "check_workdir", "SEED_LIMIT", "parse_mesh", "default_mesh_shape", "StageReport",
+__all__ = ["PipelineError", "Request", "Options", "validate", "mesh_shape", "check_workdir", "SEED_LIMIT", "parse_mesh", "default_mesh_shape", "StageReport", "fresh_trace",
            "StagedPipeline", "run", "run_batch", "PLAN", "plans", "check_plan", "attention_backend", "torch_dtype", "to_jax_array", "to_torch",
            "timed", "load_stock", "step_times", "denoise_loop", "STAGE_INPUTS", "request_stages", "batch_requests", "stage_settings", "config_fingerprint", "ATTENTION", "DTYPES", "SHARDINGS",
            "DEPTH_FIELDS", "depth"]
@@ -797,6 +797,15 @@ def attention_installed(env, mesh, backend: str, block_sizes=None):
     with torchax_utils.restoring_ops(env):
         install_attention(env, mesh, backend, block_sizes)
         yield
+
+
+def fresh_trace(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` behind a new function object, for a `jax.eval_shape` of a step that a plan later
+    compiles: JAX keeps a function's trace by the function, so shapes read from `fn` itself would
+    leave the compile without a trace of its own, and without the splash calls a plan records while
+    the step is traced (`tpupedia.attention.recording`; a DeepCache full step planned with no
+    attention time until tests/test_tune.py caught it)."""
+    return lambda *args: fn(*args)
 
 
 def to_jax_array(t):

@@ -641,7 +641,7 @@ class Hunyuan(common.StagedPipeline):
         cache = None  # the cache's shapes (a trace of the full step) only where a plan compiles the cached step
         if self.abstract:
             with context():
-                cache = jax.tree.map(lambda a: aot.abstract(a.shape, a.dtype, batch), jax.eval_shape(full, *full_args)[1])
+                cache = jax.tree.map(lambda a: aot.abstract(a.shape, a.dtype, batch), jax.eval_shape(common.fresh_trace(full), *full_args)[1])
         n_full = request.steps if schedule.calibrated else len(schedule.full_steps(request.steps))
         name = "DeepCache" if schedule.method == "deepcache" else schedule.method
         return [aot.Program("denoise", f"{name} full step ({size} latents, batch {n})", full, full_args,

@@ -531,7 +531,7 @@ class Wan(common.StagedPipeline):
             if self.abstract:
                 with context():
                     record = jax.tree.map(lambda a: aot.abstract(a.shape, a.dtype, batch),
-                                          jax.eval_shape(full, *head, *rest)[-1])
+                                          jax.eval_shape(common.fresh_trace(full), *head, *rest)[-1])
             in_full = set(range(request.steps)) if cache.calibrated else set(cache.full_steps(request.steps))
             n_full = int(sum(1 for i, e in enumerate(setup.expert) if e == k and i in in_full))
             return [aot.Program("denoise", f"{cache.method} full step{role} ({latents})", full, (*head, *rest),
