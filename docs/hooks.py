@@ -6,7 +6,8 @@
 `{{ zh_terms }}` becomes the Chinese edition's glossary from `docs/zh/terms.yml`;
 `{{ plans_table }}` every recorded plan, `{{ v5e_plans_table }}` those for v5e slices and one chip,
 `{{ slice_picker_table }}` which stages of each release fit each slice a reader can get;
-`{{ first_video_table }}` the README's first tiny video per family (`tpupedia bench first-video`).
+`{{ first_video_table }}` the README's first tiny video per family (`tpupedia bench first-video`);
+`{{ quantize_table }}` each family's tiny run quantized against the same run unquantized (`tpupedia bench quantize`).
 
 On notebook pages it also folds the cells a lesson tags (`FOLDED`): an exercise's solution and the
 asserts that check a claim stay on the page, executed in CI, behind a summary line a reader opens.
@@ -209,7 +210,8 @@ def _slice_picker_table() -> str:
         if r["resident"]:
             continue
         q = r["request"]
-        row = (r.get("checkpoint") or r["family"], q["width"], q["height"], q["frames"], bool(q.get("image")))
+        row = (r.get("checkpoint") or r["family"], q["width"], q["height"], q["frames"], bool(q.get("image")),
+               q.get("quantize") or "")
         cell = found.setdefault(row, {}).setdefault(r["topology"], {})
         for stage in r["stages"]:
             cell.setdefault(stage["stage"], []).append(stage["peak"] is not None and stage["peak"] <= r["hbm"])
@@ -218,7 +220,7 @@ def _slice_picker_table() -> str:
     lines = ["| release | " + " | ".join(label for _, label in PICKER_SLICES) + " |",
              "|---|" + "---|" * len(PICKER_SLICES)]
     for row in sorted(found):
-        checkpoint, width, height, frames, image = row
+        checkpoint, width, height, frames, image, quantized = row
         cells = []
         for topology, _ in PICKER_SLICES:
             stages = found[row].get(topology)
@@ -231,8 +233,8 @@ def _slice_picker_table() -> str:
             text = "; ".join(part for part in (verb(fit, " fits", " fit") if fit else "",
                                                "**" + verb(over, " does not fit", " do not fit") + "**" if over else "")
                              if part)
-            run = (plan.recorded_run(records, checkpoint, topology, width, height, frames, steps[row], image=image)
-                   if row in steps else None)
+            run = (plan.recorded_run(records, checkpoint, topology, width, height, frames, steps[row], image=image,
+                                     quantize=quantized or None) if row in steps else None)
             if run is not None:
                 topo = hardware.parse_topology(topology)
                 price = hardware.PRICES.get(topo.chip.name)
@@ -240,7 +242,8 @@ def _slice_picker_table() -> str:
                         else ", no list price")
                 text += f"<br>{run['seconds']:.0f} s a video, {steps[row]} steps (predicted{cost})"
             cells.append(text)
-        lines.append(f"| `{checkpoint}`<br>{width}x{height}, {frames} frames | " + " | ".join(cells) + " |")
+        weights = f", {quantized} weights (`--quantize {quantized}`)" if quantized else ""
+        lines.append(f"| `{checkpoint}`<br>{width}x{height}, {frames} frames{weights} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -260,6 +263,24 @@ def _stepcache_table() -> str:
         lines.append(f"| {request} | {cache} | {x['full_steps']} of {x['steps']} | {x['plain_s']:.2f} s / "
                      f"{x['cached_s']:.2f} s{calibration} | {x['speedup']:.2f}x | {bound} | {x['psnr_db']:.1f} dB | "
                      f"{x['ssim']:.4f} | {where} | {r['measured_at']} | `{r['command']}` |")
+    return "\n".join(lines)
+
+
+def _quantize_table() -> str:
+    records = [r for r in results.load(_PIPELINES) if r["bench"] == "quantize"]
+    if not records:
+        return "*No quantized run has been recorded yet.*"
+    lines = ["| family, request | weights | PSNR | SSIM | largest error | the tests' bound | denoise without / with | "
+             "measured on | date | command |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(records, key=lambda r: (r["config"]["family"], r["quantize"])):
+        c, m, x = r["config"], r["machine"], r["result"]
+        request = f"{c['family']}, {c['frames']} frames, {c['width']}x{c['height']}, {c['dtype']}, {c['source']}"
+        where = f"{m['devices']} x {m['device_kind']} ({m['platform']}, {m['cpu_count']} CPUs)"
+        b = x.get("bound")
+        bound = f"≤ {b['max_abs']:g}, ≥ {b['psnr_db']:.0f} dB, ≥ {b['ssim']:g}" if b else "none (real weights)"
+        lines.append(f"| {request} | {r['quantize']} | {x['psnr_db']:.1f} dB | {x['ssim']:.4f} | {x['max_abs']:.2e} | "
+                     f"{bound} | {x['plain_s']:.2f} s / {x['quantized_s']:.2f} s | {where} | {r['measured_at']} | "
+                     f"`{r['command']}` |")
     return "\n".join(lines)
 
 
@@ -498,6 +519,7 @@ def _zh_terms() -> str:
 def on_page_markdown(markdown, page, config, files):  # noqa: ARG001 - mkdocs hook signature
     tables = {"families_table": _families_table, "hardware_table": _hardware_table, "bench_table": _bench_table,
               "results_table": _results_table, "stepcache_table": _stepcache_table,
+              "quantize_table": _quantize_table,
               "pipeline_table": _pipeline_table, "mesh_table": _mesh_table, "plans_table": _plans_table,
               "first_video_table": _first_video_table,
               "v5e_plans_table": lambda: _plans_table("v5e"), "slice_picker_table": _slice_picker_table,

@@ -33,7 +33,7 @@
 #
 # | preset | loads | memory | compute time |
 # |---|---|---|---|
-# | `tiny` (CPU, CI) | notebook `cogvideox_pipeline`'s random 2-layer CogVideoX checkpoint, 8 simulated devices; adapters written here from the configs | about 1 GB of host RAM | about 20 s, measured here on a 2-core CPU |
+# | `tiny` (CPU, CI) | notebook `cogvideox_pipeline`'s random 2-layer CogVideoX checkpoint, 8 simulated devices; adapters written here from the configs | about 1 GB of host RAM | about 45 s, measured here on a 2-core CPU (about half of it section 5's TPU compiles) |
 # | `full` (TPU v6e-8) | `zai-org/CogVideoX1.5-5B` (sizes in notebook `cogvideox_pipeline`'s header); its transformer on the host in float32 in section 2 and exercise 2, to fuse adapters and compare them with the formula (about 22 GB each time) | per chip as notebook `cogvideox_pipeline`'s stages; the comparisons with stock diffusers run on the tiny preset only | the adapter run and the calibrated step-cache run each make a 50-step 720p video (about 107 s per video reported upstream, TPU v6e-8; calibration runs every step twice); the saved-calibration section runs the denoise stage three more times, one calibration among them |
 #
 # The full preset downloads `zai-org/CogVideoX1.5-5B`, released under the **CogVideoX LICENSE**
@@ -697,6 +697,30 @@ for name, m in memory.items():
 # %% tags=["check"]
 assert memory["bf16 weight"].arguments - memory["int8, scale after"].arguments == 8192 * 8192 - 4 * 8192
 assert memory["int8, scale after"].temporaries == 0 < memory["int8, dequantize first"].temporaries
+
+# %% [markdown]
+# A run does this to every linear of the denoise stage's transformers (`Request(quantize="int8")`,
+# `generate --quantize int8`), on the host after any LoRA fuse and before sharding, except the
+# layers its family's `QUANTIZE_KEEP` table keeps in bf16, each with its reason: the embedders that
+# condition every block and the last projection, whose errors are the prediction's. On the
+# transformer's shapes (`meta`: no weights), the table and what it leaves:
+
+# %%
+import re
+
+shapes = shapes_only(configs).to(torch.bfloat16)
+bf16_bytes = sum(t.numel() * t.element_size() for t in shapes.parameters())
+swapped = quantize.quantize_linears(shapes, "int8", keep=[rule for rule, _ in family.QUANTIZE_KEEP])
+int8_bytes = sum(t.numel() * t.element_size() for t in (*shapes.parameters(), *shapes.buffers()))
+kept = [n for n, m in shapes.named_modules() if isinstance(m, torch.nn.Linear)]
+for rule, why in family.QUANTIZE_KEEP:
+    print(f"kept in bf16, {rule}: {why}")
+print(f"{len(swapped)} linears in int8, {len(kept)} kept; the transformer's weights "
+      f"{bf16_bytes / 2**20:.2f} MiB in bf16, {int8_bytes / 2**20:.2f} MiB quantized ({int8_bytes / bf16_bytes:.2f} of it)")
+
+# %% tags=["check"]
+assert kept and all(any(re.fullmatch(rule, n) for rule, _ in family.QUANTIZE_KEEP) for n in kept)
+assert 0.5 < int8_bytes / bf16_bytes < 0.75  # the blocks' linears are most of the bytes; the rest stays at two a weight
 
 # %% [markdown]
 # ### Exercise 5: a transformer's largest weight, in int8

@@ -36,7 +36,9 @@ def _load(source: Path):
     """The pipelines' component loader (`StagedPipeline._load`) on the transformer of `source`."""
     from diffusers import CogVideoXTransformer3DModel
 
-    pipe = SimpleNamespace(abstract=False, adapters=(), source=str(source), dtype=torch.float32, component_dtype=lambda name: torch.float32)
+    pipe = SimpleNamespace(abstract=False, adapters=(), quantized=None, source=str(source), dtype=torch.float32,
+                           component_dtype=lambda name: torch.float32)
+    pipe._quantized = lambda module, subfolder: common.StagedPipeline._quantized(pipe, module, subfolder)
     return common.StagedPipeline._load(pipe, CogVideoXTransformer3DModel, "transformer")
 
 

@@ -144,3 +144,57 @@ def test_the_cheapest_slice_with_a_search_prices_each_slice_at_its_fastest_setti
                          stages=("denoise",), dtype="float32")
     assert priced.settings == ranked[0].settings and priced.video_s == pytest.approx(ranked[0].predicted_s)
     assert "--topology v6e:2x2" in tune.command_line("cogvideox", priced.settings, "--topology v6e:2x2")
+
+
+def test_cheapest_quantizes_only_a_slice_the_checkpoints_weights_do_not_fit(tiny, monkeypatch):
+    """`cheapest(..., quantize="int8")` (what `plan --cheapest` passes) plans a slice again with
+    int8 weights only where the request does not fit in its own dtype: the frames change when
+    quantized, so it fixes a slice too small and never wins on one that fits. The slice is made
+    too small by a compile budget set between the two plans' peaks, on a tiny transformer widened to
+    1024 (16 heads of 64) so that its weights, not its activations, are most of a chip's bytes, as at
+    full size (at the tiny preset's width the int8 plan's peak is the larger: the float32 product
+    of each scaled matmul outweighs the bytes saved)."""
+    configs, request, options = tiny
+    configs = configs | {"transformer": configs["transformer"] | {"num_attention_heads": 16, "attention_head_dim": 64}}
+    make = dict(configs=configs, stages=("denoise",), dtype="bfloat16")
+    bf16 = plan.make("cogvideox", request, options, topology="v6e:2x2", **make)
+    int8 = tune.with_quantized("cogvideox", request, options, {}, topology="v6e:2x2", **make)
+    assert int8.fits and int8.plan.request["quantize"] == "int8"
+    assert int8.plan.stage("denoise").peak < bf16.stage("denoise").peak
+    (roomy,) = tune.cheapest("cogvideox", request, options, slices=("v6e:2x2",), quantize="int8", **make)
+    assert roomy.fits and "quantize" not in roomy.settings  # bf16 fits: never quantized
+    budget = (int8.plan.stage("denoise").peak + bf16.stage("denoise").peak) / 2
+    real = plan.memory_budget
+    monkeypatch.setattr(plan, "memory_budget", lambda *a: (budget, real(*a)[1]))
+    (refused,) = tune.cheapest("cogvideox", request, options, slices=("v6e:2x2",), **make)
+    assert not refused.fits and "--quantize int8" in refused.note  # the advice names the fix
+    (tight,) = tune.cheapest("cogvideox", request, options, slices=("v6e:2x2",), quantize="int8", **make)
+    assert tight.fits and tight.settings == {"quantize": "int8"} and tight.video_s == pytest.approx(int8.predicted_s)
+    assert tune.command_line("cogvideox", tight.settings) == "tpupedia generate cogvideox --preset full --quantize int8"
+
+
+def test_plan_search_sets_int8_weights_beside_its_ranking_and_cheapest_says_where_it_quantized(tiny, capsys,
+                                                                                                monkeypatch):
+    """`plan --search` ranks settings that keep the frames, then plans the fastest again with
+    `--quantize int8` and prints it beside the ranking, as it prints a step cache; `plan --cheapest`
+    says on a slice's line when its price is for int8 weights. The searches are replaced by tiny
+    plans (a full-size search compiles for hours here); what is checked is what the command prints."""
+    configs, request, options = tiny
+    make = dict(configs=configs, stages=("denoise",), dtype="bfloat16")
+    settings = {"mesh": (2, 2), "sharding": "tp", "block_sizes": None}
+    ranked = [tune._planned("cogvideox", request, options, settings, "v6e:2x2", **make)]
+    smaller = tune.with_quantized("cogvideox", request, options, settings, topology="v6e:2x2", **make)
+    monkeypatch.setattr(tune, "search", lambda *a, **k: ranked)
+    monkeypatch.setattr(tune, "with_quantized", lambda *a, **k: smaller)
+    monkeypatch.setattr(tune, "with_step_cache", lambda *a, **k: ranked[0])
+    assert main(["plan", "cogvideox", "--search", "--topology", "v6e:2x2"]) == 0
+    out = capsys.readouterr().out
+    peak = max(s.peak for s in smaller.plan.stages) / 2**30
+    assert (f"with --quantize int8 (weight-only; it changes the frames: notebook fewer_steps): predicted "
+            f"{smaller.predicted_s:.1f} s a video, its largest stage {peak:.2f} GiB per chip") in out
+    priced = tune.SliceCost("v5e:1x1", 1, 1.2, 100.0, 60.0, 1, True, settings={"quantize": "int8"})
+    monkeypatch.setattr(tune, "cheapest", lambda *a, **k: [priced] if k["quantize"] == "int8" else [])
+    assert main(["plan", "cogvideox", "--cheapest"]) == 0
+    out = capsys.readouterr().out
+    assert "v5e:1x1  1 chips: 100.0 s a video" in out and "int8 weights (--quantize int8: only where bf16" in out
+    assert "tpupedia generate cogvideox --preset full --quantize int8 --topology v5e:1x1" in out

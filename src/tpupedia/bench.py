@@ -38,6 +38,7 @@ __all__ = [
     "stock_steps",
     "bench_stepcache",
     "bench_deepcache",
+    "bench_quantize",
     "step_cache_bound",
     "FIRST_VIDEO_PROMPT",
     "DEFAULT_FIRST_VIDEO_RESULTS",
@@ -319,7 +320,7 @@ def _pipeline_config(pipeline: Any, preset: Any, request: Any, options: Any, mod
 
     config = {k: (str(getattr(request, k)) if k in ("deepcache", "step_cache") and v is not None else v)
               for k, v in asdict(request).items()
-              if k not in ("prompt", "negative_prompt") and not (k == "image" and v is None)}
+              if k not in ("prompt", "negative_prompt") and not (k in ("image", "quantize") and v is None)}
     return config | {"source": model or f"preset:{preset.name}", "attention": common.attention_backend(options.attention),
                      "vae": pipeline.PIPELINE.vae_choice(options), "sharding": options.sharding,
                      "dtype": str(common.torch_dtype(options, preset)).removeprefix("torch.")}
@@ -390,6 +391,50 @@ def bench_stepcache(family: str, preset: Any, request: Any, options: Any, model:
         "measured_at": _dt.date.today().isoformat(),
         "command": (f"tpupedia bench {bench} {family} --preset {preset.name} --{field_name.replace('_', '-')} {cache} "
                     f"--steps {request.steps}"),
+    }
+
+
+def bench_quantize(family: str, preset: Any, request: Any, options: Any, model: str | None = None, *,
+                   fmt: str = "int8", plan: str = "auto", vae_tiling: str | None = None) -> dict[str, Any]:
+    """Video family `family` twice from the same seed, with the checkpoint's weights and with the
+    transformers' linears in `fmt` (`tpupedia.quantize`, `Request.quantize`): PSNR, SSIM and the
+    largest error of the quantized video against the other, beside the bound the tests assert
+    (`quantize.TINY_BOUNDS`, for the tiny checkpoints), and each run's denoising time (the mean step
+    after the compiling first one, scaled to all steps). On a CPU host the times say
+    what the host did, not what a TPU would. Notebook `fewer_steps`; `tpupedia bench quantize
+    FAMILY` writes the record."""
+    import dataclasses
+    import importlib
+    import tempfile
+
+    from safetensors.numpy import load_file
+
+    from tpupedia import families, metrics, quantize
+
+    if fmt not in quantize.FORMATS:  # refused before anything runs
+        raise quantize.QuantizeError(f"bench quantize {family}: format {fmt!r} is not one of {', '.join(quantize.FORMATS)}")
+    pipeline = importlib.import_module(families.get(family, "video").pipeline)
+    runs = {}
+    for name, value in (("plain", None), ("quantized", fmt)):
+        with tempfile.TemporaryDirectory(prefix="tpupedia-bench-") as workdir:
+            reports = pipeline.run(dataclasses.replace(request, quantize=value), options, preset=preset, model=model,
+                                   workdir=workdir, force=True, log=lambda _: None, plan=plan, vae_tiling=vae_tiling)
+            frames = load_file(f"{workdir}/decode.safetensors")["frames"]
+        denoise = {r.stage: r.timings for r in reports}["denoise"]
+        runs[name] = {"frames": frames, "seconds": denoise["steady_s"] * request.steps}
+    quality = metrics.compare(runs["quantized"]["frames"], runs["plain"]["frames"])
+    source = model or f"preset:{preset.name}"
+    return {
+        "bench": "quantize",
+        "quantize": fmt,
+        "config": _pipeline_config(pipeline, preset, dataclasses.replace(request, quantize=fmt), options, model)
+        | {"family": family},
+        "machine": machine(),
+        "result": {"steps": request.steps, "plain_s": runs["plain"]["seconds"], "quantized_s": runs["quantized"]["seconds"],
+                   **quality, "bound": dict(quantize.TINY_BOUNDS[fmt]) if source.startswith("preset:tiny") else None},
+        "measured_at": _dt.date.today().isoformat(),
+        "command": (f"tpupedia bench quantize {family} " + (f"--model {model}" if model else f"--preset {preset.name}")
+                    + f" --quantize {fmt} --steps {request.steps}"),
     }
 
 

@@ -159,7 +159,8 @@ def _plan(args: argparse.Namespace) -> int:
         if release.image_to_video and getattr(args, "image", None) is None:
             raise CommandLineError(f"--release {release.name} generates from a picture: give --image PICTURE")
         adapters = _release_adapters(args, release, given, model, pretrained=True, local_only=True) + given
-    request = pipeline.Request(prompt=args.prompt, image=getattr(args, "image", None), lora=adapters, **fields)
+    request = pipeline.Request(prompt=args.prompt, image=getattr(args, "image", None), lora=adapters,
+                               quantize=args.quantize, **fields)
     if release is not None:
         print(_release_line(release, fields, model, adapters, _replaced(args, given))
               + f"; planned with {request.steps} steps")
@@ -196,10 +197,14 @@ def _tune(args: argparse.Namespace, request, options, model) -> int:
                 print(f"  {', '.join(slices)}: not priced, {chip} has no public list price (--price {chip}=DOLLARS "
                       "per chip-hour adds it)")
         priced = tune.cheapest(args.model_family, request, options, videos=args.videos, deadline=args.deadline,
-                               kind="spot" if args.spot else "on_demand", searched=args.search, prices=prices, **make)
+                               kind="spot" if args.spot else "on_demand", searched=args.search, prices=prices,
+                               quantize=tune.QUANTIZE, **make)
         for c in priced:
             cost = (f"{c.video_s:.1f} s a video + {c.compile_s:.0f} s of compiles / {c.videos} = "
                     f"${c.dollars_per_video:.3f} a video at ${c.price_per_chip_hour:.2f} per chip-hour"
+                    + (f", {c.settings['quantize']} weights (--quantize {c.settings['quantize']}: only where bf16 "
+                       "does not fit, as it changes the frames)" if c.settings.get("quantize") and
+                       request.quantize is None else "")
                     if c.fits else c.note)
             print(f"  {c.topology:8s} {c.chips} chips: {cost}")
         best = priced[0]
@@ -221,6 +226,13 @@ def _tune(args: argparse.Namespace, request, options, model) -> int:
                  + (f" vae tiling {s['vae_tiling']}" if "vae_tiling" in s else ""))
         verdict = f"predicted {c.predicted_s:.1f} s a video" if c.fits else c.why_not
         print(f"  {label:52s} {verdict}")
+    if ranked and request.quantize is None:  # not ranked: it changes the frames
+        smaller = tune.with_quantized(args.model_family, request, options, ranked[0].settings, topology=args.topology,
+                                      **make)
+        print(f"with --quantize {tune.QUANTIZE} (weight-only; it changes the frames: notebook fewer_steps): "
+              + (f"predicted {smaller.predicted_s:.1f} s a video, its largest stage "
+                 f"{max(st.peak for st in smaller.plan.stages) / 2**30:.2f} GiB per {smaller.plan.unit}"
+                 if smaller.fits else smaller.why_not))
     if not ranked or not ranked[0].fits:
         raise CommandLineError(f"no setting fits {args.topology}: try a larger slice (--cheapest names one)")
     print("fastest predicted: " + tune.command_line(args.model_family, ranked[0].settings))
@@ -318,6 +330,15 @@ def _add_release_flag(parser: argparse.ArgumentParser, spec) -> None:
         parser.add_argument("--replace-release-lora", action="store_true",
                             help="leave out the release's adapter for each component a --lora adapts (default: "
                                  "both fused, the release's first, as diffusers stacks named adapters)")
+
+
+def _add_quantize_flag(parser: argparse.ArgumentParser, family: str) -> None:
+    from tpupedia import quantize
+
+    parser.add_argument("--quantize", choices=tuple(quantize.FORMATS), default=None,
+                        help="store the transformers' linears in 8 bits, one scale per output channel (weight-only: "
+                             f"half the bytes, the same FLOPs), but those tpupedia.models.{family}.QUANTIZE_KEEP keeps; "
+                             "int8 or fp8 (e4m3) weights, bf16 matmuls either way")
 
 
 def _add_lora_flag(parser: argparse.ArgumentParser, family: str) -> None:
@@ -424,7 +445,7 @@ def _generate_setup(args: argparse.Namespace):
             print(_release_line(release, fields, source, adapters, _replaced(args, given)))
     request = pipeline.Request(prompt=args.prompt or "(from --prompts)", negative_prompt=args.negative_prompt,
                                vae_tiling=args.vae_tiling == "on", image=getattr(args, "image", None),
-                               lora=adapters, **fields)
+                               lora=adapters, quantize=getattr(args, "quantize", None), **fields)
     options = common.Options(mesh=common.parse_mesh(args.mesh) if args.mesh else None, sharding=args.sharding,
                              attention=args.attention, block_sizes=_block_sizes(args.block_sizes), quiet=args.quiet,
                              dtype=args.dtype)
@@ -562,6 +583,24 @@ def _bench_deepcache(args: argparse.Namespace) -> int:
     return _bench_stepcache(args, "deepcache")
 
 
+def _bench_quantize(args: argparse.Namespace) -> int:
+    from tpupedia import bench
+
+    fmt, args.quantize = args.quantize, None  # the first run keeps the checkpoint's dtype
+    preset, pipeline, request, options, plan = _generate_setup(args)
+    record = bench.bench_quantize(args.model_family, preset, request, options, model=args.model, fmt=fmt, plan=plan,
+                                  vae_tiling=args.vae_tiling)
+    path = bench.merge_record(record, args.output, key=bench._pipeline_key)
+    r = record["result"]
+    bound = r["bound"]
+    print(f"{fmt} weights against {record['config']['dtype']}: PSNR {r['psnr_db']:.1f} dB, SSIM {r['ssim']:.4f}, "
+          f"largest error {r['max_abs']:.2e}"
+          + (f" (the tests' bound: at most {bound['max_abs']}, {bound['psnr_db']:.0f} dB and SSIM {bound['ssim']})"
+             if bound else "")
+          + f"; denoise {r['plain_s']:.2f} s -> {r['quantized_s']:.2f} s on this machine; merged into {path}")
+    return 0
+
+
 def _bench_stepcache(args: argparse.Namespace, name: str = "stepcache") -> int:
     from tpupedia import bench
 
@@ -635,6 +674,7 @@ def _add_generate_arguments(p: argparse.ArgumentParser, spec, *, stages: bool) -
                             "(image: a picture, lora: a list of adapters, relative to the JSONL file)")
         p.add_argument("--outdir", default=None, help="with --prompts: where NNNN-slug.mp4, its JSON and index.jsonl go")
         _add_lora_flag(p, family)
+        _add_quantize_flag(p, family)
     for flag, kind in (("--frames", int), ("--height", int), ("--width", int), ("--steps", int),
                        ("--guidance", float), ("--seed", int), ("--fps", int)):
         p.add_argument(flag, type=kind, default=None,
@@ -666,7 +706,7 @@ def _add_generate_arguments(p: argparse.ArgumentParser, spec, *, stages: bool) -
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tpupedia import bench, families
+    from tpupedia import bench, families, quantize
 
     parser = argparse.ArgumentParser(
         prog="tpupedia",
@@ -758,6 +798,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 "that size)")
         _add_family_flags(q, _pipeline_module(spec.name))
         _add_lora_flag(q, name)
+        _add_quantize_flag(q, name)
         _add_release_flag(q, spec)
         q.add_argument("--json", default=None, help="also write the plan as JSON to this file")
         q.add_argument("--search", action="store_true",
@@ -825,6 +866,15 @@ def build_parser() -> argparse.ArgumentParser:
         _add_generate_arguments(q, spec, stages=False)
         q.add_argument("--output", default="docs/results/pipelines.json", help="results file to merge into")
         q.set_defaults(func=_bench_stepcache)
+    bq = bsub.add_parser("quantize", help="a family with and without --quantize: PSNR/SSIM, the largest error, time")
+    bqsub = bq.add_subparsers(dest="model_family", required=True)
+    for spec in families.video():
+        q = bqsub.add_parser(spec.name, help=f"{spec.name} twice from one seed, in its own dtype and with --quantize")
+        _add_generate_arguments(q, spec, stages=False)
+        q.add_argument("--quantize", choices=tuple(quantize.FORMATS), default="int8",
+                       help="the transformers' weight format of the second run (default int8)")
+        q.add_argument("--output", default="docs/results/pipelines.json", help="results file to merge into")
+        q.set_defaults(func=_bench_quantize)
     dc = bsub.add_parser("deepcache", help="a family with and without DeepCache: steps, PSNR/SSIM, time")
     dcsub = dc.add_subparsers(dest="model_family", required=True)
     for spec in families.video():  # the families whose requests take a DeepCache schedule

@@ -123,7 +123,7 @@ def _quoted(q: Any) -> Figure:
     text = q.text or (lambda v: f"{v:.{q.decimals}f}")
     if q.read == "computed":
         return Figure(q.name, lambda root: q.compute(), text, q.source, quotes=q.quotes)  # no record to read
-    file = {"plan_peak": "plans.json", "plan_oom": "plans.json", "dryrun_peak": "dryruns.json",
+    file = {"plan_peak": "plans.json", "plan_weights": "plans.json", "plan_oom": "plans.json", "plan_predicted": "plans.json", "dryrun_peak": "dryruns.json",
             "upstream_step": "upstream.json"}[q.read]
     match = {k: (lambda s, want=v: [x["stage"] for x in s] == list(want)) if k == "stages" else v
              for k, v in q.match.items()}
@@ -131,6 +131,8 @@ def _quoted(q: Any) -> Figure:
     value = {
         "plan_peak": lambda root: next(s["peak"] for s in find(root)["stages"] if s["stage"] == q.stage) / _GIB,
         "plan_oom": lambda root: max(p["oom_required"] or 0 for s in find(root)["stages"] for p in s["programs"]) / _GIB,
+        "plan_weights": lambda root: next(s["weights"] for s in find(root)["stages"] if s["stage"] == q.stage) / _GIB,
+        "plan_predicted": lambda root: find(root)["predicted_s"],
         "dryrun_peak": lambda root: (lambda r: (r["arguments_bytes"] + r["temporaries_bytes"]) / _GIB)(find(root)),
         "upstream_step": lambda root: find(root)["step_s"],
     }[q.read]

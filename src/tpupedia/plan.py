@@ -240,6 +240,8 @@ class Plan:
                 fix = {"text": "--sharding tp (text encoders split over tp) or a mesh with a larger tp",
                        "denoise": f"{splash}{fsdp}fewer frames or {smaller}, or more chips",
                        "image": vae, "decode": vae}[s.stage]
+            if s.stage == "denoise" and not self.request.get("quantize"):
+                fix += "; or --quantize int8 (the transformers' linears at a byte a weight: notebook fewer_steps)"
             if self.resident:
                 fix += "; or generate one video at a time (a batch keeps every stage's models)"
             if self.on_host and self.chips > 1:
@@ -482,7 +484,8 @@ def make(family: str, request: Any, options: Any, *, model: str | None = None, c
                 request={"width": r.width, "height": r.height, "frames": r.frames, "steps": r.steps,
                          "guidance": r.guidance} | ({"image": True} if r.image is not None else {})
                         | ({"vae_dtype": r.vae_dtype} if getattr(r, "vae_dtype", None) else {})
-                        | ({"step_cache": str(cache)} if cache is not None else {}),
+                        | ({"step_cache": str(cache)} if cache is not None else {})
+                        | ({"quantize": r.quantize} if getattr(r, "quantize", None) else {}),
                 layers=layers, resident=resident, hbm=hbm, stages=planned, vae_tiling=tiling, notes=notes,
                 attention=attention, memory=memory, host_copy=host_copy, fuse_host=fuse_host)
 
@@ -506,6 +509,7 @@ def programs(family: str, request: Any, options: Any, configs: dict[str, dict], 
 def _stage_programs(pipe, stage: str, request: Any, **step: Any) -> list[aot.Program]:
     """The programs the abstract `pipe` runs for `stage` of `request` (`make` and `programs`)."""
     if stage == "denoise":
+        pipe.quantized = request.quantize  # the transformers as the run's denoise stage holds them
         return pipe._denoise_programs(request, pipe._denoise_setup(request), **step)
     return {"text": pipe._text_programs, "image": pipe._image_programs, "decode": pipe._decode_programs}[stage](request)
 
@@ -782,11 +786,12 @@ def record(plan: Plan, path: str = DEFAULT_RECORDS, command: str = "") -> Any:
 
 
 def recorded_run(records: Sequence[dict], checkpoint: str, topology: str, width: int, height: int, frames: int,
-                 steps: int, *, image: bool = False) -> dict[str, Any] | None:
+                 steps: int, *, image: bool = False, quantize: str | None = None) -> dict[str, Any] | None:
     """One video's predicted time from plans recorded with `record` (`DEFAULT_RECORDS`): each of
     its stages from a plan of `checkpoint` on `topology` at that size and frame count that fits
     (the text and denoise stages are often one `--layers 1` record, the decode another), the
-    denoise stage at `steps` steps; a video's stages run one after another, so the times add.
+    denoise stage at `steps` steps, its transformers in the `quantize` format (`None`: the
+    checkpoint's); a video's stages run one after another, so the times add.
     `{"stages": {stage: seconds}, "seconds": total, "commands": [...]}`, or `None` where a stage
     has no fitting record with a predicted time. Predicted, never measured: the notebook
     `plan_without_tpu` says how far such a prediction is from a run."""
@@ -795,7 +800,8 @@ def recorded_run(records: Sequence[dict], checkpoint: str, topology: str, width:
     for r in records:
         q = r["request"]
         if (r.get("checkpoint"), r["topology"], q["width"], q["height"], q["frames"]) != \
-                (checkpoint, topology, width, height, frames) or r["resident"] or bool(q.get("image")) != image:
+                (checkpoint, topology, width, height, frames) or r["resident"] or bool(q.get("image")) != image \
+                or q.get("quantize") != quantize:
             continue
         for s in r["stages"]:
             fits = s["peak"] is not None and s["peak"] <= r["hbm"]

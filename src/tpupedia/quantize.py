@@ -39,7 +39,7 @@ import torch
 
 from tpupedia.errors import TpupediaError
 
-__all__ = ["FORMATS", "Format", "QuantizeError", "quantize_weight", "QuantizedLinear", "quantize_linears"]
+__all__ = ["FORMATS", "Format", "QuantizeError", "quantize_weight", "QuantizedLinear", "quantize_linears", "settings", "TINY_BOUNDS"]
 
 
 class QuantizeError(TpupediaError, ValueError):
@@ -58,6 +58,17 @@ class Format:
 FORMATS = {f.name: f for f in (Format("int8", torch.int8, 127.5), Format("fp8", torch.float8_e4m3fn, 448.0))}
 """The weight formats `--quantize` takes. int8's 127.5 is qwix's absmax range (values rounded half
 to even and clipped to -128..127); fp8 is e4m3fn, whose largest finite value is 448."""
+
+
+TINY_BOUNDS = {"int8": {"max_abs": 0.02, "psnr_db": 50.0, "ssim": 0.999},
+               "fp8": {"max_abs": 0.2, "psnr_db": 40.0, "ssim": 0.995}}
+"""How far a quantized tiny run's frames (values in [0, 1]) may be from the same run unquantized,
+per format: the bounds `tests/test_quantize.py` asserts for each family's tiny checkpoint, and
+the results page prints beside each `tpupedia bench quantize` record. fp8's is wider: e4m3 keeps
+3 mantissa bits, so a weight is off by up to 1/16 of itself, where int8's absmax scale puts every
+weight of a row within 1/255 of the row's largest; the fp8 bound was set after the first
+measurement here (CogVideoX's tiny run, 0.14 and 43 dB), not before it. Random tiny weights, not
+the releases': quality on the real weights needs the real weights."""
 
 
 def _format(fmt: str) -> Format:
@@ -124,3 +135,9 @@ def quantize_linears(module: torch.nn.Module, fmt: str = "int8", keep: Iterable[
         owner = module.get_submodule(parent) if parent else module
         setattr(owner, child, QuantizedLinear.from_linear(getattr(owner, child), fmt))
     return names
+
+
+def settings(fmt: str | None) -> dict:
+    """What a quantized run adds to its denoise stage's settings (the stage file's fingerprint):
+    `{"quantize": fmt}`, or nothing without one, so unquantized stage files keep their fingerprint."""
+    return {} if fmt is None else {"quantize": fmt}

@@ -203,6 +203,13 @@ def rules(table: str | Mapping[str, Sequence[Rule]] | Any, strategy: str,
             for rule in map(_as_rule, tables[strategy])]
 
 
+QUANTIZED_SCALES = r".*\.weight_scale"
+"""The per-output-channel scales `tpupedia.quantize` keeps beside an 8-bit weight (which keeps the
+weight's name, so the table's own rule places it): one float32 per output channel, replicated on
+every device ahead of every table's rules (`spec_for`), 4 bytes a channel (a 5120 x 5120 projection's scales are 20 KiB
+next to its 25 MiB of int8)."""
+
+
 def architecture_tables(name: str) -> dict[str, list[Rule]]:
     """The tables of architecture `name` (`"llama"`, `"t5"`) in `RULES`, by strategy."""
     return {s: table for (a, s), table in RULES.items() if a == _FAMILY_ALIASES.get(name, name)}
@@ -215,9 +222,12 @@ def spec_for(name: str, rule_table: Iterable[tuple[str, Any]]) -> tuple[Any, str
 
 
 def _rule_for(name: str, rule_table: Iterable[Any]) -> tuple[Any, Rule | None]:
-    """`(spec, rule)` of the first rule whose regex fullmatches `name`; `(P(), None)` if none."""
+    """`(spec, rule)` of the first rule whose regex fullmatches `name`; `(P(), None)` if none. A
+    quantized weight's scales (`QUANTIZED_SCALES`) are replicated whatever the table says."""
     from jax.sharding import PartitionSpec as P
 
+    if re.fullmatch(QUANTIZED_SCALES, name):
+        return P(), Rule(QUANTIZED_SCALES, P())
     for entry in rule_table:
         rule = _as_rule(entry)
         if re.fullmatch(rule[0], name):
@@ -496,12 +506,15 @@ def apply_rules(module: torch.nn.Module, rule_table: Iterable[tuple[str, Any]], 
 
 
 def _host_view(t: torch.Tensor):
-    """A CPU tensor's data as a NumPy array without a copy (bf16 as JAX's NumPy bfloat16)."""
+    """A CPU tensor's data as a NumPy array without a copy (bf16 and fp8, which NumPy lacks, as
+    JAX's NumPy types of the same bits: `ml_dtypes`)."""
     import jax.numpy as jnp
 
     t = t.detach()
-    if t.dtype == torch.bfloat16:
-        return t.contiguous().view(torch.int16).numpy().view(jnp.bfloat16)
+    bits = {torch.bfloat16: (torch.int16, jnp.bfloat16), torch.float8_e4m3fn: (torch.int8, jnp.float8_e4m3fn)}
+    if t.dtype in bits:
+        raw, dtype = bits[t.dtype]
+        return t.contiguous().view(raw).numpy().view(dtype)
     return t.contiguous().numpy()
 
 

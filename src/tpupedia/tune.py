@@ -27,7 +27,7 @@ from typing import Any, Sequence
 from tpupedia import hardware, plan
 from tpupedia.errors import TpupediaError
 
-__all__ = ["Candidate", "settings_grid", "search", "with_step_cache", "STEP_CACHE", "command_line", "SLICES",
+__all__ = ["Candidate", "settings_grid", "search", "with_step_cache", "STEP_CACHE", "with_quantized", "QUANTIZE", "command_line", "SLICES",
            "SliceCost", "cheapest", "UNLISTED_SLICES", "priced_slices", "parse_prices", "SYMPTOMS", "Symptom", "stage_parts", "diagnose"]
 
 SLICES = ("v5e:1x1", "v5e:2x2", "v5e:2x4", "v6e:1x1", "v6e:2x2", "v6e:2x4")
@@ -101,8 +101,7 @@ def settings_grid(family_blocks: Sequence[int], chips: int, guidance_batch: int,
 
 
 def _options(options: Any, settings: dict[str, Any]) -> Any:
-    return dataclasses.replace(options, mesh=settings["mesh"], sharding=settings["sharding"],
-                               block_sizes=settings["block_sizes"])
+    return dataclasses.replace(options, **{k: settings[k] for k in ("mesh", "sharding", "block_sizes") if k in settings})
 
 
 def _planned(family: str, request: Any, options: Any, settings: dict[str, Any], topology: str,
@@ -110,8 +109,7 @@ def _planned(family: str, request: Any, options: Any, settings: dict[str, Any], 
     """`request` planned on `topology` with `settings` over `options` (none: `options` as given),
     their VAE tiling over `make`'s; a plan that cannot be made is kept with its error, not raised
     (a mesh or table this model cannot take is a candidate that lost, not a failure)."""
-    if settings:
-        options = _options(options, settings)
+    options = _options(options, settings)
     if "vae_tiling" in settings:
         make = make | {"vae_tiling": settings["vae_tiling"]}
     try:
@@ -164,14 +162,32 @@ def with_step_cache(family: str, request: Any, options: Any, settings: dict[str,
                     settings | {"step_cache": cache}, topology, **make)
 
 
+QUANTIZE = "int8"
+"""The weight format `with_quantized` plans by default: weight-only int8 (`tpupedia.quantize`),
+half the bytes of bf16 weights on every chip, the FLOPs unchanged."""
+
+
+def with_quantized(family: str, request: Any, options: Any, settings: dict[str, Any], *, topology: str = "v6e:2x4",
+                   fmt: str = QUANTIZE, **make: Any) -> Candidate:
+    """`settings` planned again with the transformers' weights in `fmt` (`--quantize`): what a
+    smaller weight format buys on `topology`, set beside a ranking that keeps the frames as they
+    are (a quantized run changes them, within the bound notebook `fewer_steps` measures), as a step
+    cache is (`with_step_cache`). Weight-only: the plan's bytes halve, its FLOPs do not, so the
+    predicted time barely moves; what changes is what fits."""
+    return _planned(family, dataclasses.replace(request, quantize=fmt), options, settings | {"quantize": fmt},
+                    topology, **make)
+
+
 def command_line(family: str, settings: dict[str, Any], extra: str = "") -> str:
-    """The `tpupedia generate` flags that run with `settings`."""
-    dp, tp = settings["mesh"]
-    blocks = settings["block_sizes"]
-    return (f"tpupedia generate {family} --preset full --mesh dp={dp},tp={tp} --sharding {settings['sharding']}"
+    """The `tpupedia generate` flags that run with `settings` (those it does not name: the defaults)."""
+    blocks = settings.get("block_sizes")
+    return (f"tpupedia generate {family} --preset full"
+            + (" --mesh dp={},tp={}".format(*settings["mesh"]) if settings.get("mesh") else "")
+            + (f" --sharding {settings['sharding']}" if settings.get("sharding") else "")
             + (f" --block-sizes {','.join(map(str, blocks))}" if blocks else "")
             + (f" --vae-tiling {settings['vae_tiling']}" if settings.get("vae_tiling") else "")
             + (f" --step-cache {settings['step_cache']}" if settings.get("step_cache") else "")
+            + (f" --quantize {settings['quantize']}" if settings.get("quantize") else "")
             + (f" {extra}" if extra else ""))
 
 
@@ -207,14 +223,18 @@ class SliceCost:
 
 def cheapest(family: str, request: Any, options: Any, *, slices: Sequence[str] | None = None, videos: int = 1,
              deadline: float | None = None, kind: str = "on_demand", searched: bool = False,
-             prices: dict[str, float] | None = None, grid: list[dict] | None = None, **make: Any) -> list[SliceCost]:
+             prices: dict[str, float] | None = None, grid: list[dict] | None = None, quantize: str | None = None,
+             **make: Any) -> list[SliceCost]:
     """Price one video of `request` on each of `slices` and return them cheapest first, those that
     fit and meet `deadline` (seconds per video, predicted, compiles excluded) ahead of the rest.
     Per slice: the plan at `options` (or, with `searched`, the fastest setting `search` finds),
     `videos` videos sharing one process's compiles, at `prices` (chip name to dollars per
     chip-hour) or the listed `kind` price (`hardware.price`); `slices` defaults to `priced_slices`
     (TPU7x only with a price given); `grid`: what `search` tries (default `settings_grid` for each
-    slice)."""
+    slice). With `quantize` (a format of `tpupedia.quantize`), a slice the request does not fit is
+    planned again with its transformers in that format (`with_quantized`), and priced so where that
+    fits: quantizing changes the frames, so it is the fix for a slice too small, never a setting
+    that wins on a slice where the checkpoint's own weights fit."""
     if not isinstance(videos, int) or isinstance(videos, bool) or videos < 1:
         raise plan.PlanError(f"videos={videos!r}: a positive number of videos sharing one process's compiles")
     if deadline is not None and not deadline > 0:
@@ -226,6 +246,9 @@ def cheapest(family: str, request: Any, options: Any, *, slices: Sequence[str] |
         dollars = hardware.price(topo.chip.name, kind) if dollars is None else dollars
         best = (search(family, request, options, topology=topology, grid=grid, **make)[0] if searched
                 else _planned(family, request, options, {}, topology, **make))
+        if not best.fits and quantize is not None and getattr(request, "quantize", None) is None:
+            smaller = with_quantized(family, request, options, best.settings, topology=topology, fmt=quantize, **make)
+            best = smaller if smaller.fits else best
         priced.append(SliceCost(topology, topo.num_chips, dollars, best.predicted_s if best.fits else None,
                                 best.plan.predicted_compile_s if best.fits else None, videos, best.fits,
                                 best.why_not, best.settings))

@@ -278,7 +278,9 @@ def read_configs(source: str, loaders: dict[str, Callable[[str], Any]]) -> dict[
     """`{component: config}` from `loaders[component](source)` (config files only, no weights),
     cleaned (`clean_config`); a missing or unreadable config is a `CheckpointError` naming its file
     (`config_file`), and so is a Hub that cannot be reached or, offline, a file not cached
-    (`hub_unreachable`), said as such rather than as a missing file."""
+    (`hub_unreachable`), said as such rather than as a missing file. A component already
+    quantized (a `quantization_config`: bitsandbytes, torchao, GGUF) is refused in one line:
+    `tpupedia.quantize` quantizes the bf16 weights itself, after any LoRA fuse."""
     configs = {}
     for name, load in loaders.items():
         try:
@@ -292,6 +294,11 @@ def read_configs(source: str, loaders: dict[str, Callable[[str], Any]]) -> dict[
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise CheckpointError(f"checkpoint {source}: cannot read the {name} config ({config_file(name)}): "
                                   f"{first}") from None
+        if "quantization_config" in configs[name]:
+            method = dict(configs[name]["quantization_config"] or {}).get("quant_method", "unnamed")
+            raise CheckpointError(f"checkpoint {source}: its {name} is already quantized ({method}, "
+                                  f"{config_file(name)}'s quantization_config); give the bf16 checkpoint and "
+                                  "--quantize int8 or fp8, which quantizes it on the host")
     return configs
 
 

@@ -20,7 +20,7 @@ from tpupedia.models import ModelInputError, checkpoints, tokenizer_files
 from tpupedia.models.shapes import ShapeFacts
 from tpupedia.models.spec import FamilySpec, QuotedFigure
 
-__all__ = ["REPORTED_STEPS", "REPORTED_STAGES",
+__all__ = ["QUANTIZE_KEEP", "REPORTED_STEPS", "REPORTED_STAGES",
     "FAMILY", "FULL_ID", "FULL_ID_I2V", "FULL_LAYERS", "CACHE_BLOCKS", "CACHE_TEXT_STREAM", "TEMPORAL_COMPRESSION", "SPATIAL_COMPRESSION", "PATCH_SIZE",
     "PATCH_SIZE_T", "LATENT_CHANNELS", "DEFAULT_SHAPES", "shape_facts", "TEXT_TOKENS", "CFG_BATCH", "SPLASH_BLOCK_SIZES",
     "SCHEDULER_CONFIG", "SHARDING", "SPEC", "ModelInputError", "dynamic_guidance",
@@ -108,6 +108,16 @@ stage script's wall time, weights loading included."""
 # docs/kb/corrections.md, entry 3).
 _COL = r"(attn1\.to_q|attn1\.to_k|attn1\.to_v|ff\.net\.0\.proj)"
 _ROW = r"(attn1\.to_out\.0|ff\.net\.2)"
+QUANTIZE_KEEP: tuple[tuple[str, str], ...] = (
+    (r"patch_embed\..*", "the patch and text embedders: the first layers, whose errors every block inherits"),
+    (r"time_embedding\..*", "the timestep embedding: 1.8 M weights that condition every block"),
+    (r"transformer_blocks\.\d+\.norm\d\.linear", "adaLN modulation: its output scales and shifts every token of the block's input, so its error moves a whole activation, not one output channel's share"),
+    (r"norm_out\.linear|proj_out", "the last modulation and the projection to latents: their errors are the prediction's"),
+)
+"""The transformer's linears `--quantize` keeps in the checkpoint's dtype (`tpupedia.quantize`), each
+regex with its reason; every other linear is quantized. A starting table from where errors spread,
+not from frames measured on real weights (none were measured here)."""
+
 SHARDING: dict[str, list] = {
     "tp": [
         (rf".*\.{_COL}\.weight", ("tp", None)),

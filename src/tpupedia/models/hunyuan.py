@@ -47,7 +47,7 @@ from tpupedia.models import ModelInputError, checkpoints, tokenizer_files
 from tpupedia.models.shapes import ShapeFacts
 from tpupedia.models.spec import FamilySpec, FewStepRelease, QuotedFigure
 
-__all__ = ["REPORTED_STEPS", "SPLASH_PROFILE", "FAMILY", "FULL_ID", "FULL_LAYERS", "TEMPORAL_COMPRESSION", "SPATIAL_COMPRESSION", "PATCH_SIZE",
+__all__ = ["QUANTIZE_KEEP", "REPORTED_STEPS", "SPLASH_PROFILE", "FAMILY", "FULL_ID", "FULL_LAYERS", "TEMPORAL_COMPRESSION", "SPATIAL_COMPRESSION", "PATCH_SIZE",
            "LATENT_CHANNELS", "DEFAULT_SHAPES", "SHARDING", "SPEC", "shape_facts", "TEXT_SLOTS", "SPLASH_BLOCK_SIZES", "ENV_MODEL", "ModelInputError",
            "full_transformer_config", "tiny_transformer_config", "tiny_vae_config", "tiny_text_encoder_configs",
            "tiny_qwen_tokenizer", "default_request", "check_frames", "check_size", "latent_frames", "latent_shape",
@@ -711,6 +711,16 @@ _COL = (
 )
 _ROW_ATTN = r"(attn\.to_out\.0|attn\.to_add_out)"
 _ROW_MLP = r"(ff\.net\.2|ff_context\.net\.2)"
+QUANTIZE_KEEP: tuple[tuple[str, str], ...] = (
+    (r"(image_embedder|context_embedder|context_embedder_2|time_embed)\..*",
+     "the image, text and timestep embedders and the text's token refiner: the conditioning every block reads"),
+    (r"transformer_blocks\.\d+\.norm1(_context)?\.linear", "adaLN modulation: its output scales and shifts every token of the block's input, so its error moves a whole activation, not one output channel's share"),
+    (r"norm_out\.linear|proj_out", "the last modulation and the projection to latents: their errors are the prediction's"),
+)
+"""The transformer's linears `--quantize` keeps in the checkpoint's dtype (`tpupedia.quantize`), each
+regex with its reason; every other linear is quantized. A starting table from where errors spread,
+not from frames measured on real weights (none were measured here)."""
+
 SHARDING: dict[str, list] = {
     "tp": [
         (rf".*\.{_COL}\.weight", ("tp", None)),
@@ -827,6 +837,20 @@ SPEC = FamilySpec(
                      source="docs/results/plans.json: tpupedia plan hunyuan --stages decode --vae-tiling off "
                             "(AOT here, does not fit)"),
         *_SEQUENCE_FIGURES,
+        QuotedFigure("plan.hunyuan.v5e1.bf16_720p.weights_gib", "plan_weights", stage="denoise", decimals=2,
+                     match={"family": FAMILY, "topology": "v5e:1x1", "stages": ("text", "denoise"),
+                            "request": lambda q: (q.get("quantize"), q["width"], q["frames"]) == (None, 1280, 121)},
+                     source="docs/results/plans.json: tpupedia plan hunyuan --topology v5e:1x1 (AOT here, one layer "
+                            "compiled)"),
+        *(QuotedFigure(f"plan.hunyuan.v5e1.int8_{name}.{what}", read, stage=None if what == "predicted" else "denoise",
+                       decimals=2, text=(lambda v: f"{v / 60:.1f} min") if what == "predicted" else None,
+                       match={"family": FAMILY, "topology": "v5e:1x1", "stages": ("text", "denoise"),
+                              "request": lambda q, w=w, f=f: (q.get("quantize"), q["width"], q["frames"]) == ("int8", w, f)},
+                       source=f"docs/results/plans.json: tpupedia plan hunyuan --topology v5e:1x1 --quantize int8 "
+                              f"(AOT here, one layer compiled, {w} wide, {f} frames)")
+          for name, w, f in (("720p", 1280, 121), ("480p_121f", 848, 121), ("480p_61f", 848, 61))
+          for what, read in (("denoise_gib", "plan_peak"), ("weights_gib", "plan_weights"),
+                             ("predicted", "plan_predicted"))),
     ),
 )
 """This family in the registry (`tpupedia.families`)."""

@@ -36,10 +36,11 @@ MASKS = ("padding", "causal_padding")
 text padding only (valid(q) & valid(k)), or causal on top of it (an LLM)."""
 
 
-FIGURE_READS = ("plan_peak", "plan_oom", "dryrun_peak", "upstream_step", "computed")
-"""What a `QuotedFigure` reads from its record: a plan stage's peak per chip, what a plan's
-program that did not fit asked for, a dry-run's arguments + temporaries (GiB each), or a
-reported step time (s); `computed`: no record, the family module computes it (`compute`)."""
+FIGURE_READS = ("plan_peak", "plan_weights", "plan_oom", "plan_predicted", "dryrun_peak", "upstream_step", "computed")
+"""What a `QuotedFigure` reads from its record: a plan stage's peak or weights per chip, what a plan's
+program that did not fit asked for, a dry-run's arguments + temporaries (GiB each), a plan's
+predicted seconds for its stages, or a reported step time (s); `computed`: no record, the family
+module computes it (`compute`)."""
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class QuotedFigure:
     source: str
     """Where the number comes from and how it was obtained, for the docs."""
     stage: str | None = None
-    """`plan_peak`: the stage whose peak it is."""
+    """`plan_peak`, `plan_weights`: the stage whose peak or weights it is."""
     quotes: tuple[tuple[str, str], ...] = ()
     """`(glob, regex)` pairs: prose that quotes the number (the consistency test checks each)."""
     compute: Callable[[], float] | None = None

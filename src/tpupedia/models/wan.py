@@ -33,9 +33,9 @@ from typing import Any
 
 from tpupedia.models import ModelInputError, checkpoints, tokenizer_files
 from tpupedia.models.shapes import ShapeFacts
-from tpupedia.models.spec import FamilySpec, FewStepRelease, ReleaseAdapter
+from tpupedia.models.spec import FamilySpec, FewStepRelease, QuotedFigure, ReleaseAdapter
 
-__all__ = ["attention_call", "REPORTED_STEPS", "REPORTED_STAGES", "REPORTED_ELSEWHERE", "FAMILY", "FULL_ID", "FULL_ID_22", "CACHE_BLOCKS", "CACHE_TEXT_STREAM", "FULL_LAYERS", "DEFAULT_SHAPES", "TEXT_TOKENS", "TEXT_DIM",
+__all__ = ["QUANTIZE_KEEP", "attention_call", "REPORTED_STEPS", "REPORTED_STAGES", "REPORTED_ELSEWHERE", "FAMILY", "FULL_ID", "FULL_ID_22", "CACHE_BLOCKS", "CACHE_TEXT_STREAM", "FULL_LAYERS", "DEFAULT_SHAPES", "TEXT_TOKENS", "TEXT_DIM",
            "SPLASH_BLOCK_SIZES", "SCHEDULER_CONFIG", "SHARDING", "SPEC", "ENV_MODEL", "ModelInputError",
            "full_transformer_config", "full_configs", "tiny_transformer_config", "tiny_vae_config",
            "tiny_text_encoder_config", "TI2V_VAE", "default_request", "shape_facts", "check_frames", "check_size",
@@ -185,6 +185,15 @@ BOUNDARY_RATIO_I2V = 0.9
 _COL = (r"(attn1\.to_q|attn1\.to_k|attn1\.to_v|attn2\.to_q|attn2\.to_k|attn2\.to_v|attn2\.add_k_proj|"
         r"attn2\.add_v_proj|ffn\.net\.0\.proj)")
 _ROW = r"(attn1\.to_out\.0|attn2\.to_out\.0|ffn\.net\.2)"
+QUANTIZE_KEEP: tuple[tuple[str, str], ...] = (
+    (r"condition_embedder\..*", "the timestep and text embedders and the timestep's projection to every block's "
+                                  "modulation: small next to the blocks, and they condition all of them"),
+    (r"proj_out", "the projection to latents: its errors are the prediction's"),
+)
+"""The transformer's linears `--quantize` keeps in the checkpoint's dtype (`tpupedia.quantize`), each
+regex with its reason; every other linear is quantized. A starting table from where errors spread,
+not from frames measured on real weights (none were measured here)."""
+
 SHARDING: dict[str, list] = {
     "tp": [
         (rf".*\.{_COL}\.weight", ("tp", None)),
@@ -231,6 +240,15 @@ SPEC = FamilySpec(
               FULL_ID_22_I2V: {"experts": 2, "image_to_video": True}, SMALL_ID: {"size": "1.3B"},
               TI2V_ID: {"size": "5B"}},
     few_step=FEW_STEP,
+    figures=tuple(
+        QuotedFigure(f"plan.wan.ti2v5b.v5e1.{name}.{what}", read, stage="denoise" if what == "denoise_gib" else None,
+                     decimals=2, text=(lambda v: f"{v / 60:.1f} min") if what == "predicted" else None,
+                     match={"checkpoint": TI2V_ID, "topology": "v5e:1x1", "stages": ("text", "denoise"),
+                            "request": lambda q, fmt=fmt: (q.get("quantize"), q["width"]) == (fmt, 1280)},
+                     source=f"docs/results/plans.json: tpupedia plan wan --model {TI2V_ID} --topology v5e:1x1"
+                            + (f" --quantize {fmt}" if fmt else "") + " (AOT here, one layer compiled, 1280x704, 121 frames)")
+        for name, fmt, what, read in (("bf16", None, "denoise_gib", "plan_peak"), ("int8", "int8", "denoise_gib", "plan_peak"),
+                                      ("int8", "int8", "predicted", "plan_predicted"))),
 )
 """This family in the registry (`tpupedia.families`)."""
 

@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from tpupedia import lora
+from tpupedia import lora, quantize
 from tpupedia.models import checkpoints
 from tpupedia.models import cogvideox as family
 from tpupedia.pipelines import common, decoding, stepcache
@@ -100,6 +100,7 @@ def settings(stage: str, source_label: str, configs: dict[str, dict], request: R
         if request.dynamic_cfg:  # off keeps the fingerprints of earlier runs
             out["dynamic_cfg"] = True
         out |= lora.settings(request.lora)  # each adapter's file, scale and component (none: no key)
+        out |= quantize.settings(request.quantize)  # the weights' format (none: no key)
         out |= stepcache.settings(getattr(request, "step_cache", None))  # none: no key
     if stage == "decode":
         out |= {"vae_config": common.config_fingerprint(configs["vae"]), "vae": vae}

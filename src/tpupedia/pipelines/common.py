@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar
 
 from tpupedia import lora as lora_adapters
+from tpupedia import quantize as quantizing
 from tpupedia.devices import default_mesh_shape
 from tpupedia.errors import TpupediaError
 from tpupedia.models.checkpoints import DEPTH_FIELDS, depth
@@ -67,6 +68,11 @@ class Request:
     lora: tuple[lora_adapters.Adapter, ...] = ()
     """LoRA adapters fused into the transformers before the denoise stage (`tpupedia.lora`: each
     file, scale and component; `--lora PATH[:SCALE][@COMPONENT]`), in order."""
+    quantize: str | None = None
+    """Weight-only quantization of the transformers' linears (`tpupedia.quantize`: `int8` or `fp8`,
+    one scale per output channel, applied after the matmul), on the host after any LoRA fuse and
+    before sharding; the layers the family keeps in bf16 are its `QUANTIZE_KEEP` table, each with
+    its reason (`--quantize`). It changes the frames, slightly: part of the denoise stage's settings."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +119,9 @@ def validate(request: Request, options: Options, device_count: int | None = None
                                  ("dtype", options.dtype, DTYPES), ("vae", options.vae or vaes[0], vaes)):
         if value not in allowed:
             raise PipelineError(f"{name}={value!r} is not one of {', '.join(allowed)}")
+    if request.quantize is not None and request.quantize not in quantizing.FORMATS:
+        raise PipelineError(f"quantize={request.quantize!r} is not one of {', '.join(quantizing.FORMATS)} "
+                            "(or none: the checkpoint's own dtype)")
     if options.block_sizes is not None:  # splash's rules (AttentionError names the value)
         from tpupedia import attention
 
@@ -370,6 +379,9 @@ class StagedPipeline:
         self.adapters: tuple[lora_adapters.Adapter, ...] = ()
         """The LoRA adapters fused into the transformers the denoise stage holds (`Request.lora`):
         another set means other weights, so `denoise` releases what that stage holds first."""
+        self.quantized: str | None = None
+        """The weight format of the transformers the denoise stage holds (`Request.quantize`), as
+        `adapters`: another format means other weights, so `denoise` releases them first."""
         self.plan = "auto"
         """Whether the stage methods check a request's plan before they load anything (`PLAN`;
         `auto`: under a full-size preset, `tpupedia.presets.current()`): a pipeline a notebook
@@ -531,7 +543,7 @@ class StagedPipeline:
 
             module = checkpoints.load_component(cls, self.source, subfolder, dtype=dtype)
             mine = [a for a in self.adapters if a.component == subfolder]
-            return lora_adapters.fuse(module, mine, self.family) if mine else module
+            return self._quantized(lora_adapters.fuse(module, mine, self.family) if mine else module, subfolder)
         import torch
 
         config = dict(self.configs[subfolder])
@@ -546,7 +558,16 @@ class StagedPipeline:
                 module = cls.from_config({k: v for k, v in config.items() if not k.startswith("_")})
             else:  # transformers: its config class, then the model class
                 module = cls(cls.config_class(**config))
-        return module.to(dtype).eval()
+        return self._quantized(module.to(dtype).eval(), subfolder)
+
+    def _quantized(self, module, subfolder: str):
+        """`module` with its linears quantized to `quantized` (`tpupedia.quantize.quantize_linears`)
+        when it is a transformer of the denoise stage and a format is set, but those the family's
+        `QUANTIZE_KEEP` table names; on `meta` too, so a plan compiles what a run holds."""
+        if self.quantized is None or subfolder not in lora_adapters.components(self.configs):
+            return module
+        quantizing.quantize_linears(module, self.quantized, keep=[rule for rule, _ in self.family.QUANTIZE_KEEP])
+        return module
 
     def _state(self, fm, name: str) -> tuple[dict, dict]:
         """`(weights, buffers)` of a placed component's `FunctionalModule`, or with `abstract` their
@@ -683,9 +704,9 @@ class StagedPipeline:
         """Stage 2: the denoised latents from stage 1's embeddings (and the `image` stage's
         condition, for image-to-video), `(tensors, timings)`."""
         request = self.planned(request, "denoise")
-        if tuple(request.lora) != self.adapters:  # fused weights: another adapter set is another transformer
+        if tuple(request.lora) != self.adapters or request.quantize != self.quantized:  # other weights
             self.release("denoise", force=True)
-            self.adapters = tuple(request.lora)
+            self.adapters, self.quantized = tuple(request.lora), request.quantize
         with self._freeing("denoise"):
             return self._denoise(request, embeds, on_step)
 

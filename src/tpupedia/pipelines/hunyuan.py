@@ -43,7 +43,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from tpupedia import lora
+from tpupedia import lora, quantize
 from tpupedia.models import checkpoints
 from tpupedia.models import hunyuan as family
 from tpupedia.pipelines import common, decoding, stepcache
@@ -138,6 +138,7 @@ def settings(stage: str, source_label: str, configs: dict[str, dict], request: R
                 "steps": request.steps, "guidance": request.guidance, "shift": request.shift, "seed": request.seed,
                 "deepcache": None if request.deepcache is None else dataclasses.asdict(request.deepcache)}
         out |= lora.settings(request.lora)  # each adapter's file, scale and component (none: no key)
+        out |= quantize.settings(request.quantize)  # the weights' format (none: no key)
         out |= stepcache.settings(request.step_cache)  # none: no key
     if stage == "decode":
         out |= {"vae_config": common.config_fingerprint(configs["vae"]), "vae": vae, "vae_tiling": request.vae_tiling}

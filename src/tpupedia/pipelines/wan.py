@@ -56,7 +56,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from tpupedia import lora
+from tpupedia import lora, quantize
 from tpupedia.models import checkpoints
 from tpupedia.models import wan as family
 from tpupedia.pipelines import common, decoding, schedulers, stepcache
@@ -127,6 +127,7 @@ def settings(stage: str, source_label: str, configs: dict[str, dict], request: R
                 "shift": request.shift, "seed": request.seed}
         out |= {} if request.solver == "unipc" else {"solver": request.solver}  # stage files before solvers match
         out |= lora.settings(request.lora)  # each adapter's file, scale and component (none: no key)
+        out |= quantize.settings(request.quantize)  # the weights' format (none: no key)
         out |= stepcache.settings(request.step_cache)  # none: no key
     if stage == "decode":
         out |= {"vae_config": common.config_fingerprint(configs["vae"]), "vae_dtype": family.component_dtype("vae", dtype, request.vae_dtype)}
